@@ -1,0 +1,5 @@
+import sys
+
+from fasttnt.cli import main
+
+sys.exit(main())

@@ -1,0 +1,37 @@
+"""fasttnt_kernels: Triton kernels for GRPO with the TNT reward.
+
+Every op has a plain-PyTorch ``*_reference`` beside it that defines its semantics. The public functions pick the
+Triton kernels for CUDA tensors and the reference elsewhere; ``FASTTNT_KERNELS=triton|torch`` forces either
+(with ``TRITON_INTERPRET=1`` set before import, the Triton path runs on CPU tensors).
+"""
+
+from .clipped_policy_loss import (
+    STAT_NAMES,
+    PolicyLossConfig,
+    clipped_policy_loss,
+    clipped_policy_loss_reference,
+)
+from .group_advantages import group_advantages, group_advantages_reference
+from .linear_token_logprobs import linear_token_logprobs, linear_token_logprobs_reference
+from .tnt_rewards import SCHEMES, RewardValues, TntRewards, tnt_rewards, tnt_rewards_reference
+from .token_logprobs import token_logprobs, token_logprobs_reference
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SCHEMES",
+    "STAT_NAMES",
+    "PolicyLossConfig",
+    "RewardValues",
+    "TntRewards",
+    "clipped_policy_loss",
+    "clipped_policy_loss_reference",
+    "group_advantages",
+    "group_advantages_reference",
+    "linear_token_logprobs",
+    "linear_token_logprobs_reference",
+    "tnt_rewards",
+    "tnt_rewards_reference",
+    "token_logprobs",
+    "token_logprobs_reference",
+]

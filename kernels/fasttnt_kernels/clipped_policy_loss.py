@@ -1,0 +1,338 @@
+"""Token-level clipped policy-gradient loss over packed sequences, forward and backward in one pass.
+
+Sequence s owns tokens cu_seqlens[s]:cu_seqlens[s+1] and one advantage A_s. Per token t of s:
+
+    r_t  = exp(logp_t - old_logp_t)
+    pg_t = -min(r_t A_s, clip(r_t, 1 - clip_low, 1 + clip_high) A_s)
+    pg_t = min(pg_t, -dual_clip A_s)                            when dual_clip is set and A_s < 0
+    l_t  = pg_t + kl_coef (exp(ref_t - logp_t) - (ref_t - logp_t) - 1)     when ref_logp is given (k3)
+
+and the loss is sum_t w_t l_t with the aggregation's weights:
+
+    token-mean                w_t = 1 / total_tokens                  (total_tokens defaults to N)
+    seq-mean-token-mean       w_t = 1 / (total_seqs * len_s)          (total_seqs defaults to S)
+    seq-mean-token-sum-norm   w_t = 1 / (total_seqs * norm_length)    (Dr. GRPO)
+
+The kernel writes dloss/dlogp_t beside the loss, so the backward is one multiply by the upstream gradient.
+The statistics are token means: clip fractions (low: A < 0 and r < 1 - clip_low; high: A > 0 and
+r > 1 + clip_high; dual), the k3 estimate of KL(old || new), the mean ratio and the mean k3 KL to the reference.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _common
+
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+STAT_NAMES = ("clip_frac_low", "clip_frac_high", "dual_clip_frac", "approx_kl", "ratio_mean", "kl_ref")
+# the partials buffer's columns: the loss first, then one per statistic
+_N_PARTIALS = 1 + len(STAT_NAMES)
+_BLOCK = 1024
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """The loss's hyper-parameters, validated once."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    kl_coef: float = 0.0
+    agg: Aggregation = "token-mean"
+    norm_length: float | None = None
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.clip_low < 1.0):
+            raise ValueError(f"clip_low must be in [0, 1), got {self.clip_low}")
+        if not self.clip_high >= 0.0:
+            raise ValueError(f"clip_high must be >= 0, got {self.clip_high}")
+        if self.dual_clip is not None and not self.dual_clip > 1.0:
+            raise ValueError(f"dual_clip must be > 1 (it bounds the loss of negative advantages), got {self.dual_clip}")
+        if not (math.isfinite(self.kl_coef) and self.kl_coef >= 0.0):
+            raise ValueError(f"kl_coef must be a finite number >= 0, got {self.kl_coef}")
+        if self.agg not in _AGGREGATIONS:
+            raise ValueError(f"agg must be one of {_AGGREGATIONS}, got {self.agg!r}")
+        if self.agg == "seq-mean-token-sum-norm" and not (self.norm_length is not None and self.norm_length > 0):
+            raise ValueError(f"agg={self.agg!r} needs norm_length > 0 (usually the max response length)")
+
+
+@triton.jit
+def _clipped_policy_loss_kernel(
+    # pointers
+    logp_ptr,
+    old_logp_ptr,
+    ref_logp_ptr,
+    adv_ptr,
+    cu_seqlens_ptr,
+    grad_ptr,  # (N,) dloss/dlogp, written only when COMPUTE_GRAD
+    partials_ptr,  # (num_blocks, N_PARTIALS): per-block sums, reduced by the caller in a fixed order
+    # sizes
+    N,
+    S,
+    n_search_steps,
+    # scalars
+    clip_low,
+    clip_high,
+    dual_clip,
+    kl_coef,
+    w_const,  # w_t = w_const + w_per_len / len_s covers all three aggregations
+    w_per_len,
+    # meta
+    HAS_DUAL_CLIP: tl.constexpr,  # off, the bound has no value to compare with (an infinite one gives 0 * inf)
+    HAS_REF: tl.constexpr,  # skips the read of ref_logp and the k3 term
+    COMPUTE_GRAD: tl.constexpr,  # skips the gradient write when logp does not require grad (old/ref passes)
+    N_PARTIALS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # reads 2-3 floats per token (+ a log2(S)-step search in the small cu_seqlens), writes 1
+    pid = tl.program_id(0)
+    t = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = t < N
+
+    # the sequence owning token t: the largest s in [0, S) with cu_seqlens[s] <= t (empty sequences skip)
+    lo = tl.zeros([BLOCK], dtype=tl.int32)
+    hi = tl.zeros([BLOCK], dtype=tl.int32) + (S - 1)
+    for _ in range(n_search_steps):
+        mid = (lo + hi + 1) // 2
+        start = tl.load(cu_seqlens_ptr + mid, mask=mask, other=0)
+        go_right = start <= t
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid - 1)
+    seq = lo
+    seq_len = tl.load(cu_seqlens_ptr + seq + 1, mask=mask, other=1) - tl.load(cu_seqlens_ptr + seq, mask=mask, other=0)
+    a = tl.load(adv_ptr + seq, mask=mask, other=0.0).to(tl.float32)
+
+    logp = tl.load(logp_ptr + t, mask=mask, other=0.0).to(tl.float32)
+    old = tl.load(old_logp_ptr + t, mask=mask, other=0.0).to(tl.float32)
+    log_ratio = logp - old
+    ratio = tl.exp(log_ratio)
+    clipped = tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high)
+    pg_unclipped = -ratio * a
+    pg_clipped = -clipped * a
+    # the clipped branch binds (and stops the gradient) exactly when it is the larger loss
+    clip_binds = pg_clipped > pg_unclipped
+    pg = tl.where(clip_binds, pg_clipped, pg_unclipped)
+    dpg = tl.where(clip_binds, 0.0, -ratio * a)  # dpg/dlogp
+    dual_binds = tl.zeros([BLOCK], dtype=tl.int1)
+    if HAS_DUAL_CLIP:
+        dual_binds = (a < 0.0) & (pg > -dual_clip * a)
+        pg = tl.where(dual_binds, -dual_clip * a, pg)
+        dpg = tl.where(dual_binds, 0.0, dpg)
+
+    weight = w_const + w_per_len / seq_len.to(tl.float32)
+    loss_t = pg
+    kl_ref = tl.zeros([BLOCK], dtype=tl.float32)
+    if HAS_REF:
+        ref = tl.load(ref_logp_ptr + t, mask=mask, other=0.0).to(tl.float32)
+        d = ref - logp
+        e = tl.exp(d)
+        kl_ref = e - d - 1.0
+        loss_t += kl_coef * kl_ref
+        dpg += kl_coef * (1.0 - e)  # d/dlogp of exp(ref - logp) - (ref - logp) - 1
+    if COMPUTE_GRAD:
+        tl.store(grad_ptr + t, weight * dpg, mask=mask)
+
+    zero = tl.zeros([BLOCK], dtype=tl.float32)
+    row = partials_ptr + pid * N_PARTIALS
+    tl.store(row + 0, tl.sum(tl.where(mask, weight * loss_t, zero), axis=0))
+    tl.store(row + 1, tl.sum(tl.where(mask & clip_binds & (a < 0.0), 1.0, zero), axis=0))
+    tl.store(row + 2, tl.sum(tl.where(mask & clip_binds & (a > 0.0), 1.0, zero), axis=0))
+    tl.store(row + 3, tl.sum(tl.where(mask & dual_binds, 1.0, zero), axis=0))
+    # k3 estimate of KL(old || new) from samples of old: (r - 1) - log r
+    tl.store(row + 4, tl.sum(tl.where(mask, ratio - 1.0 - log_ratio, zero), axis=0))
+    tl.store(row + 5, tl.sum(tl.where(mask, ratio, zero), axis=0))
+    tl.store(row + 6, tl.sum(tl.where(mask, kl_ref, zero), axis=0))
+
+
+def _token_weights(cfg: PolicyLossConfig, N: int, S: int, total_tokens, total_seqs) -> tuple[float, float]:
+    """(w_const, w_per_len) of the aggregation: w_t = w_const + w_per_len / len_s."""
+    tokens = float(N if total_tokens is None else total_tokens)
+    seqs = float(S if total_seqs is None else total_seqs)
+    if cfg.agg == "token-mean":
+        return (1.0 / tokens if tokens > 0 else 0.0), 0.0
+    if seqs <= 0:
+        return 0.0, 0.0
+    if cfg.agg == "seq-mean-token-mean":
+        return 0.0, 1.0 / seqs
+    return 1.0 / (seqs * cfg.norm_length), 0.0
+
+
+def clipped_policy_loss_reference(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    config: PolicyLossConfig = PolicyLossConfig(),
+    ref_logp: torch.Tensor | None = None,
+    total_tokens: float | None = None,
+    total_seqs: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The semantics in plain differentiable PyTorch (float32, or float64 for float64 ``logp``)."""
+    dtype = _common.compute_dtype(logp.dtype)
+    N, S = logp.shape[0], advantages.shape[0]
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # (S,)
+    a = torch.repeat_interleave(advantages.to(dtype), lengths, output_size=N)  # (N,)
+    seq_len = torch.repeat_interleave(lengths, lengths, output_size=N).to(dtype)  # (N,)
+    logp = logp.to(dtype)
+    log_ratio = logp - old_logp.to(dtype)
+    ratio = torch.exp(log_ratio)
+    pg_unclipped = -ratio * a
+    pg_clipped = -torch.clamp(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high) * a
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+    clip_binds = pg_clipped > pg_unclipped
+    dual_binds = torch.zeros_like(clip_binds)
+    if config.dual_clip is not None:
+        dual_binds = (a < 0) & (pg > -config.dual_clip * a)
+        pg = torch.where(a < 0, torch.minimum(pg, -config.dual_clip * a), pg)
+    loss_t = pg
+    kl_ref = torch.zeros_like(pg)
+    if ref_logp is not None:
+        d = ref_logp.to(dtype) - logp
+        kl_ref = torch.exp(d) - d - 1.0
+        loss_t = loss_t + config.kl_coef * kl_ref
+    w_const, w_per_len = _token_weights(config, N, S, total_tokens, total_seqs)
+    loss = (loss_t * (w_const + w_per_len / seq_len)).sum()
+    n = max(N, 1)
+    with torch.no_grad():
+        stats = {
+            "clip_frac_low": (clip_binds & (a < 0)).sum().to(dtype) / n,
+            "clip_frac_high": (clip_binds & (a > 0)).sum().to(dtype) / n,
+            "dual_clip_frac": dual_binds.sum().to(dtype) / n,
+            "approx_kl": (ratio - 1.0 - log_ratio).sum() / n,
+            "ratio_mean": ratio.sum() / n,
+            "kl_ref": kl_ref.sum() / n,
+        }
+    return loss, stats
+
+
+class ClippedPolicyLossFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logp, old_logp, ref_logp, advantages, cu_seqlens, config, total_tokens, total_seqs):
+        N, S = logp.shape[0], advantages.shape[0]
+        device = logp.device
+        compute_grad = logp.requires_grad
+        num_blocks = max(1, triton.cdiv(N, _BLOCK))
+        partials = _common.new_empty((num_blocks, _N_PARTIALS), dtype=torch.float32, device=device)
+        grad = _common.new_empty(N, dtype=torch.float32, device=device) if compute_grad else None  # (N,)
+        w_const, w_per_len = _token_weights(config, N, S, total_tokens, total_seqs)
+        if N == 0 or S == 0:
+            partials.zero_()
+            if grad is not None:
+                grad.zero_()
+        else:
+            _clipped_policy_loss_kernel[(num_blocks,)](
+                logp,
+                old_logp,
+                ref_logp if ref_logp is not None else logp,
+                advantages,
+                cu_seqlens,
+                grad if grad is not None else partials,
+                partials,
+                N,
+                S,
+                max(1, math.ceil(math.log2(S)) + 1),
+                config.clip_low,
+                config.clip_high,
+                config.dual_clip if config.dual_clip is not None else 0.0,
+                config.kl_coef,
+                w_const,
+                w_per_len,
+                HAS_DUAL_CLIP=config.dual_clip is not None,
+                HAS_REF=ref_logp is not None,
+                COMPUTE_GRAD=compute_grad,
+                N_PARTIALS=_N_PARTIALS,
+                BLOCK=_BLOCK,
+            )
+        sums = partials.sum(dim=0)  # (N_PARTIALS,): a fixed-order reduction, so the loss is deterministic
+        ctx.save_for_backward(grad)
+        ctx.logp_dtype = logp.dtype
+        stats = sums[1:] / max(N, 1)
+        ctx.mark_non_differentiable(stats)
+        return sums[0], stats
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_stats):
+        (grad,) = ctx.saved_tensors
+        grad_logp = (grad * grad_loss).to(ctx.logp_dtype) if grad is not None else None
+        return grad_logp, None, None, None, None, None, None, None
+
+
+def clipped_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    agg: Aggregation = "token-mean",
+    norm_length: float | None = None,
+    total_tokens: float | None = None,
+    total_seqs: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Token-level clipped policy-gradient loss of packed sequences; returns ``(loss, stats)``.
+
+    logp, old_logp, ref_logp: (N,) float; advantages: (S,) float; cu_seqlens: (S+1,) int32/int64, starting at 0
+    and ending at N. The loss is a float32 scalar, differentiable w.r.t. ``logp`` only (the others are
+    constants of the update). ``stats`` maps the names in ``STAT_NAMES`` to float32 scalars on the device (no
+    host sync). ``total_tokens``/``total_seqs`` replace N/S as the normalisers, for a loss split into
+    micro-batches or across ranks whose sum must equal the whole batch's mean.
+    """
+    config = PolicyLossConfig(clip_low, clip_high, dual_clip, kl_coef, agg, norm_length)
+    _common.check_1d("logp", logp)
+    N = logp.shape[0]
+    _common.check_1d("old_logp", old_logp, N)
+    _common.check_1d("advantages", advantages)
+    _common.check_1d("cu_seqlens", cu_seqlens, advantages.shape[0] + 1)
+    for name, t in (("logp", logp), ("old_logp", old_logp), ("advantages", advantages)):
+        _common.check_dtype(name, t, _common.FLOAT_DTYPES)
+    _common.check_dtype("cu_seqlens", cu_seqlens, _common.INDEX_DTYPES)
+    tensors = {"logp": logp, "old_logp": old_logp, "advantages": advantages, "cu_seqlens": cu_seqlens}
+    if ref_logp is not None:
+        _common.check_1d("ref_logp", ref_logp, N)
+        _common.check_dtype("ref_logp", ref_logp, _common.FLOAT_DTYPES)
+        tensors["ref_logp"] = ref_logp
+    elif kl_coef > 0:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logp")
+    for name, value in (("total_tokens", total_tokens), ("total_seqs", total_seqs)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be > 0 when given, got {value}")
+    _common.check_same_device(**tensors)
+
+    if not _common.use_triton(*tensors.values()):
+        loss, stats = clipped_policy_loss_reference(
+            logp,
+            old_logp,
+            advantages,
+            cu_seqlens,
+            config=config,
+            ref_logp=ref_logp,
+            total_tokens=total_tokens,
+            total_seqs=total_seqs,
+        )
+        return loss.float(), {k: v.float() for k, v in stats.items()}
+
+    loss, stats = ClippedPolicyLossFunction.apply(
+        logp.contiguous(),
+        old_logp.detach().contiguous(),
+        ref_logp.detach().contiguous() if ref_logp is not None else None,
+        advantages.detach().contiguous(),
+        cu_seqlens.contiguous(),
+        config,
+        total_tokens,
+        total_seqs,
+    )
+    return loss, dict(zip(STAT_NAMES, stats.unbind(0), strict=True))

@@ -1,0 +1,179 @@
+"""Token log-probabilities through the lm_head without materialising the N x V logits.
+
+    linear_token_logprobs(hidden, weight, ids) == token_logprobs(hidden @ weight.T, ids)
+
+Rows are processed in chunks: each chunk's logits (chunk x V, in the input dtype, exactly what the lm_head
+would produce) live only while that chunk is processed. The backward recomputes a chunk's logits, turns them
+into their gradient in place, and feeds two matmuls; so peak extra memory is one chunk of logits (plus a float32
+accumulator for the weight gradient when the weight is 16-bit), and the cost is one extra matmul of N x H x V.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _common
+from .token_logprobs import (
+    check_logprob_inputs,
+    token_logprobs_backward,
+    token_logprobs_forward,
+    token_logprobs_reference,
+)
+
+DEFAULT_CHUNK_BYTES = 512 * 2**20
+"""Logits bytes per chunk: 512 MiB is ~880 rows of a bf16 152K vocabulary, enough rows to keep the matmul
+efficient while the logits stay a small fraction of a GPU's memory."""
+
+
+def linear_token_logprobs_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The semantics: materialise ``hidden @ weight.T`` (in the input dtype) and take token log-probs."""
+    return token_logprobs_reference(hidden @ weight.T, ids, temperature=temperature, with_entropy=with_entropy)
+
+
+def chunk_rows_for(n_rows: int, vocab: int, itemsize: int, chunk_bytes: int) -> int:
+    """Rows per chunk so that one chunk of logits fits ``chunk_bytes``; a multiple of 64 rows once above 64."""
+    rows = max(1, chunk_bytes // max(1, vocab * itemsize))
+    if rows >= 64:
+        rows -= rows % 64
+    return min(rows, max(1, n_rows))
+
+
+def _chunk_forward_torch(logits, ids, *, inv_temperature, logp, lse, entropy):
+    """Same contract as ``token_logprobs_forward``, through the reference (CPU path)."""
+    z = logits.to(_common.compute_dtype(logits.dtype)) * inv_temperature
+    lse.copy_(torch.logsumexp(z, dim=-1))
+    out = token_logprobs_reference(z, ids, with_entropy=entropy is not None)
+    if entropy is None:
+        logp.copy_(out)
+    else:
+        logp.copy_(out[0])
+        entropy.copy_(out[1])
+
+
+def _chunk_backward_torch(logits, ids, *, inv_temperature, lse, entropy, grad_logp, grad_entropy, grad_logits):
+    """Same contract as ``token_logprobs_backward``: autograd through the reference, written into grad_logits."""
+    del lse, entropy  # recomputed by the reference
+    with torch.enable_grad():
+        x = logits.detach().to(_common.compute_dtype(logits.dtype)).requires_grad_()
+        out = token_logprobs_reference(x * inv_temperature, ids, with_entropy=grad_entropy is not None)
+        outputs, grads = [], []
+        logp, ent = (out, None) if grad_entropy is None else out
+        if grad_logp is not None:
+            outputs.append(logp)
+            grads.append(grad_logp)
+        if grad_entropy is not None:
+            outputs.append(ent)
+            grads.append(grad_entropy)
+        (grad,) = torch.autograd.grad(outputs, x, grads)
+    grad_logits.copy_(grad)
+
+
+class LinearTokenLogprobsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, ids, temperature, with_entropy, chunk_rows, use_triton):
+        N = hidden.shape[0]
+        device = hidden.device
+        forward_chunk = token_logprobs_forward if use_triton else _chunk_forward_torch
+        logp = _common.new_empty(N, dtype=torch.float32, device=device)  # (N,)
+        lse = _common.new_empty(N, dtype=torch.float32, device=device)  # (N,)
+        entropy = _common.new_empty(N, dtype=torch.float32, device=device) if with_entropy else None
+        for start in range(0, N, chunk_rows):
+            rows = slice(start, min(start + chunk_rows, N))
+            logits = hidden[rows] @ weight.T  # (C, V): the only logits alive at any time
+            forward_chunk(
+                logits,
+                ids[rows],
+                inv_temperature=1.0 / temperature,
+                logp=logp[rows],
+                lse=lse[rows],
+                entropy=entropy[rows] if entropy is not None else None,
+            )
+            del logits
+        ctx.save_for_backward(hidden, weight, ids, lse, entropy)
+        ctx.inv_temperature = 1.0 / temperature
+        ctx.chunk_rows = chunk_rows
+        ctx.use_triton = use_triton
+        ctx.set_materialize_grads(False)
+        return (logp, entropy) if with_entropy else logp
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy=None):
+        hidden, weight, ids, lse, entropy = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if (grad_logp is None and grad_entropy is None) or not (need_hidden or need_weight):
+            return None, None, None, None, None, None, None
+        backward_chunk = token_logprobs_backward if ctx.use_triton else _chunk_backward_torch
+        N = hidden.shape[0]
+        chunk_rows = ctx.chunk_rows
+        grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
+        # 16-bit weights accumulate their gradient over chunks in float32, as one big matmul would internally
+        accumulate_fp32 = weight.dtype in (torch.float16, torch.bfloat16) and chunk_rows < N
+        grad_weight = None
+        if need_weight:
+            grad_weight = torch.zeros(
+                weight.shape, dtype=torch.float32 if accumulate_fp32 else weight.dtype, device=weight.device
+            )  # (V, H)
+        for start in range(0, N, chunk_rows):
+            rows = slice(start, min(start + chunk_rows, N))
+            logits = hidden[rows] @ weight.T  # (C, V) recomputed, bit-identical to the forward's
+            backward_chunk(
+                logits,
+                ids[rows],
+                inv_temperature=ctx.inv_temperature,
+                lse=lse[rows],
+                entropy=entropy[rows] if entropy is not None else None,
+                grad_logp=grad_logp[rows].contiguous() if grad_logp is not None else None,
+                grad_entropy=grad_entropy[rows].contiguous() if grad_entropy is not None else None,
+                grad_logits=logits,  # in place: the chunk's logits become its gradient
+            )
+            if need_hidden:
+                torch.mm(logits, weight, out=grad_hidden[rows])  # (C, H)
+            if need_weight:
+                if accumulate_fp32:
+                    grad_weight += logits.T @ hidden[rows]  # (V, H)
+                else:
+                    grad_weight.addmm_(logits.T, hidden[rows])
+            del logits
+        if grad_weight is not None and grad_weight.dtype != weight.dtype:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def linear_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Token log-probs (and entropy) of ``hidden @ weight.T`` with the logits never materialised in full.
+
+    hidden: (N, H), weight: (V, H) of one float dtype; ids: (N,) int32/int64. Returns float32 ``logp`` (N,) or
+    ``(logp, entropy)``, differentiable w.r.t. ``hidden`` and ``weight``. At most ``chunk_bytes`` of logits
+    exist at once. On CUDA (or ``FASTTNT_KERNELS=triton``) each chunk runs the Triton kernels; elsewhere it runs
+    the reference, with the same chunking, so the memory bound holds on the CPU too.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden must be (N, H) and weight (V, H) with one H; got {tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
+    check_logprob_inputs(hidden, ids, temperature, name="hidden")
+    _common.check_same_device(hidden=hidden, weight=weight, ids=ids)
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+    chunk_rows = chunk_rows_for(hidden.shape[0], weight.shape[0], hidden.element_size(), chunk_bytes)
+    use_triton = _common.use_triton(hidden, weight, ids)
+    return LinearTokenLogprobsFunction.apply(
+        hidden, weight, ids.contiguous(), temperature, with_entropy, chunk_rows, use_triton
+    )

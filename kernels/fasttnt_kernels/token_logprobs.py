@@ -1,0 +1,285 @@
+"""Per-token log-probabilities (and softmax entropy) of chosen ids, straight from a logits matrix.
+
+    logp[i]    = log_softmax(logits[i] / T)[ids[i]]
+    entropy[i] = -sum_v p[i, v] log p[i, v],   p[i] = softmax(logits[i] / T)
+
+The forward kernel reads each row once with an online log-sum-exp; the backward kernel re-reads it and writes
+the gradient, optionally over the logits buffer itself, so no second N x V tensor is ever allocated.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _common
+
+# One row of the vocabulary is streamed in blocks of this many columns: 16 KiB of fp32 registers per program,
+# small enough to keep occupancy at the 152K-262K vocabularies the trainer sees, large enough to amortise the loop.
+_BLOCK_V = 4096
+
+
+@triton.jit
+def _token_logprobs_fwd_kernel(
+    # pointers
+    logits_ptr,
+    ids_ptr,
+    logp_ptr,
+    entropy_ptr,
+    lse_ptr,
+    # sizes and strides
+    V,
+    stride_row,
+    # scalars
+    inv_temperature,
+    # meta
+    WITH_ENTROPY: tl.constexpr,  # skips the p*z accumulation and its store when entropy is not asked for
+    BLOCK_V: tl.constexpr,
+):
+    # reads N*V logits once, writes 2-3 floats per row
+    row = tl.program_id(0).to(tl.int64)  # row * stride_row passes 2**31 past 14K rows of a 152K vocabulary
+    row_ptr = logits_ptr + row * stride_row
+
+    m = -float("inf")  # running max of z
+    s = 0.0  # sum exp(z - m)
+    t = 0.0  # sum exp(z - m) * (z - m): kept relative to m so the entropy needs no cancelling subtraction
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        z = tl.load(row_ptr + cols, mask=cols < V, other=-float("inf")).to(tl.float32) * inv_temperature
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        # while every z seen so far is -inf, shift by 0 instead of -inf so exp() gives 0 rather than NaN
+        shift = tl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = tl.exp(m - shift)
+        e = tl.exp(z - shift)
+        if WITH_ENTROPY:
+            # rebase the old t from m to shift: sum e*(z - shift) = alpha * (t + s * (m - shift))
+            delta = tl.where(m == -float("inf"), 0.0, m - shift)
+            # e = 0 (a -inf logit) contributes 0: zero its offset first, since 0 * -inf is NaN
+            t = alpha * (t + s * delta) + tl.sum(e * tl.where(e > 0.0, z - shift, 0.0), axis=0)
+        s = s * alpha + tl.sum(e, axis=0)
+        m = m_new
+
+    lse = m + tl.log(s)
+    token = tl.load(ids_ptr + row).to(tl.int64)
+    valid = (token >= 0) & (token < V)
+    # an id outside [0, V) gives NaN instead of reading outside the row
+    z_token = tl.load(row_ptr + token, mask=valid, other=float("nan")).to(tl.float32) * inv_temperature
+    tl.store(logp_ptr + row, z_token - lse)
+    tl.store(lse_ptr + row, lse)
+    if WITH_ENTROPY:
+        # H = lse - E[z] = log(s) - t / s, both terms non-negative
+        tl.store(entropy_ptr + row, tl.log(s) - t / s)
+
+
+@triton.jit
+def _token_logprobs_bwd_kernel(
+    # pointers
+    logits_ptr,
+    grad_logits_ptr,  # may alias logits_ptr: each element is read before it is overwritten
+    ids_ptr,
+    lse_ptr,
+    entropy_ptr,
+    grad_logp_ptr,
+    grad_entropy_ptr,
+    # sizes and strides
+    V,
+    stride_row,
+    stride_grad_row,
+    # scalars
+    inv_temperature,
+    # meta
+    HAS_GRAD_LOGP: tl.constexpr,  # either upstream gradient may be absent; each skips its loads and its terms
+    HAS_GRAD_ENTROPY: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    # reads N*V logits, writes N*V gradients: the floor for a gradient that is a full N x V tensor
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_row
+    grad_row_ptr = grad_logits_ptr + row * stride_grad_row
+    lse = tl.load(lse_ptr + row)
+    token = tl.load(ids_ptr + row).to(tl.int64)
+    g_logp = 0.0
+    if HAS_GRAD_LOGP:
+        g_logp = tl.load(grad_logp_ptr + row).to(tl.float32)
+    g_ent = 0.0
+    entropy = 0.0
+    if HAS_GRAD_ENTROPY:
+        g_ent = tl.load(grad_entropy_ptr + row).to(tl.float32)
+        entropy = tl.load(entropy_ptr + row)
+
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        mask = cols < V
+        z = tl.load(row_ptr + cols, mask=mask, other=-float("inf")).to(tl.float32) * inv_temperature
+        log_p = z - lse
+        p = tl.exp(log_p)
+        # d logp / dz = onehot - p
+        grad_z = g_logp * (tl.where(cols == token, 1.0, 0.0) - p)
+        if HAS_GRAD_ENTROPY:
+            # dH / dz = -p (log p + H); p = 0 (a -inf logit) contributes 0, not 0 * -inf
+            grad_z -= g_ent * p * tl.where(p > 0.0, log_p + entropy, 0.0)
+        grad_x = grad_z * inv_temperature
+        tl.store(grad_row_ptr + cols, grad_x.to(grad_logits_ptr.dtype.element_ty), mask=mask)
+
+
+def token_logprobs_reference(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The semantics, in plain differentiable PyTorch.
+
+    Computes in float32, or in float64 when given float64 (the tests' truth); out-of-range ids raise.
+    """
+    log_p = torch.log_softmax(logits.to(_common.compute_dtype(logits.dtype)) / temperature, dim=-1)  # (N, V)
+    logp = log_p.gather(-1, ids.long().unsqueeze(-1)).squeeze(-1)  # (N,)
+    if not with_entropy:
+        return logp
+    p = log_p.exp()
+    # a -inf logit has p = 0 and contributes 0: fill its log p before the product so neither value nor gradient
+    # sees 0 * -inf
+    entropy = -(p * log_p.masked_fill(p == 0, 0.0)).sum(-1)  # (N,)
+    return logp, entropy
+
+
+def _launch_config(V: int) -> tuple[int, int]:
+    block = min(_BLOCK_V, triton.next_power_of_2(V))
+    num_warps = 8 if block >= 2048 else 4
+    return block, num_warps
+
+
+def token_logprobs_forward(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    inv_temperature: float,
+    logp: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+) -> None:
+    """Launch the forward kernel into given (N,) float32 buffers; ``logits`` must have unit column stride."""
+    N, V = logits.shape
+    if N == 0:
+        return
+    block, num_warps = _launch_config(V)
+    _token_logprobs_fwd_kernel[(N,)](
+        logits,
+        ids,
+        logp,
+        entropy if entropy is not None else logp,  # never written when WITH_ENTROPY is off
+        lse,
+        V,
+        logits.stride(0),
+        inv_temperature,
+        WITH_ENTROPY=entropy is not None,
+        BLOCK_V=block,
+        num_warps=num_warps,
+    )
+
+
+def token_logprobs_backward(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    inv_temperature: float,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    grad_logp: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    grad_logits: torch.Tensor,
+) -> None:
+    """Launch the backward kernel; ``grad_logits`` may be ``logits`` itself (the in-place backward)."""
+    N, V = logits.shape
+    if N == 0:
+        return
+    block, num_warps = _launch_config(V)
+    _token_logprobs_bwd_kernel[(N,)](
+        logits,
+        grad_logits,
+        ids,
+        lse,
+        entropy if entropy is not None else lse,
+        grad_logp if grad_logp is not None else lse,
+        grad_entropy if grad_entropy is not None else lse,
+        V,
+        logits.stride(0),
+        grad_logits.stride(0),
+        inv_temperature,
+        HAS_GRAD_LOGP=grad_logp is not None,
+        HAS_GRAD_ENTROPY=grad_entropy is not None,
+        BLOCK_V=block,
+        num_warps=num_warps,
+    )
+
+
+class TokenLogprobsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, ids, temperature, with_entropy, inplace_backward):
+        N = logits.shape[0]
+        device = logits.device
+        logp = _common.new_empty(N, dtype=torch.float32, device=device)
+        lse = _common.new_empty(N, dtype=torch.float32, device=device)
+        entropy = _common.new_empty(N, dtype=torch.float32, device=device) if with_entropy else None
+        token_logprobs_forward(logits, ids, inv_temperature=1.0 / temperature, logp=logp, lse=lse, entropy=entropy)
+        ctx.save_for_backward(logits, ids, lse, entropy)
+        ctx.inv_temperature = 1.0 / temperature
+        ctx.inplace_backward = inplace_backward
+        ctx.set_materialize_grads(False)  # an output nobody used arrives as None and its work is skipped
+        return (logp, entropy) if with_entropy else logp
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy=None):
+        logits, ids, lse, entropy = ctx.saved_tensors
+        if grad_logp is None and grad_entropy is None:
+            return None, None, None, None, None
+        grad_logits = logits if ctx.inplace_backward else torch.empty_like(logits)
+        token_logprobs_backward(
+            logits,
+            ids,
+            inv_temperature=ctx.inv_temperature,
+            lse=lse,
+            entropy=entropy,
+            grad_logp=grad_logp.contiguous() if grad_logp is not None else None,
+            grad_entropy=grad_entropy.contiguous() if grad_entropy is not None else None,
+            grad_logits=grad_logits,
+        )
+        return grad_logits, None, None, None, None
+
+
+def check_logprob_inputs(logits: torch.Tensor, ids: torch.Tensor, temperature: float, name: str = "logits") -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"{name} must be 2-D (N, V), got shape {tuple(logits.shape)}")
+    _common.check_dtype(name, logits, _common.FLOAT_DTYPES)
+    _common.check_1d("ids", ids, logits.shape[0])
+    _common.check_dtype("ids", ids, _common.INDEX_DTYPES)
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    inplace_backward: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``log_softmax(logits / temperature)[ids]`` per row, and the softmax entropy when ``with_entropy``.
+
+    logits: (N, V) float16/bfloat16/float32, any row stride; ids: (N,) int32/int64 in [0, V).
+    Returns float32 ``logp`` (N,), or ``(logp, entropy)``. Differentiable w.r.t. ``logits`` through both.
+    ``inplace_backward=True`` writes the gradient over ``logits`` (Triton path only): use it when nothing else
+    needs the logits after this op's backward, which then also cannot run twice (no ``retain_graph``).
+    """
+    check_logprob_inputs(logits, ids, temperature)
+    _common.check_same_device(logits=logits, ids=ids)
+    if not _common.use_triton(logits, ids):
+        return token_logprobs_reference(logits, ids, temperature=temperature, with_entropy=with_entropy)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    return TokenLogprobsFunction.apply(logits, ids.contiguous(), temperature, with_entropy, inplace_backward)

@@ -1,0 +1,30 @@
+"""Test set-up for the whole suite: the Triton interpreter on CPU-only machines, and fresh seeds."""
+
+from __future__ import annotations
+
+import os
+import random
+import zlib
+
+import pytest
+import torch
+
+# Triton reads TRITON_INTERPRET when a kernel is defined, i.e. when fasttnt_kernels is imported: set it before
+# any test module imports it. With a GPU the kernels run natively on CUDA tensors instead.
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Fresh random inputs every run; FASTTNT_TEST_SEED=N replays a run (the header prints the seed).
+SEED = int(os.environ.get("FASTTNT_TEST_SEED", random.SystemRandom().randrange(2**31)))
+
+
+def pytest_report_header(config):
+    where = "CUDA (native Triton)" if HAS_CUDA else "CPU (Triton interpreter)"
+    return f"fasttnt: kernels on {where}; FASTTNT_TEST_SEED={SEED}"
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    # one stream per test, so a test's inputs do not depend on which tests ran before it
+    torch.manual_seed(SEED ^ zlib.crc32(request.node.nodeid.encode()))

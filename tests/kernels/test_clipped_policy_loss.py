@@ -1,0 +1,186 @@
+"""clipped_policy_loss: the fused Triton kernel against the reference in float64; hand-worked tokens."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fasttnt_kernels import STAT_NAMES, PolicyLossConfig, clipped_policy_loss, clipped_policy_loss_reference
+
+from checks import DEVICE, assert_close
+
+
+def _packed_batch(lengths, dtype=torch.float32, *, spread=0.4):
+    lengths = torch.tensor(lengths, device=DEVICE)
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int64, device=DEVICE)
+    cu[1:] = lengths.cumsum(0)
+    n = int(cu[-1])
+    logp = -torch.rand(n, device=DEVICE) * 4
+    # old and ref policies differ by ~spread in log space: ratios land on both sides of both clip bounds
+    old = logp + torch.randn(n, device=DEVICE) * spread
+    ref = logp + torch.randn(n, device=DEVICE) * spread
+    adv = torch.randn(len(lengths), device=DEVICE)
+    return logp.to(dtype), old.to(dtype), ref.to(dtype), adv, cu
+
+
+def _run(logp, old, adv, cu, **kw):
+    x = logp.detach().clone().requires_grad_()
+    loss, stats = clipped_policy_loss(x, old, adv, cu, **kw)
+    loss.backward()
+    return loss.detach(), stats, x.grad
+
+
+def _truth(logp, old, adv, cu, *, ref_logp=None, total_tokens=None, total_seqs=None, **kw):
+    x = logp.detach().double().requires_grad_()
+    loss, stats = clipped_policy_loss_reference(
+        x,
+        old.double(),
+        adv.double(),
+        cu,
+        config=PolicyLossConfig(**kw),
+        ref_logp=None if ref_logp is None else ref_logp.double(),
+        total_tokens=total_tokens,
+        total_seqs=total_seqs,
+    )
+    loss.backward()
+    return loss.detach(), stats, x.grad
+
+
+# sequence lengths: empty ones between and at both ends; one sequence crossing the 1024-token block; 300
+# sequences of 1-20 tokens (many per block, a 9-step search); a single token
+LENGTHS = {
+    "ragged": [5, 0, 3, 1500, 1, 0, 9, 0],
+    "many-short": None,  # filled in the test from the seed
+    "single-token": [1],
+}
+
+
+@pytest.mark.parametrize("lengths", list(LENGTHS))
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("dual_clip", [None, 1.5])
+@pytest.mark.parametrize("with_ref", [False, True])
+def test_matches_float64_reference(triton_path, lengths, agg, dual_clip, with_ref):
+    lens = LENGTHS[lengths] or torch.randint(1, 21, (300,)).tolist()
+    logp, old, ref, adv, cu = _packed_batch(lens)
+    kw = dict(clip_low=0.2, clip_high=0.28, dual_clip=dual_clip, agg=agg, norm_length=2048.0)
+    if with_ref:
+        kw.update(ref_logp=ref, kl_coef=0.05)
+    loss, stats, grad = _run(logp, old, adv, cu, **kw)
+    t_loss, t_stats, t_grad = _truth(logp, old, adv, cu, **kw)
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert_close(loss, t_loss, name="loss")
+    assert_close(grad, t_grad, name="grad")
+    assert set(stats) == set(STAT_NAMES)
+    for name in STAT_NAMES:
+        assert stats[name].device == logp.device
+        assert_close(stats[name], t_stats[name], name=name)
+    if lengths == "many-short":  # ~3,000 tokens with ratios spread around both bounds: both clips must bind
+        assert 0 < stats["clip_frac_low"] < 1 and 0 < stats["clip_frac_high"] < 1, "the grid must exercise clipping"
+
+
+def test_bfloat16_log_probs(triton_path):
+    logp, old, ref, adv, cu = _packed_batch([40, 17, 0, 300], torch.bfloat16)
+    loss, _, grad = _run(logp, old, adv, cu, ref_logp=ref, kl_coef=0.1)
+    t_loss, _, t_grad = _truth(logp, old, adv, cu, ref_logp=ref, kl_coef=0.1)
+    assert_close(loss, t_loss, name="loss")  # float32 arithmetic on exactly-upcast inputs
+    assert grad.dtype == torch.bfloat16
+    assert_close(grad, t_grad, tol=torch.bfloat16, name="grad")
+
+
+def test_hand_worked_tokens(triton_path):
+    # one token per sequence, so A is that token's advantage; clip 0.2 both sides, dual clip 3, token-mean
+    #   r = 1.0, A = +1: unclipped          pg = -1.0     dpg/dlogp = -r A = -1
+    #   r = 1.5, A = +1: high clip binds    pg = -1.2     0
+    #   r = 0.5, A = +1: below the range, r A is the min, unclipped    pg = -0.5   -0.5
+    #   r = 0.5, A = -1: low clip binds     pg = 0.8      0
+    #   r = 2.0, A = -1: unclipped          pg = 2.0      -r A = 2
+    #   r = 4.0, A = -1: dual clip binds    pg = 3.0      0
+    ratios = torch.tensor([1.0, 1.5, 0.5, 0.5, 2.0, 4.0], dtype=torch.float64)
+    adv = torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0, -1.0], device=DEVICE)
+    old = torch.full((6,), -1.0, dtype=torch.float64)
+    logp = (old + ratios.log()).float().to(DEVICE)
+    cu = torch.arange(7, device=DEVICE)
+    loss, stats, grad = _run(logp, old.float().to(DEVICE), adv, cu, dual_clip=3.0)
+    pg = torch.tensor([-1.0, -1.2, -0.5, 0.8, 2.0, 3.0], dtype=torch.float64)
+    dpg = torch.tensor([-1.0, 0.0, -0.5, 0.0, 2.0, 0.0], dtype=torch.float64)
+    assert math.isclose(loss.item(), pg.mean().item(), rel_tol=1e-6)
+    torch.testing.assert_close(grad.double().cpu(), dpg / 6, rtol=1e-6, atol=1e-7)
+    assert math.isclose(stats["clip_frac_high"].item(), 1 / 6, rel_tol=1e-6)
+    assert math.isclose(stats["clip_frac_low"].item(), 1 / 6, rel_tol=1e-6)
+    assert math.isclose(stats["dual_clip_frac"].item(), 1 / 6, rel_tol=1e-6)
+    assert math.isclose(stats["ratio_mean"].item(), ratios.mean().item(), rel_tol=1e-6)
+
+
+def test_aggregations_by_hand(triton_path):
+    # two sequences of lengths 1 and 3, ratio 1 everywhere, so pg_t = -A_s:
+    #   token-mean               (-2 + 3 * -1) / 4      = -1.25
+    #   seq-mean-token-mean      (-2/1 + -3/3) / 2      = -1.5
+    #   seq-mean-token-sum-norm  (-2 + -3) / (2 * 10)   = -0.25
+    logp = torch.full((4,), -0.5, device=DEVICE)
+    adv = torch.tensor([2.0, 1.0], device=DEVICE)
+    cu = torch.tensor([0, 1, 4], device=DEVICE)
+    expected = {"token-mean": -1.25, "seq-mean-token-mean": -1.5, "seq-mean-token-sum-norm": -0.25}
+    for agg, value in expected.items():
+        loss, _ = clipped_policy_loss(logp, logp, adv, cu, agg=agg, norm_length=10)
+        assert math.isclose(loss.item(), value, rel_tol=1e-6), agg
+
+
+def test_micro_batches_with_global_normalisers_sum_to_the_whole(triton_path):
+    logp, old, _, adv, cu = _packed_batch([30, 12, 50, 7, 61, 4])
+    n, s = int(cu[-1]), 6
+    for agg in ("token-mean", "seq-mean-token-mean"):
+        whole, _, whole_grad = _run(logp, old, adv, cu, agg=agg)
+        halves, grads = [], []
+        for seqs in (slice(0, 3), slice(3, 6)):
+            lo, hi = int(cu[seqs.start]), int(cu[seqs.stop])
+            part_cu = cu[seqs.start : seqs.stop + 1] - lo
+            loss, _, grad = _run(logp[lo:hi], old[lo:hi], adv[seqs], part_cu, agg=agg, total_tokens=n, total_seqs=s)
+            halves.append(loss)
+            grads.append(grad)
+        assert math.isclose(sum(halves).item(), whole.item(), rel_tol=1e-5), agg
+        torch.testing.assert_close(torch.cat(grads), whole_grad, rtol=1e-6, atol=1e-9)
+
+
+def test_forward_only_without_grad(triton_path):
+    logp, old, _, adv, cu = _packed_batch([10, 20])
+    loss, _ = clipped_policy_loss(logp, old, adv, cu)  # logp does not require grad: no gradient written
+    assert not loss.requires_grad
+    assert_close(loss, _truth(logp, old, adv, cu)[0], name="loss")
+
+
+def test_all_sequences_empty(triton_path):
+    logp = torch.zeros(0, device=DEVICE, requires_grad=True)
+    loss, stats = clipped_policy_loss(
+        logp, logp.detach(), torch.ones(3, device=DEVICE), torch.zeros(4, device=DEVICE, dtype=torch.long)
+    )
+    loss.backward()
+    assert loss.item() == 0.0 and all(v.item() == 0.0 for v in stats.values())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"clip_low": 1.0}, "clip_low"),
+        ({"dual_clip": 0.5}, "dual_clip must be > 1"),
+        ({"agg": "sum"}, "agg must be one of"),
+        ({"agg": "seq-mean-token-sum-norm"}, "needs norm_length"),
+        ({"kl_coef": 0.1}, "needs ref_logp"),
+        ({"total_tokens": 0}, "total_tokens"),
+    ],
+)
+def test_bad_options_name_the_problem(kwargs, match):
+    logp = torch.zeros(3)
+    with pytest.raises(ValueError, match=match):
+        clipped_policy_loss(logp, logp, torch.zeros(1), torch.tensor([0, 3]), **kwargs)
+
+
+def test_bad_shapes_name_the_tensor():
+    logp = torch.zeros(3)
+    with pytest.raises(ValueError, match="cu_seqlens must have 2 elements"):
+        clipped_policy_loss(logp, logp, torch.zeros(1), torch.tensor([0, 1, 3]))
+    with pytest.raises(ValueError, match="old_logp must have 3 elements"):
+        clipped_policy_loss(logp, torch.zeros(4), torch.zeros(1), torch.tensor([0, 3]))
+    with pytest.raises(TypeError, match="cu_seqlens has dtype float32"):
+        clipped_policy_loss(logp, logp, torch.zeros(1), torch.tensor([0.0, 3.0]))

@@ -1,0 +1,82 @@
+"""group_advantages: the Triton kernel against the reference in float64, and the zero-variance rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fasttnt_kernels import group_advantages, group_advantages_reference
+
+from checks import DEVICE, assert_close
+
+
+# (G, K): one group; the paper's 8 samples; 16 samples x 128 prompts (verl's DeepScaleR setup); K not a power
+# of two (5, 33) so the tile has dead columns; many groups of 3 spread over several programs.
+@pytest.mark.parametrize("shape", [(1, 8), (128, 16), (7, 5), (3, 33), (3000, 3)])
+@pytest.mark.parametrize("scale", ["std", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_float64_reference(triton_path, shape, scale, dtype):
+    g, k = shape
+    rewards = torch.randn(g * k, device=DEVICE).to(dtype)
+    adv = group_advantages(rewards, k, scale=scale)
+    assert adv.dtype == torch.float32 and adv.shape == (g * k,)
+    truth = group_advantages_reference(rewards.double(), k, scale=scale)
+    assert_close(adv, truth, name="advantages")
+    # the defining properties, checked on the kernel's output: zero mean per group, unit unbiased std
+    per_group = adv.double().reshape(g, k)
+    assert per_group.mean(1).abs().max() < 1e-5
+    if scale == "std" and k > 1:
+        torch.testing.assert_close(per_group.std(1), torch.ones(g, dtype=torch.float64), rtol=1e-4, atol=1e-4)
+
+
+def test_verifier_style_rewards(triton_path):
+    # rewards from the TNT table: a handful of values, so many groups are flat and others mix
+    table = torch.tensor([1.0, 0.0, 2.0, -1.0, -2.0], device=DEVICE)
+    rewards = table[torch.randint(0, 5, (64 * 8,), device=DEVICE)]
+    rewards[:16] = 1.0  # two groups where every sample is right
+    adv = group_advantages(rewards, 8)
+    assert_close(adv, group_advantages_reference(rewards.double(), 8), name="advantages")
+    assert torch.equal(adv[:16], torch.zeros(16, device=DEVICE))
+
+
+@pytest.mark.parametrize("value", [0.1, 1.0 / 3.0, 1e6, -7.25])
+@pytest.mark.parametrize("scale", ["std", "none"])
+def test_all_equal_group_is_exactly_zero(triton_path, value, scale):
+    # 0.1 x 7 / 7 is not 0.1 in float32: centring leaves an ulp that eps=1e-6 would amplify; it must be 0
+    rewards = torch.full((7 * 4,), value, device=DEVICE)
+    rewards[7:14] = torch.arange(7, device=DEVICE, dtype=torch.float32)  # one ordinary group beside them
+    adv = group_advantages(rewards, 7, scale=scale)
+    assert torch.equal(adv[:7], torch.zeros(7, device=DEVICE))
+    assert torch.equal(adv[14:], torch.zeros(14, device=DEVICE))
+    assert adv[7:14].abs().sum() > 0
+
+
+@pytest.mark.parametrize("scale", ["std", "none"])
+def test_group_size_one_is_zero(triton_path, scale):
+    adv = group_advantages(torch.randn(10, device=DEVICE), 1, scale=scale)
+    assert torch.equal(adv, torch.zeros(10, device=DEVICE))
+
+
+def test_eps_is_added_to_the_std(triton_path):
+    rewards = torch.tensor([0.0, 1e-7, 0.0, 1e-7], device=DEVICE)  # std ~5.8e-8, far below eps
+    adv = group_advantages(rewards, 4, eps=1e-6)
+    assert adv.abs().max() < 0.1  # (r - mean) / (std + eps), not / std
+    assert_close(adv, group_advantages_reference(rewards.double(), 4, eps=1e-6), name="advantages")
+
+
+def test_empty_input(triton_path):
+    assert group_advantages(torch.zeros(0, device=DEVICE), 4).shape == (0,)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"rewards": torch.zeros(10), "group_size": 3}, "not a multiple of group_size=3"),
+        ({"rewards": torch.zeros(10), "group_size": 0}, "group_size"),
+        ({"rewards": torch.zeros(10), "group_size": 5, "scale": "mad"}, "scale"),
+        ({"rewards": torch.zeros(2, 5), "group_size": 5}, "1-D"),
+    ],
+)
+def test_bad_input_names_the_problem(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        group_advantages(**kwargs)
