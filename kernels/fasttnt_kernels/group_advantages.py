@@ -51,7 +51,7 @@ def _group_advantages_kernel(
     r_min = tl.min(tl.where(mask, r, float("inf")), axis=1)
     flat = r_max == r_min
     if SCALE_BY_STD:
-        var = tl.sum(centred * centred, axis=1) / tl.maximum(K - 1, 1)
+        var = tl.sum(centred * centred, axis=1) / (K - 1)  # K >= 2: the caller handles K == 1
         adv = centred / (tl.sqrt(var)[:, None] + eps)
     else:
         adv = centred
@@ -95,6 +95,9 @@ def group_advantages(
     if not _common.use_triton(rewards):
         return group_advantages_reference(rewards, group_size, scale=scale, eps=eps).float()
 
+    if group_size == 1:
+        # no group to compare with; also keeps K == 1 (which Triton specialises to a constant) out of the kernel
+        return torch.zeros(rewards.shape, dtype=torch.float32, device=rewards.device)
     rewards = rewards.contiguous()
     G, K = rewards.numel() // group_size, group_size
     adv = _common.new_empty(G * K, dtype=torch.float32, device=rewards.device)  # (G*K,)

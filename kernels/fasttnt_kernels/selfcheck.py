@@ -202,6 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
+    if not torch.cuda.is_available():
+        try:
+            import numpy  # noqa: F401
+        except ImportError:
+            print("no CUDA device, and Triton's CPU interpreter needs numpy: pip install 'fasttnt-kernels[interpreter]'")
+            return 2
     if not torch.cuda.is_available() and not _common.interpreter_active():
         # Triton decides between compiling and interpreting when the kernels are defined: start over with it on
         env = dict(os.environ, TRITON_INTERPRET="1")
