@@ -49,10 +49,12 @@ def _group_advantages_kernel(
     # blow up; compare the extremes instead and write exact zeros
     r_max = tl.max(tl.where(mask, r, -float("inf")), axis=1)
     r_min = tl.min(tl.where(mask, r, float("inf")), axis=1)
-    flat = r_max == r_min
+    flat = r_max <= r_min  # also true for the tile's rows past the last group (-inf <= inf)
     if SCALE_BY_STD:
         var = tl.sum(centred * centred, axis=1) / (K - 1)  # K >= 2: the caller handles K == 1
-        adv = centred / (tl.sqrt(var)[:, None] + eps)
+        # a flat group's denominator is replaced too, so eps = 0 computes no 0 / 0 even in the discarded branch
+        denom = tl.where(flat, 1.0, tl.sqrt(var) + eps)
+        adv = centred / denom[:, None]
     else:
         adv = centred
     adv = tl.where(flat[:, None], 0.0, adv)

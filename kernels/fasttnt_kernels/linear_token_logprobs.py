@@ -2,10 +2,15 @@
 
     linear_token_logprobs(hidden, weight, ids) == token_logprobs(hidden @ weight.T, ids)
 
-Rows are processed in chunks: each chunk's logits (chunk x V, in the input dtype, exactly what the lm_head
+Rows are processed in chunks: each chunk's logits (chunk x V, in the matmul's dtype, exactly what the lm_head
 would produce) live only while that chunk is processed. The backward recomputes a chunk's logits, turns them
-into their gradient in place, and feeds two matmuls; so peak extra memory is one chunk of logits (plus a float32
-accumulator for the weight gradient when the weight is 16-bit), and the cost is one extra matmul of N x H x V.
+into their gradient in place, and feeds two matmuls; so peak extra memory is one chunk of logits, and the cost
+is one extra matmul of N x H x V. The weight's gradient accumulates over chunks in the weight's own dtype (no
+V x H temporary): exact for float32 weights (autocast's usual master copy); for 16-bit weights it is rounded
+once per chunk, as Liger-Kernel's fused linear cross-entropy does.
+
+Under ``torch.autocast`` the matmuls run in the autocast dtype, in the forward and in the recomputation alike,
+so the backward sees the very logits the forward normalised.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from .token_logprobs import (
 )
 
 DEFAULT_CHUNK_BYTES = 512 * 2**20
-"""Logits bytes per chunk: 512 MiB is ~880 rows of a bf16 152K vocabulary, enough rows to keep the matmul
+"""Logits bytes per chunk: 512 MiB is ~1,700 rows of a bf16 152K vocabulary, enough rows to keep the matmul
 efficient while the logits stay a small fraction of a GPU's memory."""
 
 
@@ -43,6 +48,20 @@ def chunk_rows_for(n_rows: int, vocab: int, itemsize: int, chunk_bytes: int) -> 
     if rows >= 64:
         rows -= rows % 64
     return min(rows, max(1, n_rows))
+
+
+def _matmul_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype the lm_head matmul runs in: autocast's when it is on for this device, else the input's."""
+    device_type = t.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return t.dtype
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    # the operands are already in the chosen dtype; autocast must not cast them again
+    with torch.autocast(a.device.type, enabled=False):
+        return torch.mm(a, b, out=out)
 
 
 def _chunk_forward_torch(logits, ids, *, inv_temperature, logp, lse, entropy):
@@ -84,9 +103,11 @@ class LinearTokenLogprobsFunction(torch.autograd.Function):
         logp = _common.new_empty(N, dtype=torch.float32, device=device)  # (N,)
         lse = _common.new_empty(N, dtype=torch.float32, device=device)  # (N,)
         entropy = _common.new_empty(N, dtype=torch.float32, device=device) if with_entropy else None
+        dtype = _matmul_dtype(hidden)
+        w = weight.to(dtype)  # (V, H): a copy only under autocast, as autocast's own matmul would make
         for start in range(0, N, chunk_rows):
             rows = slice(start, min(start + chunk_rows, N))
-            logits = hidden[rows] @ weight.T  # (C, V): the only logits alive at any time
+            logits = _mm(hidden[rows].to(dtype), w.T)  # (C, V): the only logits alive at any time
             forward_chunk(
                 logits,
                 ids[rows],
@@ -97,6 +118,7 @@ class LinearTokenLogprobsFunction(torch.autograd.Function):
             )
             del logits
         ctx.save_for_backward(hidden, weight, ids, lse, entropy)
+        ctx.matmul_dtype = dtype
         ctx.inv_temperature = 1.0 / temperature
         ctx.chunk_rows = chunk_rows
         ctx.use_triton = use_triton
@@ -112,17 +134,14 @@ class LinearTokenLogprobsFunction(torch.autograd.Function):
         backward_chunk = token_logprobs_backward if ctx.use_triton else _chunk_backward_torch
         N = hidden.shape[0]
         chunk_rows = ctx.chunk_rows
+        dtype = ctx.matmul_dtype
+        w = weight.to(dtype)  # (V, H)
         grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
-        # 16-bit weights accumulate their gradient over chunks in float32, as one big matmul would internally
-        accumulate_fp32 = weight.dtype in (torch.float16, torch.bfloat16) and chunk_rows < N
-        grad_weight = None
-        if need_weight:
-            grad_weight = torch.zeros(
-                weight.shape, dtype=torch.float32 if accumulate_fp32 else weight.dtype, device=weight.device
-            )  # (V, H)
+        grad_weight = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device) if need_weight else None
         for start in range(0, N, chunk_rows):
             rows = slice(start, min(start + chunk_rows, N))
-            logits = hidden[rows] @ weight.T  # (C, V) recomputed, bit-identical to the forward's
+            h = hidden[rows].to(dtype)  # (C, H)
+            logits = _mm(h, w.T)  # (C, V) recomputed, bit-identical to the forward's
             backward_chunk(
                 logits,
                 ids[rows],
@@ -133,16 +152,16 @@ class LinearTokenLogprobsFunction(torch.autograd.Function):
                 grad_entropy=grad_entropy[rows].contiguous() if grad_entropy is not None else None,
                 grad_logits=logits,  # in place: the chunk's logits become its gradient
             )
-            if need_hidden:
-                torch.mm(logits, weight, out=grad_hidden[rows])  # (C, H)
+            if need_hidden and dtype == hidden.dtype:
+                _mm(logits, w, out=grad_hidden[rows])  # (C, H)
+            elif need_hidden:
+                grad_hidden[rows] = _mm(logits, w)
             if need_weight:
-                if accumulate_fp32:
-                    grad_weight += logits.T @ hidden[rows]  # (V, H)
-                else:
-                    grad_weight.addmm_(logits.T, hidden[rows])
+                if dtype == weight.dtype:
+                    grad_weight.addmm_(logits.T, h)  # (V, H), accumulated in place
+                else:  # autocast over float32 weights: a 16-bit product added to the float32 gradient
+                    grad_weight += _mm(logits.T, h)
             del logits
-        if grad_weight is not None and grad_weight.dtype != weight.dtype:
-            grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
@@ -172,7 +191,8 @@ def linear_token_logprobs(
     _common.check_same_device(hidden=hidden, weight=weight, ids=ids)
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
-    chunk_rows = chunk_rows_for(hidden.shape[0], weight.shape[0], hidden.element_size(), chunk_bytes)
+    itemsize = torch.empty((), dtype=_matmul_dtype(hidden)).element_size()
+    chunk_rows = chunk_rows_for(hidden.shape[0], weight.shape[0], itemsize, chunk_bytes)
     use_triton = _common.use_triton(hidden, weight, ids)
     return LinearTokenLogprobsFunction.apply(
         hidden, weight, ids.contiguous(), temperature, with_entropy, chunk_rows, use_triton

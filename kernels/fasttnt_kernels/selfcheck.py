@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             import numpy  # noqa: F401
         except ImportError:
-            print("no CUDA device, and Triton's CPU interpreter needs numpy: pip install 'fasttnt-kernels[interpreter]'")
+            print("no CUDA device, and Triton's CPU interpreter needs numpy: pip install numpy")
             return 2
     if not torch.cuda.is_available() and not _common.interpreter_active():
         # Triton decides between compiling and interpreting when the kernels are defined: start over with it on

@@ -139,8 +139,9 @@ def _tnt_rewards_kernel(
     counted = in_group & closed & (first_end > 0)
     n_counted = tl.sum(counted.to(tl.int32), axis=0)
     h_sum = tl.sum(tl.where(counted, solution_len, 0), axis=0)
-    # float32, in this order, exactly as the reference: the <= below must agree to the last bit
-    tnt_limit = omega * h_sum.to(tl.float32) / tl.maximum(n_counted, 1).to(tl.float32)
+    # float32, in this order, correctly rounded, exactly as the reference: the <= below must agree to the last
+    # bit (a plain `/` compiles to the approximate div.full.f32 on NVIDIA GPUs)
+    tnt_limit = tl.div_rn(omega * h_sum.to(tl.float32), tl.maximum(n_counted, 1).to(tl.float32))
     tnt_limit = tl.where(n_counted > 0, tnt_limit, fallback_limit)
     limit = tl.where(query_limit != 0, tnt_limit, const_limit)
 

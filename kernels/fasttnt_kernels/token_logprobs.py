@@ -70,8 +70,9 @@ def _token_logprobs_fwd_kernel(
     tl.store(logp_ptr + row, z_token - lse)
     tl.store(lse_ptr + row, lse)
     if WITH_ENTROPY:
-        # H = lse - E[z] = log(s) - t / s, both terms non-negative
-        tl.store(entropy_ptr + row, tl.log(s) - t / s)
+        # H = lse - E[z] = log(s) - t / s, both terms non-negative; clamped because a fused multiply-add in
+        # z - shift can leave a one-hot row at -1e-7
+        tl.store(entropy_ptr + row, tl.maximum(tl.log(s) - t / s, 0.0))
 
 
 @triton.jit
@@ -279,7 +280,8 @@ def token_logprobs(
     check_logprob_inputs(logits, ids, temperature)
     _common.check_same_device(logits=logits, ids=ids)
     if not _common.use_triton(logits, ids):
-        return token_logprobs_reference(logits, ids, temperature=temperature, with_entropy=with_entropy)
+        out = token_logprobs_reference(logits, ids, temperature=temperature, with_entropy=with_entropy)
+        return tuple(o.float() for o in out) if with_entropy else out.float()
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     return TokenLogprobsFunction.apply(logits, ids.contiguous(), temperature, with_entropy, inplace_backward)

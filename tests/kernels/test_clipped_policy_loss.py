@@ -89,6 +89,15 @@ def test_bfloat16_log_probs(triton_path):
     assert_close(grad, t_grad, tol=torch.bfloat16, name="grad")
 
 
+def test_int32_boundaries_and_bfloat16_advantages(triton_path):
+    logp, old, _, adv, cu = _packed_batch([7, 0, 130, 2])
+    adv16 = adv.bfloat16()
+    loss, _, grad = _run(logp, old, adv16, cu.int(), dual_clip=2.0)
+    t_loss, _, t_grad = _truth(logp, old, adv16, cu, dual_clip=2.0)
+    assert_close(loss, t_loss, name="loss")
+    assert_close(grad, t_grad, name="grad")
+
+
 def test_hand_worked_tokens(triton_path):
     # one token per sequence, so A is that token's advantage; clip 0.2 both sides, dual clip 3, token-mean
     #   r = 1.0, A = +1: unclipped          pg = -1.0     dpg/dlogp = -r A = -1

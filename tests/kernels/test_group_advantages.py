@@ -26,7 +26,9 @@ def test_matches_float64_reference(triton_path, shape, scale, dtype):
     per_group = adv.double().reshape(g, k)
     assert per_group.mean(1).abs().max() < 1e-5
     if scale == "std" and k > 1:
-        torch.testing.assert_close(per_group.std(1), torch.ones(g, dtype=torch.float64), rtol=1e-4, atol=1e-4)
+        # unit std, up to eps: std(A) = s / (s + eps) for the rewards' unbiased std s
+        s = rewards.double().reshape(g, k).std(1)
+        torch.testing.assert_close(per_group.std(1), s / (s + 1e-6), rtol=1e-4, atol=1e-4)
 
 
 def test_verifier_style_rewards(triton_path):
@@ -62,6 +64,14 @@ def test_eps_is_added_to_the_std(triton_path):
     adv = group_advantages(rewards, 4, eps=1e-6)
     assert adv.abs().max() < 0.1  # (r - mean) / (std + eps), not / std
     assert_close(adv, group_advantages_reference(rewards.double(), 4, eps=1e-6), name="advantages")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+def test_other_reward_dtypes_and_zero_eps(triton_path, dtype):
+    rewards = torch.randn(40 * 6, device=DEVICE).to(dtype)
+    adv = group_advantages(rewards, 6, eps=0.0)
+    assert adv.dtype == torch.float32
+    assert_close(adv, group_advantages_reference(rewards.double(), 6, eps=0.0), name="advantages")
 
 
 def test_empty_input(triton_path):

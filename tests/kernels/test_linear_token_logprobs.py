@@ -75,10 +75,31 @@ def test_same_values_as_token_logprobs_of_the_product(triton_path):
     from fasttnt_kernels import token_logprobs
 
     hidden, weight, ids = _inputs(33, 40, 2500, torch.bfloat16)
-    logp, entropy = linear_token_logprobs(hidden, weight, ids, with_entropy=True, temperature=1.2)
+    chunk = _bytes_for_rows(8, 2500, torch.bfloat16)  # five chunks, the last one ragged
+    logp, entropy = linear_token_logprobs(hidden, weight, ids, with_entropy=True, temperature=1.2, chunk_bytes=chunk)
     e_logp, e_entropy = token_logprobs(hidden @ weight.T, ids, with_entropy=True, temperature=1.2)
     torch.testing.assert_close(logp, e_logp, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(entropy, e_entropy, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("path", ["triton", "torch"])
+def test_autocast_recomputes_the_logits_the_forward_used(monkeypatch, path):
+    # float32 parameters under bf16 autocast (the usual mixed-precision set-up): the forward's logits are bf16,
+    # and the backward must recompute those same bf16 logits, not float32 ones, or p no longer sums to 1
+    monkeypatch.setenv("FASTTNT_KERNELS", path)
+    n, h, v = 48, 32, 3000
+    hidden, weight, ids = _inputs(n, h, v, torch.float32)
+    g_logp, g_ent = torch.randn(n, device=DEVICE), torch.randn(n, device=DEVICE)
+    chunk = _bytes_for_rows(16, v, torch.bfloat16)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        got = _grads(linear_token_logprobs, hidden, weight, ids, g_logp, g_ent, chunk_bytes=chunk)
+        lowp = _grads(linear_token_logprobs_reference, hidden, weight, ids, g_logp, g_ent)
+    truth = _grads(
+        linear_token_logprobs_reference, hidden.bfloat16().double(), weight.bfloat16().double(), ids, g_logp, g_ent
+    )
+    assert got[2].dtype == torch.float32 and got[3].dtype == torch.float32
+    for name, a, r, t in zip(("logp", "entropy", "grad hidden", "grad weight"), got, lowp, truth, strict=True):
+        assert_no_worse_than(a, r, t, name=name)
 
 
 def test_weight_without_grad_and_no_grad(triton_path):

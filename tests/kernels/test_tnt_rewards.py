@@ -145,9 +145,33 @@ def test_random_batches_match_reference(triton_path, scheme, ids_dtype):
     assert got.non_thinking.any() and (~got.non_thinking).any()
 
 
-def test_no_host_sync_outputs_stay_on_device(triton_path):
+def test_limits_that_need_a_correctly_rounded_division(triton_path):
+    # 3 and 7 thinking samples (not powers of two) whose limit is a whole number of tokens, met exactly by a
+    # direct answer: an approximate division (GPU `/` compiles to div.full.f32) could put L an ulp below |y|
+    for solution_lens, omega, limit in (
+        ([1, 1, 1], 2.0, 2.0),
+        ([1, 2, 3, 4, 5, 6, 0], 2.0, 6.0),
+        ([5, 2, 4], 3.0, 11.0),
+    ):
+        thinking = [[1] + [END] + [2] * n for n in solution_lens]
+        at_limit = [END] + [3] * (int(limit) - 1)
+        over = [END] + [3] * int(limit)
+        k = len(thinking) + 2
+        out = _both([*thinking, at_limit, over], [True] * k, k, omega=omega)
+        assert _values(out.limit) == [limit]
+        assert _values(out.rewards)[-2:] == [2.0, -2.0]
+
+
+def test_no_host_sync(triton_path):
     ids, cu = _pack([[END, 1], [1, END]])
-    out = tnt_rewards(ids, cu, torch.tensor([True, False], device=DEVICE), 2, END)
+    correct = torch.tensor([True, False], device=DEVICE)
+    if DEVICE.type == "cuda":  # a synchronising call raises in this mode
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = tnt_rewards(ids, cu, correct, 2, END)
+    finally:
+        if DEVICE.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
     assert all(t.device == ids.device for t in out)
 
 

@@ -115,7 +115,8 @@ def test_negative_infinity_logits(triton_path):
     logp, entropy, grad = _run(logits, ids, **kw)
     t_logp, t_entropy, t_grad = _truth(logits, ids, **kw)
     assert logp[3] == -float("inf")
-    assert logp[4] == 0.0 and entropy[4] == 0.0
+    # one live column: logp 0 and entropy 0, to float32 rounding (a GPU's fused multiply-add leaves ~1e-7)
+    assert abs(logp[4].item()) < 1e-6 and 0.0 <= entropy[4].item() < 1e-6
     assert_close(logp, t_logp, name="logp")
     assert_close(entropy, t_entropy, name="entropy")
     assert_close(grad, t_grad, name="grad")
