@@ -1,0 +1,128 @@
+"""The numbers a researcher reads, one implementation for training logs and evaluation.
+
+    acc                  share of responses judged correct
+    len                  mean response tokens; len_thinking / len_non_thinking by mode (0 when a mode is absent)
+    non_thinking_ratio   share of responses whose first token is </think>
+    limit_mean/min/max   the per-query limits L_x (finite ones; 0 when a scheme has none)
+    te                   token efficiency A / sqrt(L), A = accuracy in percent, L = mean tokens
+    hack_rate            share of non-thinking responses whose solution part contains thinking markers
+    truncated_ratio      share of responses cut by the length budget
+
+Metrics are built as tensors on the rollout's device and read back once (``to_floats``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .synthetic import STEP_PATTERN
+from .verify import THINK_END
+
+
+@dataclass(frozen=True)
+class HackMarkers:
+    """What counts as thinking inside a non-thinking response: whole words or phrases (case as written) and
+    regular expressions, searched in the text after the first ``</think>``."""
+
+    words: tuple[str, ...] = ()
+    patterns: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.words and not self.patterns:
+            raise ValueError("HackMarkers needs at least one word or pattern")
+        parts = [rf"(?<!\w){re.escape(w)}(?!\w)" for w in self.words] + list(self.patterns)
+        object.__setattr__(self, "_regex", re.compile("|".join(f"(?:{p})" for p in parts)))
+
+    def found_in(self, response: str) -> bool:
+        solution = response.split(THINK_END, 1)[1] if THINK_END in response else response
+        return self._regex.search(solution) is not None
+
+
+# The reflection vocabulary of long chains of thought, as counted in the TNT paper's hack analysis: capitalised
+# at the start of a sentence, where a model changes its mind, and the lower-case phrases that only verify.
+MATH_MARKERS = HackMarkers(
+    words=(
+        "Wait",
+        "But wait",
+        "Alternatively",
+        "Hmm",
+        "Let me check",
+        "let me check",
+        "Let me verify",
+        "let me verify",
+        "double-check",
+        "Double-check",
+        "Let me think",
+        "let me think",
+        "re-examine",
+        "Let me re-",
+        "On second thought",
+    )
+)
+SYNTHETIC_MARKERS = HackMarkers(patterns=(STEP_PATTERN.pattern,))
+MARKER_SETS = {"math": MATH_MARKERS, "synthetic": SYNTHETIC_MARKERS}
+
+
+def hack_flags(responses: list[str], non_thinking: list[bool], markers: HackMarkers) -> list[bool]:
+    """Per response: a non-thinking response that thinks anyway. Thinking responses are never flagged."""
+    return [bool(nt) and markers.found_in(text) for text, nt in zip(responses, non_thinking, strict=True)]
+
+
+def token_efficiency(accuracy_percent: float, mean_tokens: float) -> float:
+    """TE = A / sqrt(L); the TNT paper's 41.0% at 5,893 tokens is 0.53."""
+    return accuracy_percent / math.sqrt(mean_tokens) if mean_tokens > 0 else 0.0
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    count = mask.sum()
+    return torch.where(count > 0, (values * mask).sum() / count.clamp(min=1), torch.zeros_like(values.sum()))
+
+
+def rollout_metrics(
+    *,
+    correct: torch.Tensor,
+    non_thinking: torch.Tensor,
+    lengths: torch.Tensor,
+    hacked: torch.Tensor,
+    truncated: torch.Tensor | None = None,
+    limit: torch.Tensor | None = None,
+    rewards: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """Scalar metric tensors, on the inputs' device, from per-response tensors (S,) and per-query limits (G,)."""
+    correct, non_thinking, hacked = correct.bool(), non_thinking.bool(), hacked.bool()
+    lengths = lengths.float()
+    thinking = ~non_thinking
+    acc = correct.float().mean() if correct.numel() else torch.zeros((), device=correct.device)
+    mean_len = lengths.mean() if lengths.numel() else torch.zeros((), device=lengths.device)
+    out = {
+        "acc": acc,
+        "len": mean_len,
+        "len_thinking": _masked_mean(lengths, thinking),
+        "len_non_thinking": _masked_mean(lengths, non_thinking),
+        "non_thinking_ratio": non_thinking.float().mean() if non_thinking.numel() else acc * 0,
+        "hack_rate": _masked_mean(hacked.float(), non_thinking),
+        "te": torch.where(mean_len > 0, acc * 100 / mean_len.clamp(min=1e-12).sqrt(), torch.zeros_like(acc)),
+    }
+    if truncated is not None:
+        out["truncated_ratio"] = truncated.float().mean() if truncated.numel() else acc * 0
+    if limit is not None and limit.numel():
+        finite = torch.isfinite(limit)
+        big, small = torch.finfo(torch.float32).max, -torch.finfo(torch.float32).max
+        out["limit_mean"] = _masked_mean(torch.where(finite, limit, 0.0), finite)
+        out["limit_min"] = torch.where(finite.any(), torch.where(finite, limit, big).min(), 0.0)
+        out["limit_max"] = torch.where(finite.any(), torch.where(finite, limit, small).max(), 0.0)
+    if rewards is not None:
+        out["reward"] = rewards.float().mean() if rewards.numel() else acc * 0
+    return out
+
+
+def to_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
+    """All metric tensors to Python floats with one device-to-host copy."""
+    if not metrics:
+        return {}
+    stacked = torch.stack([v.float().reshape(()) for v in metrics.values()]).tolist()  # sync: one per call
+    return dict(zip(metrics, stacked, strict=True))

@@ -1,0 +1,88 @@
+"""Reward schemes for hybrid responses, selected by name in the config; all computed on device by the
+``tnt_rewards`` kernel from token ids.
+
+    tnt            thinking 1/0; non-thinking 2/-1 within the query's limit omega * mean(solution length of its
+                   thinking responses) (fallback_limit when it has none), -2 beyond it (the TNT paper)
+    no-limit       thinking 1/0; non-thinking 2/-1 whatever its length (AutoThink's rewards; hackable)
+    uniform-limit  as tnt with one limit, uniform_limit, for every query (AdaptThink-style)
+    binary         1/0 for every response (plain GRPO)
+
+A truncated response (no EOS within the length budget) is wrong, whatever its text says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from fasttnt_kernels import RewardValues, TntRewards, tnt_rewards
+
+from .registry import Registry
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """Reward hyper-parameters; the defaults are the TNT paper's (omega = 2, L_empty = 1000, 1/0, 2/-1, -2)."""
+
+    scheme: str = "tnt"
+    omega: float = 2.0
+    fallback_limit: float = 1000.0
+    uniform_limit: float | None = None
+    think_correct: float = 1.0
+    think_wrong: float = 0.0
+    direct_correct: float = 2.0
+    direct_wrong: float = -1.0
+    over_limit: float = -2.0
+
+    @property
+    def values(self) -> RewardValues:
+        return RewardValues(
+            self.think_correct, self.think_wrong, self.direct_correct, self.direct_wrong, self.over_limit
+        )
+
+
+@dataclass(frozen=True)
+class PackedResponses:
+    """What a rollout hands the reward: packed token ids, boundaries, and per-response flags."""
+
+    ids: torch.Tensor  # (N,) int
+    cu_seqlens: torch.Tensor  # (S+1,) int, from 0 to N
+    truncated: torch.Tensor  # (S,) bool: stopped by the length budget, not by EOS
+    group_size: int  # K samples per prompt, adjacent
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.cu_seqlens[1:] - self.cu_seqlens[:-1]  # (S,)
+
+
+RewardFn = Callable[[PackedResponses, torch.Tensor, int, RewardConfig], TntRewards]
+REWARD_SCHEMES: Registry[RewardFn] = Registry("reward scheme")
+
+
+def _kernel_scheme(name: str) -> RewardFn:
+    def reward(batch: PackedResponses, correct: torch.Tensor, think_end_id: int, cfg: RewardConfig) -> TntRewards:
+        return tnt_rewards(
+            batch.ids,
+            batch.cu_seqlens,
+            correct.bool() & ~batch.truncated.bool(),
+            batch.group_size,
+            think_end_id,
+            omega=cfg.omega,
+            fallback_limit=cfg.fallback_limit,
+            scheme=name,
+            uniform_limit=cfg.uniform_limit,
+            values=cfg.values,
+        )
+
+    return reward
+
+
+for _name in ("tnt", "no-limit", "uniform-limit", "binary"):
+    REWARD_SCHEMES.add(_name, _kernel_scheme(_name))
+
+
+def compute_rewards(batch: PackedResponses, correct: torch.Tensor, think_end_id: int, cfg: RewardConfig) -> TntRewards:
+    """Rewards, modes, solution lengths and limits of a packed batch under ``cfg.scheme``."""
+    return REWARD_SCHEMES.get(cfg.scheme)(batch, correct, think_end_id, cfg)

@@ -1,0 +1,361 @@
+"""Answer verification: extract the final answer of a response and judge it against the gold answer.
+
+Model output is untrusted input. Nothing here evaluates it as Python: answers are compared as normalised
+strings, as exact numbers (``fractions.Fraction`` from a strict regex), and only then symbolically through
+math-verify's LaTeX extraction, whose parser (latex2sympy's ANTLR grammar) builds sympy objects without ``eval``.
+Symbolic work can hang (``9^{9^{9^9}}``), so ``verify_batch`` runs it in worker processes and kills a worker that
+passes the per-item timeout; the item counts as wrong, and as a timeout in the returned statistics.
+
+math-verify was chosen over a hand-written LaTeX parser or raw sympy because it already handles the formats
+competition answers come in (fractions, radicals, percentages, units, intervals, tuples, sets, relations) and
+is what open-r1 and TRL use for math rewards; we use only its LaTeX path (its plain-expression path calls sympy's
+``parse_expr``, which evaluates Python).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import re
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from fractions import Fraction
+from multiprocessing.connection import Connection, wait
+
+THINK_END = "</think>"
+MAX_RESPONSE_CHARS = 32_768
+"""Only this many trailing characters of a response are searched for its answer (1 MB of text costs nothing)."""
+MAX_ANSWER_CHARS = 512
+"""An extracted answer longer than this is judged by string and number only, never parsed symbolically."""
+DEFAULT_TIMEOUT = 5.0
+
+# -- extraction -----------------------------------------------------------------------------------------------
+
+_BOXED = re.compile(r"\\(?:boxed|fbox)")
+# "The answer is 5", "Final answer: 5", "**Answer:** 5": the last one in the text wins
+_ANSWER_PHRASE = re.compile(r"(?i)(?:final answer|the answer|answer)\s*(?:is|:)\**:?\s*([^\n]{1,300})")
+
+
+def _braced(text: str, open_at: int) -> str | None:
+    """The contents of the brace group opening at ``text[open_at] == '{'``, or None if it never closes."""
+    depth = 0
+    i = open_at
+    while i < len(text):
+        c = text[i]
+        if c == "\\" and i + 1 < len(text) and text[i + 1] in "{}":
+            i += 2  # an escaped brace is content, not structure
+            continue
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return text[open_at + 1 : i]
+        i += 1
+    return None
+
+
+def _last_boxed(text: str) -> str | None:
+    for match in reversed(list(_BOXED.finditer(text))):
+        rest = match.end()
+        while rest < len(text) and text[rest] == " ":
+            rest += 1
+        if rest < len(text) and text[rest] == "{":
+            content = _braced(text, rest)
+            if content is not None:
+                return content
+            continue  # unclosed (a truncated response): try the one before
+        if rest > match.end():  # "\boxed 5": one token after the space
+            token = re.match(r"[^\s$]+", text[rest:])
+            if token:
+                return token.group(0)
+    return None
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a response: the last ``\\boxed{...}``/``\\fbox{...}`` (nested braces kept), else
+    ``\\boxed 5``, else the last "the answer is ..." / "Answer: ...". Only the part after the first ``</think>`` is
+    searched when there is one; only the last ``MAX_RESPONSE_CHARS`` characters are read."""
+    if THINK_END in text:
+        text = text.split(THINK_END, 1)[1]
+    text = text[-MAX_RESPONSE_CHARS:]
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed.strip() or None
+    phrases = _ANSWER_PHRASE.findall(text)
+    if not phrases:
+        return None
+    answer = phrases[-1].strip()
+    answer = re.sub(r"^\$+|\$+$", "", answer.rstrip(".").strip()).strip()
+    answer = re.sub(r"^\\\(|\\\)$", "", answer).strip()
+    return answer.rstrip(".").strip() or None
+
+
+# -- fast path: strings and exact numbers ---------------------------------------------------------------------
+
+_SPACING = re.compile(r"\\[,;:! ]|\\left|\\right|\\displaystyle|\$")
+_TEXT_MACRO = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|mbox|operatorname)\{([^{}]*)\}")
+_DEGREES = re.compile(r"\^\{?\\circ\}?|°|\\circ")
+_NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[+-]?\.\d+")
+_FRAC = re.compile(r"([+-]?)\\frac\{([+-]?\d+)\}\{([+-]?\d+)\}|([+-]?)\\frac(\d)(\d)")
+_SLASH = re.compile(r"([+-]?\d+)/([+-]?\d+)")
+_CHOICE = re.compile(r"\(?([A-J])\)?")
+_CHOICE_PRED = re.compile(r"\(?([A-J])\)?(?:[.:)]|\s|$)")
+
+
+def normalize(answer: str) -> str:
+    """Spacing commands, ``\\left``/``\\right``, ``$``, degree signs and a trailing period removed; ``\\text{..}``
+    and friends unwrapped; ``\\dfrac``/``\\tfrac`` as ``\\frac``; a single ``x = `` in front dropped."""
+    s = _SPACING.sub("", answer)
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    for _ in range(3):  # nested \text{\textbf{..}}
+        s = _TEXT_MACRO.sub(r"\1", s)
+    s = _DEGREES.sub("", s)
+    s = re.sub(r"\s+", "", s).rstrip(".")
+    s = re.sub(r"^[a-zA-Z]=(?!=)", "", s)
+    return s
+
+
+@dataclass(frozen=True)
+class _Number:
+    value: Fraction
+    percent: bool
+    integer: bool  # written as an integer: two unequal integers are certainly different answers
+
+
+def _as_number(s: str) -> _Number | None:
+    percent = s.endswith("%")
+    s = s.removesuffix("\\%").removesuffix("%")
+    if _NUMBER.fullmatch(s):
+        return _Number(Fraction(s.replace(",", "")), percent, "." not in s)
+    m = _FRAC.fullmatch(s) or _SLASH.fullmatch(s)
+    if m is None:
+        return None
+    groups = [g for g in m.groups() if g is not None]
+    sign = -1 if groups[0] == "-" else 1
+    num, den = (groups[1], groups[2]) if len(groups) == 3 else (groups[0], groups[1])
+    if int(den) == 0:
+        return None
+    return _Number(sign * Fraction(int(num), int(den)), percent, False)
+
+
+def fast_equivalent(pred: str, gold: str) -> bool | None:
+    """True or False when strings, exact numbers or choice letters decide; None when symbolic work is needed."""
+    p, g = normalize(pred), normalize(gold)
+    if p == g:
+        return True
+    gold_choice = _CHOICE.fullmatch(g)
+    if gold_choice:  # multiple choice (GPQA): compare letters
+        pred_choice = _CHOICE_PRED.match(p)
+        return bool(pred_choice) and pred_choice.group(1) == gold_choice.group(1)
+    pn, gn = _as_number(p), _as_number(g)
+    if pn is not None and gn is not None:
+        candidates = {pn.value} | ({pn.value / 100} if pn.percent else set())
+        targets = {gn.value} | ({gn.value / 100} if gn.percent else set())
+        if candidates & targets:
+            return True
+        if pn.integer and gn.integer:
+            return False
+    return None
+
+
+# -- symbolic path ----------------------------------------------------------------------------------------------
+
+
+def symbolic_equivalent(pred: str, gold: str) -> bool:
+    """math-verify on both answers as LaTeX. No timeout of its own: run it where it can be killed."""
+    import logging
+
+    from math_verify import LatexExtractionConfig, parse, verify
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns that we disable its signal-based timeout
+    config = [LatexExtractionConfig(boxed_match_priority=0)]
+    gold_parsed = parse(f"\\boxed{{{gold}}}", extraction_config=config, parsing_timeout=None)
+    pred_parsed = parse(f"\\boxed{{{pred}}}", extraction_config=config, parsing_timeout=None)
+    if not gold_parsed or not pred_parsed:
+        return False
+    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
+
+
+def is_equivalent(pred: str | None, gold: str) -> bool:
+    """Normalised string match, then exact numbers, then symbolic equivalence (math-verify). In-process and
+    without a timeout: for untrusted text in bulk use ``verify_batch``."""
+    if pred is None:
+        return False
+    decided = fast_equivalent(pred, gold)
+    if decided is not None:
+        return decided
+    if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
+        return False
+    try:
+        return symbolic_equivalent(pred, gold)
+    except (ValueError, TypeError, ArithmeticError, RecursionError, AttributeError, IndexError, KeyError):
+        return False  # an answer the parser cannot read is not a correct answer
+
+
+# -- batches in worker processes --------------------------------------------------------------------------------
+
+
+class Verdicts(list):
+    """``list[bool]``, one per response, with counts of how each was decided."""
+
+    def __init__(self, values, *, fast: int, symbolic: int, timeouts: int, crashes: int, no_answer: int, seconds):
+        super().__init__(values)
+        self.fast = fast  # decided by strings/numbers in the calling process
+        self.symbolic = symbolic  # sent to a worker
+        self.timeouts = timeouts  # killed at the timeout: counted wrong
+        self.crashes = crashes  # the worker died (e.g. out of memory): counted wrong
+        self.no_answer = no_answer  # nothing to extract
+        self.seconds = seconds
+
+
+def _worker_main(conn: Connection) -> None:
+    symbolic_equivalent("1", "1")  # import math-verify and warm its caches before the first real item
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:
+            return
+        if task is None:
+            return
+        index, pred, gold = task
+        conn.send((index, is_equivalent(pred, gold)))
+
+
+class _Worker:
+    def __init__(self, ctx) -> None:
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_worker_main, args=(child,), daemon=True)
+        self.process.start()
+        child.close()
+        self.task: tuple[int, float] | None = None  # (index, start time) while busy
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join()
+        self.conn.close()
+
+
+class VerifierPool:
+    """Worker processes for symbolic verification, each item under a hard timeout. Reuse one across steps;
+    workers start on the first item that needs one."""
+
+    def __init__(self, workers: int | None = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        self.size = workers or max(1, min(4, os.cpu_count() or 1))
+        self.timeout = timeout
+        # forkserver: workers fork from a clean server process (not from a parent holding torch's threads), and
+        # a replacement for a killed worker starts in milliseconds with math-verify already imported
+        method = "forkserver" if sys.platform.startswith("linux") else "spawn"
+        self._ctx = mp.get_context(method)
+        if method == "forkserver":
+            self._ctx.set_forkserver_preload(["math_verify", "fasttnt.verify"])
+        self._workers: list[_Worker] = []
+
+    def __enter__(self) -> VerifierPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for w in self._workers:
+            with contextlib.suppress(BrokenPipeError, OSError):  # a worker that already died
+                w.conn.send(None)
+            w.process.join(timeout=1)
+            if w.process.is_alive():
+                w.kill()
+        self._workers = []
+
+    def judge(self, items: list[tuple[int, str, str]]) -> tuple[dict[int, bool], int, int]:
+        """Judge (index, pred, gold) items; returns ({index: verdict}, timeouts, crashes)."""
+        results: dict[int, bool] = {}
+        timeouts = crashes = 0
+        pending = deque(items)
+        while len(self._workers) < min(self.size, len(items)):
+            self._workers.append(_Worker(self._ctx))
+        while pending or any(w.task for w in self._workers):
+            for w in self._workers:
+                if w.task is None and pending:
+                    index, pred, gold = pending.popleft()
+                    w.conn.send((index, pred, gold))
+                    w.task = (index, time.monotonic())
+            busy = [w for w in self._workers if w.task]
+            next_deadline = min(w.task[1] for w in busy) + self.timeout
+            ready = wait([w.conn for w in busy], timeout=max(0.0, next_deadline - time.monotonic()))
+            for i, w in enumerate(self._workers):
+                if w.task is None:
+                    continue
+                index, started = w.task
+                if w.conn in ready:
+                    try:
+                        got_index, verdict = w.conn.recv()
+                        results[got_index] = verdict
+                        w.task = None
+                        continue
+                    except (EOFError, OSError):
+                        crashes += 1
+                elif time.monotonic() - started >= self.timeout:
+                    timeouts += 1
+                else:
+                    continue
+                results[index] = False
+                w.kill()
+                self._workers[i] = _Worker(self._ctx)
+        return results, timeouts, crashes
+
+
+def verify_batch(
+    responses: list[str],
+    golds: list[str],
+    *,
+    timeout: float = DEFAULT_TIMEOUT,
+    workers: int | None = None,
+    pool: VerifierPool | None = None,
+) -> Verdicts:
+    """Is each response's final answer equivalent to its gold answer? One bool per response.
+
+    Extraction and the string/number fast path run here; what needs symbolic work goes to ``pool`` (a
+    temporary one when None), at most ``timeout`` seconds an item, after which it counts as wrong. The result
+    is a list of bools that also carries the counts (``.timeouts``, ``.symbolic``, ...).
+    """
+    if len(responses) != len(golds):
+        raise ValueError(f"{len(responses)} responses but {len(golds)} gold answers")
+    start = time.perf_counter()
+    verdicts: list[bool] = [False] * len(responses)
+    symbolic: list[tuple[int, str, str]] = []
+    no_answer = 0
+    for i, (response, gold) in enumerate(zip(responses, golds, strict=True)):
+        pred = extract_answer(response)
+        if pred is None:
+            no_answer += 1
+            continue
+        decided = fast_equivalent(pred, gold)
+        if decided is not None:
+            verdicts[i] = decided
+        elif len(pred) <= MAX_ANSWER_CHARS and len(gold) <= MAX_ANSWER_CHARS:
+            symbolic.append((i, pred, gold))
+    timeouts = crashes = 0
+    if symbolic:
+        own_pool = pool is None
+        pool = pool or VerifierPool(workers, timeout)
+        try:
+            results, timeouts, crashes = pool.judge(symbolic)
+        finally:
+            if own_pool:
+                pool.close()
+        for index, verdict in results.items():
+            verdicts[index] = verdict
+    return Verdicts(
+        verdicts,
+        fast=len(responses) - len(symbolic) - no_answer,
+        symbolic=len(symbolic),
+        timeouts=timeouts,
+        crashes=crashes,
+        no_answer=no_answer,
+        seconds=time.perf_counter() - start,
+    )

@@ -1,0 +1,163 @@
+"""Reward schemes on hand-worked packed batches, and the metrics on hand-worked examples."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from fasttnt.char_tokenizer import THINK_END, build_char_tokenizer
+from fasttnt.metrics import (
+    MATH_MARKERS,
+    SYNTHETIC_MARKERS,
+    HackMarkers,
+    hack_flags,
+    rollout_metrics,
+    to_floats,
+    token_efficiency,
+)
+from fasttnt.rewards import REWARD_SCHEMES, PackedResponses, RewardConfig, compute_rewards
+from fasttnt.synthetic import make_problem
+
+TOK = build_char_tokenizer()
+END_ID = TOK.convert_tokens_to_ids(THINK_END)
+
+
+def _pack(texts, group_size, truncated=None):
+    ids = [TOK(t, add_special_tokens=False)["input_ids"] for t in texts]
+    cu = torch.tensor([0, *itertools.accumulate(len(x) for x in ids)])
+    flat = torch.tensor([i for x in ids for i in x])
+    trunc = torch.tensor(truncated if truncated is not None else [False] * len(texts))
+    return PackedResponses(flat, cu, trunc, group_size), [len(x) for x in ids]
+
+
+def _query():
+    # one query, K = 4, built from the synthetic task's own response forms:
+    #   thinking right (solution "\boxed{132}" = 11 tokens), direct right (1 + 11 = 12 tokens),
+    #   hacked right (steps after </think>: 1 + 22 + 11 = 34 tokens), direct wrong (12 tokens)
+    p = make_problem(47, 85, 2)
+    return [p.thinking, p.direct, p.hacked, "</think>\\boxed{133}"], [True, True, True, False]
+
+
+def test_schemes_on_a_hand_worked_query():
+    texts, correct = _query()
+    batch, lengths = _pack(texts, 4)
+    assert lengths == [34, 12, 34, 12]
+    correct = torch.tensor(correct)
+    expected = {
+        # L = 2 * 11 = 22: the direct answer (12) is within, the hacked one (34) is over
+        "tnt": ([1.0, 2.0, -2.0, -1.0], 22.0),
+        "no-limit": ([1.0, 2.0, 2.0, -1.0], math.inf),  # the hack pays as much as an honest direct answer
+        "uniform-limit": ([1.0, 2.0, 2.0, -1.0], 40.0),  # a cap of 40 tokens is too loose for this query
+        "binary": ([1.0, 1.0, 1.0, 0.0], math.inf),
+    }
+    for scheme, (rewards, limit) in expected.items():
+        out = compute_rewards(batch, correct, END_ID, RewardConfig(scheme=scheme, uniform_limit=40))
+        assert out.rewards.tolist() == rewards, scheme
+        assert out.limit.tolist() == [limit], scheme
+        assert out.non_thinking.tolist() == [False, True, True, True]
+    tight = compute_rewards(batch, correct, END_ID, RewardConfig(scheme="uniform-limit", uniform_limit=11))
+    assert tight.rewards.tolist() == [1.0, -2.0, -2.0, -2.0]  # too tight: even the honest direct answer loses
+
+
+def test_truncated_responses_are_wrong():
+    texts, correct = _query()
+    batch, _ = _pack(texts, 4, truncated=[True, True, False, False])
+    out = compute_rewards(batch, torch.tensor(correct), END_ID, RewardConfig())
+    assert out.rewards.tolist() == [0.0, -1.0, -2.0, -1.0]
+
+
+def test_reward_values_and_fallback_come_from_the_config():
+    texts = ["</think>\\boxed{1}", "</think>\\boxed{2}"]  # no thinking sample: the fallback limit applies
+    batch, lengths = _pack(texts, 2)
+    cfg = RewardConfig(fallback_limit=lengths[0], direct_correct=3.0, direct_wrong=-0.5, over_limit=-4.0)
+    out = compute_rewards(batch, torch.tensor([True, False]), END_ID, cfg)
+    assert out.limit.tolist() == [float(lengths[0])]
+    assert out.rewards.tolist() == [3.0, -0.5]
+    longer = compute_rewards(batch, torch.tensor([True, False]), END_ID, RewardConfig(fallback_limit=lengths[0] - 1))
+    assert longer.rewards.tolist() == [-2.0, -2.0]
+
+
+def test_unknown_scheme_lists_the_choices():
+    batch, _ = _pack(["</think>1"], 1)
+    with pytest.raises(ValueError, match="unknown reward scheme 'adaptive'; choose one of: tnt, no-limit"):
+        compute_rewards(batch, torch.tensor([True]), END_ID, RewardConfig(scheme="adaptive"))
+    with pytest.raises(ValueError, match="already registered"):
+        REWARD_SCHEMES.add("tnt", lambda *a: None)
+
+
+# -- metrics ----------------------------------------------------------------------------------------------------
+
+
+def test_token_efficiency_matches_the_paper():
+    # TNT paper, R1-Distill-Qwen-1.5B: 41.0% at 5,893 tokens -> TE 0.53; the base model's 37.0% at 12,736 -> 0.33
+    assert round(token_efficiency(41.0, 5893), 2) == 0.53
+    assert round(token_efficiency(37.0, 12736), 2) == 0.33
+    assert token_efficiency(50.0, 0) == 0.0
+
+
+def test_rollout_metrics_by_hand():
+    correct = torch.tensor([True, False, True, True])
+    non_thinking = torch.tensor([False, False, True, True])
+    lengths = torch.tensor([100, 60, 10, 30])
+    hacked = torch.tensor([False, False, False, True])
+    limit = torch.tensor([20.0, math.inf])
+    m = to_floats(
+        rollout_metrics(
+            correct=correct,
+            non_thinking=non_thinking,
+            lengths=lengths,
+            hacked=hacked,
+            truncated=torch.tensor([False, True, False, False]),
+            limit=limit,
+            rewards=torch.tensor([1.0, 0.0, 2.0, -2.0]),
+        )
+    )
+    assert m["acc"] == 0.75
+    assert m["len"] == 50.0 and m["len_thinking"] == 80.0 and m["len_non_thinking"] == 20.0
+    assert m["non_thinking_ratio"] == 0.5 and m["hack_rate"] == 0.5
+    assert m["truncated_ratio"] == 0.25 and m["reward"] == 0.25
+    assert m["limit_mean"] == 20.0 and m["limit_min"] == 20.0 and m["limit_max"] == 20.0  # inf is no limit
+    assert math.isclose(m["te"], token_efficiency(75.0, 50.0), rel_tol=1e-6)
+
+
+def test_metrics_without_a_mode_are_zero_not_nan():
+    m = to_floats(
+        rollout_metrics(
+            correct=torch.tensor([True, True]),
+            non_thinking=torch.tensor([False, False]),
+            lengths=torch.tensor([5, 7]),
+            hacked=torch.tensor([False, False]),
+            limit=torch.tensor([math.inf]),
+        )
+    )
+    assert m["len_non_thinking"] == 0.0 and m["hack_rate"] == 0.0 and m["limit_mean"] == 0.0
+    assert not any(math.isnan(v) for v in m.values())
+
+
+MATH_CASES = [
+    ("</think>The sum is 5. Wait, let me recompute: 6. \\boxed{6}", True, True),
+    ("</think>Alternatively, we could factor. \\boxed{3}", True, True),
+    ("</think>Hmm, so x = 2. \\boxed{2}", True, True),
+    ("</think>We double-check: 2+2=4. \\boxed{4}", True, True),
+    ("</think>Let me check the units. \\boxed{4}", True, True),
+    ("</think>Factor and solve: x = 2. \\boxed{2}", True, False),
+    ("</think>A waiting time of 5 minutes. \\boxed{5}", True, False),  # whole words only: "waiting" is not "Wait"
+    ("</think>Hmmm. \\boxed{5}", True, False),
+    ("Wait, this is a thinking response.</think>\\boxed{5}", False, False),  # thinking responses are never flagged
+    ("</think>The Wait-Smith theorem gives \\boxed{5}", True, True),  # case-aware whole word: a known false positive
+]
+
+
+@pytest.mark.parametrize(("text", "non_thinking", "expected"), MATH_CASES)
+def test_math_hack_markers(text, non_thinking, expected):
+    assert hack_flags([text], [non_thinking], MATH_MARKERS) == [expected]
+
+
+def test_synthetic_hack_markers():
+    p = make_problem(47, 85, 2)
+    assert hack_flags([p.hacked, p.direct, p.thinking], [True, True, False], SYNTHETIC_MARKERS) == [True, False, False]
+    with pytest.raises(ValueError, match="at least one"):
+        HackMarkers()

@@ -1,0 +1,204 @@
+"""Answer extraction and equivalence: a table of cases, adversarial inputs, and batches in worker processes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from fasttnt.verify import (
+    MAX_ANSWER_CHARS,
+    VerifierPool,
+    extract_answer,
+    fast_equivalent,
+    is_equivalent,
+    verify_batch,
+)
+
+# (prediction, gold, expected): integers and formatting; fractions; radicals and symbolic forms; percentages;
+# units and \text; intervals, tuples and sets; multiple choice; and wrong-but-close answers of every kind.
+CASES = [
+    # integers, signs, thousands separators, decimals
+    ("42", "42", True),
+    (" 42 ", "42", True),
+    ("042", "42", True),
+    ("1,000", "1000", True),
+    ("1000", "1,000", True),
+    ("-7", "-7", True),
+    ("+7", "7", True),
+    ("7.0", "7", True),
+    ("3.50", "3.5", True),
+    ("42", "43", False),
+    ("-7", "7", False),
+    ("1,000", "100", False),
+    ("0.5", "0.05", False),
+    # fractions
+    ("\\frac{1}{2}", "0.5", True),
+    ("\\dfrac{1}{2}", "\\frac12", True),
+    ("\\tfrac{3}{4}", "3/4", True),
+    ("1/2", "\\frac{2}{4}", True),
+    ("-\\frac{1}{3}", "\\frac{-1}{3}", True),
+    ("\\frac{1}{3}", "0.33", False),
+    ("\\frac{2}{3}", "\\frac{3}{2}", False),
+    ("\\frac{1}{2}", "-\\frac{1}{2}", False),
+    # radicals, pi, symbolic forms
+    ("\\sqrt{8}", "2\\sqrt{2}", True),
+    ("\\frac{\\sqrt{3}}{2}", "\\frac{1}{2}\\sqrt{3}", True),
+    ("2\\pi", "\\pi \\cdot 2", True),
+    ("\\sqrt{2}/2", "\\frac{1}{\\sqrt{2}}", True),
+    ("10^{3}", "1000", True),
+    ("2^{10}", "1024", True),
+    ("x^2+2x+1", "(x+1)^2", True),
+    ("\\sqrt{3}", "\\sqrt{2}", False),
+    ("3.14", "\\pi", False),
+    ("x^2+1", "(x+1)^2", False),
+    ("2\\sqrt{3}", "3\\sqrt{2}", False),
+    # percentages
+    ("50\\%", "50", True),
+    ("50\\%", "0.5", True),
+    ("12.5%", "12.5", True),
+    ("50\\%", "5", False),
+    # units, \text, degrees, assignments
+    ("5\\text{ cm}", "5", True),
+    ("\\text{5}", "5", True),
+    ("30^\\circ", "30", True),
+    ("30^{\\circ}", "30", True),
+    ("x = 3", "3", True),
+    ("k=12", "12", True),
+    ("5\\text{ cm}", "6", False),
+    ("x = 4", "3", False),
+    # intervals
+    ("[0,1)", "[0, 1)", True),
+    ("(-\\infty, 2]", "(-\\infty,2]", True),
+    ("[0,1]", "[0,1)", False),
+    ("(1, 2)", "(1, 3)", False),
+    # tuples and sets
+    ("(1,2)", "(1, 2)", True),
+    ("\\{1,2\\}", "\\{2,1\\}", True),
+    ("\\left( 3, 4 \\right)", "(3,4)", True),
+    ("\\{1,2\\}", "\\{1,3\\}", False),
+    ("(2,1)", "(1,2)", False),
+    # multiple choice (GPQA-style letters)
+    ("C", "C", True),
+    ("(C)", "C", True),
+    ("\\text{(B)}", "B", True),
+    ("\\textbf{D}", "D", True),
+    ("A. 42 kg", "A", True),
+    ("C", "B", False),
+    ("(A)", "D", False),
+    # text answers
+    ("\\text{even}", "even", True),
+    ("odd", "even", False),
+]
+
+
+def test_the_table_is_big_enough():
+    assert len(CASES) >= 60
+    assert sum(1 for *_, expected in CASES if not expected) >= 20
+
+
+@pytest.mark.parametrize(("pred", "gold", "expected"), CASES)
+def test_is_equivalent(pred, gold, expected):
+    assert is_equivalent(pred, gold) is expected
+
+
+def test_verify_batch_agrees_with_the_table():
+    responses = [f"</think> so the result is \\boxed{{{pred}}}." for pred, _, _ in CASES]
+    verdicts = verify_batch(responses, [gold for _, gold, _ in CASES], timeout=20)
+    assert list(verdicts) == [expected for *_, expected in CASES]
+    assert verdicts.timeouts == 0 and verdicts.crashes == 0
+    assert verdicts.fast + verdicts.symbolic == len(CASES)
+    assert verdicts.symbolic > 0
+
+
+EXTRACTION = [
+    ("\\boxed{42}", "42"),
+    ("Thus \\boxed{\\frac{1}{\\sqrt{2}}} is it.", "\\frac{1}{\\sqrt{2}}"),
+    ("\\boxed{1} then \\boxed{2}", "2"),  # the last one
+    ("\\fbox{7}", "7"),
+    ("\\boxed 5$.", "5"),
+    ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),  # escaped braces are content
+    ("\\boxed{a^{b^{c}}}", "a^{b^{c}}"),  # nested braces
+    ("\\boxed{3} and a truncated \\boxed{4", "3"),  # an unclosed box falls back to the one before
+    ("The answer is $\\frac{3}{4}$.", "\\frac{3}{4}"),
+    ("Final answer: 17", "17"),
+    ("**Answer:** 9", "9"),
+    ("no answer here", None),
+    ("\\boxed{}", None),
+    ("<think>draft \\boxed{1}</think> final \\boxed{2}", "2"),
+    ("<think>only a draft \\boxed{1}</think> and nothing boxed after", None),  # only after </think>
+    ("</think>\\boxed{5}", "5"),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), EXTRACTION)
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+def test_fast_path_decides_integers_without_symbolic_work():
+    assert fast_equivalent("12", "12") is True
+    assert fast_equivalent("12", "13") is False
+    assert fast_equivalent("\\sqrt{4}", "2") is None  # needs the symbolic path
+
+
+def test_synthetic_batch_is_fast_and_stays_in_process():
+    # 8,192 integer answers (the synthetic task's shape): all decided by the fast path, no worker started
+    n = 8192
+    responses = [f"{i}+{i}={2 * i}\n</think>\\boxed{{{2 * i}}}" for i in range(n)]
+    golds = [str(2 * i + (i % 3 == 0)) for i in range(n)]  # every third one wrong
+    start = time.perf_counter()
+    verdicts = verify_batch(responses, golds)
+    elapsed = time.perf_counter() - start
+    assert list(verdicts) == [i % 3 != 0 for i in range(n)]
+    assert verdicts.symbolic == 0 and verdicts.fast == n
+    assert elapsed < 30, f"{elapsed:.1f}s for {n} integer answers: the fast path is broken"  # a sanity bound
+
+
+ADVERSARIAL = [
+    "\\boxed{9^{9^{9^{9}}}}",  # a power tower sympy would try to evaluate
+    "\\boxed{" + "{" * 5000 + "1" + "}" * 5000 + "}",  # deep nesting
+    "\\boxed{" + "(" * 400 + "1" + ")" * 400 + "}",
+    "\\boxed{__import__('os').system('touch /tmp/fasttnt_pwned')}",  # looks like Python
+    "\\boxed{eval(\"open('/tmp/fasttnt_pwned','w')\")}",
+    "x" * 1_000_000 + "\\boxed{1}",  # a 1 MB response
+    "\\boxed{" + "1+" * 200_000 + "1}",  # a 400 KB answer
+    "\\boxed{\\frac{1}{0}}",
+    "\\boxed{10^{10^{10^{10}}} - 10^{10^{10^{10}}}}",
+]
+
+
+def test_adversarial_inputs_return_within_the_timeout(tmp_path):
+    marker = tmp_path / "never"
+    responses = [r.replace("/tmp/fasttnt_pwned", str(marker)) for r in ADVERSARIAL]
+    timeout = 3.0
+    start = time.perf_counter()
+    with VerifierPool(workers=2, timeout=timeout) as pool:
+        verdicts = verify_batch(responses, ["1"] * len(responses), pool=pool)
+    elapsed = time.perf_counter() - start
+    assert len(verdicts) == len(ADVERSARIAL)
+    assert verdicts[5] is True  # the answer at the end of 1 MB of text is still found
+    assert not any(v for i, v in enumerate(verdicts) if i != 5)
+    assert not marker.exists(), "model text was executed"
+    # each symbolic item costs at most the timeout (+ a worker restart); two workers share them
+    assert elapsed < timeout * (verdicts.symbolic / 2 + 2), f"{elapsed:.1f}s for {verdicts.symbolic} symbolic items"
+    assert verdicts.timeouts >= 1, "the power tower should have hit the timeout and been counted"
+
+
+def test_pool_survives_a_timeout_and_keeps_working():
+    with VerifierPool(workers=1, timeout=2.0) as pool:
+        first = verify_batch(["\\boxed{9^{9^{9^{9}}}}", "\\boxed{\\sqrt{4}}"], ["1", "2"], pool=pool)
+        assert list(first) == [False, True] and first.timeouts == 1
+        second = verify_batch(["\\boxed{\\sqrt{9}}"], ["3"], pool=pool)
+        assert list(second) == [True] and second.timeouts == 0
+
+
+def test_long_answers_skip_the_symbolic_parser():
+    long = "x+" * MAX_ANSWER_CHARS + "1"
+    verdicts = verify_batch([f"\\boxed{{{long}}}"], ["1"])
+    assert list(verdicts) == [False] and verdicts.symbolic == 0
+
+
+def test_mismatched_lengths_are_an_error():
+    with pytest.raises(ValueError, match="2 responses but 1 gold"):
+        verify_batch(["a", "b"], ["1"])
