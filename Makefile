@@ -1,4 +1,4 @@
-.PHONY: install test lint format selfcheck
+.PHONY: install test lint format selfcheck train
 
 install:
 	pip install "torch==2.13.0" -e ".[test]"
@@ -14,3 +14,6 @@ format:
 
 selfcheck:
 	fasttnt selfcheck
+
+train:
+	fasttnt train

@@ -1,0 +1,84 @@
+"""Atomic checkpoints: a step's folder is written under a temporary name and renamed into place, so a run killed
+mid-save leaves the previous checkpoint whole. Weights are safetensors; optimizer, scheduler and RNG states load
+with ``torch.load(weights_only=True)``, never an unrestricted unpickle."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_PREFIX = "step-"
+
+
+@dataclass
+class TrainerState:
+    step: int  # steps completed
+    data_position: int  # problems consumed from the training stream
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(root: Path, state: TrainerState, model, optimizer, scheduler, *, keep: int) -> Path:
+    """Write ``root/step-NNNNNN`` atomically and keep the newest ``keep`` checkpoints."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{_PREFIX}{state.step:06d}"
+    tmp = root / f"{final.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+    torch.save(rng_state(), tmp / "rng.pt")
+    (tmp / "trainer_state.json").write_text(json.dumps(state.__dict__))
+    _fsync_tree(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)  # the commit point
+    for old in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _fsync_tree(path: Path) -> None:
+    for f in path.iterdir():
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (half-written ``.tmp`` folders are not checkpoints)."""
+    if not root.is_dir():
+        return []
+    done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and not p.name.endswith(".tmp")]
+    return sorted(done, key=lambda p: int(p.name[len(_PREFIX) :]))
+
+
+def remove_partial(root: Path) -> None:
+    if root.is_dir():
+        for p in root.glob(f"{_PREFIX}*.tmp"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def load_training_state(path: Path, optimizer, scheduler) -> TrainerState:
+    """Restore optimizer, scheduler and RNG states from a checkpoint (the model is loaded by the caller)."""
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    set_rng_state(torch.load(path / "rng.pt", weights_only=True))
+    return TrainerState(**json.loads((path / "trainer_state.json").read_text()))

@@ -1,0 +1,303 @@
+"""The typed training config: dataclasses, loaded from YAML with ``key=value`` overrides, validated up front.
+
+Every error is a ``ConfigError`` naming the key (``rollout.group_size: expected an int, got 'eight'``); the
+CLI turns it into one line and exit code 2 before anything heavy starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from .data import DATASETS
+from .metrics import MARKER_SETS
+from .rewards import REWARD_SCHEMES, RewardConfig
+from .tiny import TinyModelConfig, WarmupConfig
+
+
+class ConfigError(ValueError):
+    """A config that cannot run, naming the key at fault."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "tiny"  # "tiny" (the embedded default, built from `tiny`) or a hub id / local HF folder
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+    gradient_checkpointing: bool = False
+    liger_kernels: bool = True  # Liger's RMSNorm/SwiGLU/RoPE on CUDA when liger-kernel is installed
+    trust_remote_code: bool = False
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train: str = "synthetic"  # "synthetic", a registered set (deepscaler, ...), a hub id or a local file
+    problem_field: str | None = None
+    answer_field: str | None = None
+    levels: tuple[int, ...] = (1, 2, 3, 4)  # synthetic task: digits per operand
+    instruction: str | None = None  # appended to each problem; None: the math instruction for math sets
+    hack_markers: Literal["auto", "math", "synthetic"] = "auto"
+    max_prompt_tokens: int = 1024  # longer prompts are dropped from the training set
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    engine: Literal["hf", "vllm"] = "hf"
+    prompts_per_step: int = 32
+    group_size: int = 8  # K samples per prompt
+    max_new_tokens: int = 96
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # vllm only
+    gpu_memory_utilization: float = 0.5
+    sleep_between_rollouts: bool = True
+    weight_sync_bucket_mb: int = 512
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    adv_scale: Literal["std", "none"] = "std"
+    adv_eps: float = 1e-6
+    clip_low: float = 0.2
+    clip_high: float = 0.28  # clip-higher (DAPO)
+    dual_clip: float | None = None
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    norm_length: float | None = None
+    ppo_epochs: int = 1
+    mini_batches: int = 1  # optimizer steps per rollout batch and epoch
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-4  # the tiny model's; real models use 1e-6 (configs/*.yaml)
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.99)
+    warmup_steps: int = 5
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    seed: int = 0
+    steps: int = 100
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # tokens per packed row in the training forward: short rows on the CPU, where SDPA's block-diagonal mask
+    # costs O(row^2); on GPUs with FlashAttention's varlen kernel use one long row (16K+)
+    pack_tokens: int = 256
+    save_every: int = 20
+    keep_checkpoints: int = 2
+    verify_timeout: float = 5.0
+    verify_workers: int = 2
+    cache_dir: str = "~/.cache/fasttnt"  # the tiny model's warm-up is kept here
+    model: ModelConfig = field(default_factory=ModelConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+# -- loading ----------------------------------------------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """``value`` as type ``tp`` or a ConfigError naming ``key``; ints are accepted where floats are."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {value!r}")
+        return _build(tp, value, key + ".")
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in (o for o in options if o is not type(None)):
+            try:
+                return _coerce(value, option, key)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} fits none of {_type_name(tp)}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, choices))}")
+        return value
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise ConfigError(f"{key}: expected {len(args)} values, got {len(value)}")
+        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an int, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported type {_type_name(tp)}")  # a bug in the config classes, not the file
+
+
+def _build(cls: type, data: dict, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown key (known: {', '.join(sorted(names))})")
+    return cls(**{name: _coerce(value, hints[name], prefix + name) for name, value in data.items()})
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted}: {part} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
+    """The config from a YAML file (or the defaults) with ``key=value`` overrides applied, then validated."""
+    tree: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"--config: {path} does not exist")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"--config: {path} is not valid YAML ({err})") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"--config: {path} must hold a mapping of sections")
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{item}: overrides are key=value, e.g. rollout.group_size=16")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            value = raw
+        _set_dotted(tree, key.strip(), value)
+    cfg = _build(TrainConfig, tree)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Combinations that cannot run, each named by its key."""
+
+    def need(ok: bool, key: str, why: str) -> None:
+        if not ok:
+            raise ConfigError(f"{key}: {why}")
+
+    r, loss, o = cfg.rollout, cfg.loss, cfg.optim
+    need(cfg.steps >= 1, "steps", "must be >= 1")
+    need(cfg.save_every >= 1, "save_every", "must be >= 1")
+    need(cfg.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
+    need(cfg.pack_tokens >= 64, "pack_tokens", "must be >= 64")
+    need(cfg.verify_timeout > 0, "verify_timeout", "must be > 0 seconds")
+    need(cfg.verify_workers >= 1, "verify_workers", "must be >= 1")
+    need(r.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1")
+    need(r.group_size >= 1, "rollout.group_size", "must be >= 1")
+    need(
+        not (r.group_size == 1 and loss.adv_scale == "std"),
+        "rollout.group_size",
+        "1 sample per prompt has no group std to scale by; use loss.adv_scale=none or group_size >= 2",
+    )
+    need(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
+    need(r.temperature > 0, "rollout.temperature", "must be > 0")
+    need(0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+    need(0 < r.gpu_memory_utilization < 1, "rollout.gpu_memory_utilization", "must be in (0, 1)")
+    need(loss.mini_batches >= 1, "loss.mini_batches", "must be >= 1")
+    need(
+        r.prompts_per_step % loss.mini_batches == 0,
+        "loss.mini_batches",
+        f"{loss.mini_batches} mini-batches do not divide rollout.prompts_per_step={r.prompts_per_step}",
+    )
+    need(loss.ppo_epochs >= 1, "loss.ppo_epochs", "must be >= 1")
+    need(0 <= loss.clip_low < 1, "loss.clip_low", "must be in [0, 1)")
+    need(loss.clip_high >= 0, "loss.clip_high", "must be >= 0")
+    need(loss.dual_clip is None or loss.dual_clip > 1, "loss.dual_clip", "must be > 1")
+    need(loss.kl_coef >= 0, "loss.kl_coef", "must be >= 0")
+    need(
+        loss.agg != "seq-mean-token-sum-norm" or (loss.norm_length or 0) > 0,
+        "loss.norm_length",
+        "agg=seq-mean-token-sum-norm needs norm_length > 0 (usually rollout.max_new_tokens)",
+    )
+    need(o.lr > 0, "optim.lr", "must be > 0")
+    need(o.grad_clip > 0, "optim.grad_clip", "must be > 0")
+    need(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+    need(cfg.reward.scheme in REWARD_SCHEMES, "reward.scheme", f"unknown; choose one of {REWARD_SCHEMES.names()}")
+    need(
+        cfg.reward.scheme != "uniform-limit" or (cfg.reward.uniform_limit or -1) >= 0,
+        "reward.uniform_limit",
+        "reward.scheme=uniform-limit needs uniform_limit >= 0",
+    )
+    need(cfg.reward.omega > 0, "reward.omega", "must be > 0")
+    need(bool(cfg.data.levels) and all(1 <= x <= 9 for x in cfg.data.levels), "data.levels", "digits in 1..9")
+    need(
+        cfg.data.hack_markers == "auto" or cfg.data.hack_markers in MARKER_SETS,
+        "data.hack_markers",
+        f"choose one of {list(MARKER_SETS)}",
+    )
+    train = cfg.data.train
+    looks_local = train.endswith((".jsonl", ".json", ".parquet")) or train.startswith(("/", "./", "~"))
+    need(
+        train == "synthetic" or train in DATASETS or not looks_local or Path(train).expanduser().is_file(),
+        "data.train",
+        f"{train} does not exist",
+    )
+    need(bool(cfg.model.name.strip()), "model.name", "must name a model: tiny, a hub id or a local folder")
+
+
+def to_dict(cfg: TrainConfig) -> dict:
+    """The resolved config as plain data (tuples as lists), as written to config.yaml."""
+
+    def plain(x):
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        return x
+
+    return plain(dataclasses.asdict(cfg))
+
+
+def dump_config(cfg: TrainConfig, path: Path) -> None:
+    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -1,0 +1,68 @@
+"""Training curves and the end-of-run summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# (title, [(metric, label), ...]) per panel
+_PANELS = [
+    ("reward", [("reward", "mean reward")]),
+    ("accuracy", [("acc", "accuracy")]),
+    ("mean tokens by mode", [("len", "all"), ("len_thinking", "thinking"), ("len_non_thinking", "non-thinking")]),
+    ("non-thinking ratio", [("non_thinking_ratio", "non-thinking ratio")]),
+    ("hack rate", [("hack_rate", "hack rate (of non-thinking)")]),
+    ("per-query limit L_x", [("limit_mean", "mean"), ("limit_min", "min"), ("limit_max", "max")]),
+]
+
+
+def plot_curves(history: list[dict[str, float]], path: Path, *, title: str = "fasttnt GRPO") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] for h in history]
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7), constrained_layout=True)
+    for ax, (name, series) in zip(axes.flat, _PANELS, strict=True):
+        for key, label in series:
+            if all(key in h for h in history):
+                ax.plot(steps, [h[key] for h in history], label=label, linewidth=1.5)
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if len(series) > 1:
+            ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+SUMMARY_KEYS = [
+    ("reward", "{:.3f}"),
+    ("acc", "{:.3f}"),
+    ("non_thinking_ratio", "{:.3f}"),
+    ("len", "{:.1f}"),
+    ("len_thinking", "{:.1f}"),
+    ("len_non_thinking", "{:.1f}"),
+    ("hack_rate", "{:.3f}"),
+    ("limit_mean", "{:.1f}"),
+]
+
+
+def summary_table(history: list[dict[str, float]], *, window: int = 5) -> str:
+    """First vs last steps (means over ``window`` steps each) and where the time went."""
+    first, last = history[:window], history[-window:]
+
+    def mean(rows, key):
+        return sum(r[key] for r in rows) / len(rows)
+
+    lines = [f"{'metric':<20}{'first ' + str(len(first)) + ' steps':>18}{'last ' + str(len(last)) + ' steps':>18}"]
+    for key, fmt in SUMMARY_KEYS:
+        lines.append(f"{key:<20}{fmt.format(mean(first, key)):>18}{fmt.format(mean(last, key)):>18}")
+    total = sum(r["time_step"] for r in history)
+    lines.append("")
+    lines.append(f"time over {len(history)} steps: {total:.1f} s")
+    for key in ("generate", "verify", "reward", "logprobs", "update", "sync"):
+        t = sum(r[f"time_{key}"] for r in history)
+        lines.append(f"  {key:<12}{t:8.1f} s  {100 * t / max(total, 1e-9):5.1f}%")
+    return "\n".join(lines)

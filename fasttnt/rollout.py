@@ -1,0 +1,268 @@
+"""Rollout engines: K sampled responses per prompt, returned packed.
+
+``hf`` generates with transformers (CPU or GPU, KV cache, batched). ``vllm`` runs a colocated vLLM ``LLM`` on
+the training GPU, asleep between rollouts, with weights pushed from the trained model in buckets. vLLM does not
+install on CPU-only machines, so the ``vllm`` engine is written against vLLM's documented offline API and is
+**not exercised by the test suite**.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from .data import Prompt
+from .registry import Registry
+
+
+@dataclass
+class RolloutBatch:
+    """S = prompts x K responses, the K samples of a prompt adjacent."""
+
+    prompt_ids: list[list[int]]  # (S,) the prompt of each response (repeated K times)
+    response_ids: torch.Tensor  # (N,) packed response tokens, EOS included when generated
+    cu_seqlens: torch.Tensor  # (S+1,) int64
+    truncated: torch.Tensor  # (S,) bool: the length budget ran out before EOS
+    group_size: int
+    engine_logprobs: torch.Tensor | None = None  # (N,) the engine's own log-probs of the tokens, when it gives them
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.cu_seqlens[1:] - self.cu_seqlens[:-1]  # (S,)
+
+    @property
+    def group_ids(self) -> torch.Tensor:
+        """The prompt each response answers: responses g*K .. g*K+K-1 belong to prompt g."""
+        return torch.arange(self.lengths.numel(), device=self.cu_seqlens.device) // self.group_size  # (S,)
+
+    def responses(self) -> list[list[int]]:
+        bounds = self.cu_seqlens.tolist()  # sync: one per step, for decoding
+        ids = self.response_ids.tolist()
+        return [ids[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def pack(sequences: list[list[int]], device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed ids (N,) and cu_seqlens (S+1,) of token lists."""
+    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
+    cu = torch.zeros(len(sequences) + 1, dtype=torch.int64)
+    cu[1:] = lengths.cumsum(0)
+    flat = torch.tensor([t for s in sequences for t in s], dtype=torch.int64)
+    return flat.to(device), cu.to(device)
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[Prompt], group_size: int, *, seed: int) -> RolloutBatch: ...
+
+    def sync_weights(self, model: torch.nn.Module) -> None: ...
+
+    def close(self) -> None: ...
+
+
+ENGINES: Registry[type] = Registry("rollout engine")
+
+
+class _ForbidFirst(LogitsProcessor):
+    """Forced thinking: the first generated token may not be ``</think>``."""
+
+    def __init__(self, prompt_width: int, token_id: int) -> None:
+        self.prompt_width, self.token_id = prompt_width, token_id
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if input_ids.shape[1] == self.prompt_width:
+            scores[:, self.token_id] = -float("inf")
+        return scores
+
+
+@ENGINES.register("hf")
+class HFEngine:
+    """transformers ``generate`` on the training model itself (no weight copy, so syncing is free)."""
+
+    def __init__(self, model, tokenizer, *, max_new_tokens: int, temperature: float, top_p: float, **_) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.eos_id = tokenizer.eos_token_id
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+        self.think_end_id = tokenizer.convert_tokens_to_ids("</think>")
+
+    @torch.no_grad()
+    def generate(self, prompts: list[Prompt], group_size: int, *, seed: int) -> RolloutBatch:
+        device = next(self.model.parameters()).device
+        encoded = [self.tokenizer(p.text + p.response_prefix, add_special_tokens=False)["input_ids"] for p in prompts]
+        prefixes = [
+            self.tokenizer(p.response_prefix, add_special_tokens=False)["input_ids"] if p.response_prefix else []
+            for p in prompts
+        ]
+        rows = [ids for ids in encoded for _ in range(group_size)]  # (S,) prompts, each K times
+        width = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):  # left padding: every row's next token is generated at the same column
+            input_ids[i, width - len(r) :] = torch.tensor(r)
+            attention[i, width - len(r) :] = 1
+        processors = LogitsProcessorList()
+        if any(p.forbid_think_end_first for p in prompts):
+            processors.append(_ForbidFirst(width, self.think_end_id))
+        was_training = self.model.training
+        self.model.eval()
+        torch.manual_seed(seed)  # sampling reads the global generator: seeded per step, so a resumed run repeats it
+        out = self.model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention.to(device),
+            do_sample=True,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=0,
+            max_new_tokens=self.max_new_tokens,
+            eos_token_id=self.eos_id,
+            pad_token_id=self.pad_id,
+            logits_processor=processors,
+        )
+        self.model.train(was_training)
+        generated = out[:, width:].tolist()  # sync: one per rollout
+        responses, truncated = [], []
+        for i, tokens in enumerate(generated):
+            if self.eos_id in tokens:
+                tokens = tokens[: tokens.index(self.eos_id) + 1]  # keep EOS: the policy learns to stop
+                truncated.append(False)
+            else:
+                truncated.append(True)
+            responses.append(prefixes[i // group_size] + tokens)
+        prompt_ids = [
+            ids[: len(ids) - len(prefixes[i // group_size])] for i, ids in enumerate(rows)
+        ]  # the prompt proper: a pre-filled prefix belongs to the response
+        ids, cu = pack(responses, device)
+        return RolloutBatch(prompt_ids, ids, cu, torch.tensor(truncated, device=device), group_size)
+
+    def sync_weights(self, model) -> None:
+        pass  # generates with the trained model itself
+
+    def close(self) -> None:
+        pass
+
+
+@ENGINES.register("vllm")
+class VLLMEngine:
+    """A colocated vLLM ``LLM`` (not exercised by the tests: vLLM needs a GPU and does not install here).
+
+    Sleep mode frees its KV cache (level 1) between rollouts so the update has the GPU memory; after each update
+    the trained weights are pushed into vLLM's model in buckets of ``weight_sync_bucket_mb`` through the model's
+    ``load_weights`` (the colocated pattern TRL uses), with no disk round-trip, and the prefix cache is reset so
+    no stale KV of the old weights is reused.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        model_path: str,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        gpu_memory_utilization: float,
+        sleep_between_rollouts: bool,
+        weight_sync_bucket_mb: int,
+        max_model_len: int,
+        seed: int,
+        dtype: str,
+    ) -> None:
+        try:
+            from vllm import LLM, SamplingParams
+        except ImportError as err:
+            raise RuntimeError("rollout.engine=vllm needs vLLM on a CUDA machine: pip install 'fasttnt[gpu]'") from err
+        self._sampling_params = SamplingParams
+        self.tokenizer = tokenizer
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.sleep_between_rollouts = sleep_between_rollouts
+        self.bucket_bytes = weight_sync_bucket_mb * 2**20
+        self.llm = LLM(
+            model=model_path,
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=sleep_between_rollouts,
+            enable_prefix_caching=True,
+            max_model_len=max_model_len,
+            seed=seed,
+        )
+        self.asleep = False
+        self.think_end_id = tokenizer.convert_tokens_to_ids("</think>")
+        if sleep_between_rollouts:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def generate(self, prompts: list[Prompt], group_size: int, *, seed: int) -> RolloutBatch:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+        prefixes = [
+            self.tokenizer(p.response_prefix, add_special_tokens=False)["input_ids"] if p.response_prefix else []
+            for p in prompts
+        ]
+        prompt_ids = [
+            self.tokenizer(p.text, add_special_tokens=False)["input_ids"] + prefix
+            for p, prefix in zip(prompts, prefixes, strict=True)
+        ]
+        params = self._sampling_params(
+            n=group_size,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            max_tokens=self.max_new_tokens,
+            logprobs=0,  # the sampled token's own log-prob
+            seed=seed,
+        )
+        if any(p.forbid_think_end_first for p in prompts):
+            raise NotImplementedError("forced thinking is not implemented for the vllm engine; use engine=hf")
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        responses, truncated, logprobs, rows = [], [], [], []
+        for i, out in enumerate(outputs):
+            for completion in out.outputs:
+                tokens = list(completion.token_ids)
+                responses.append(prefixes[i] + tokens)
+                truncated.append(completion.finish_reason == "length")
+                token_lp = [next(iter(lp.values())).logprob for lp in completion.logprobs or []]
+                logprobs.extend([0.0] * len(prefixes[i]) + token_lp)
+                rows.append(prompt_ids[i][: len(prompt_ids[i]) - len(prefixes[i])])
+        if self.sleep_between_rollouts:
+            self.llm.sleep(level=1)
+            self.asleep = True
+        ids, cu = pack(responses, "cuda")
+        return RolloutBatch(
+            rows,
+            ids,
+            cu,
+            torch.tensor(truncated, device="cuda"),
+            group_size,
+            engine_logprobs=torch.tensor(logprobs, device="cuda"),
+        )
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"]) if _accepts_tags(self.llm.wake_up) else self.llm.wake_up()
+            self.asleep = False
+        target = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+        bucket, size = [], 0
+        for name, param in model.state_dict().items():
+            bucket.append((name, param.detach()))
+            size += param.numel() * param.element_size()
+            if size >= self.bucket_bytes:
+                target.load_weights(bucket)
+                bucket, size = [], 0
+        if bucket:
+            target.load_weights(bucket)
+        self.llm.reset_prefix_cache()
+        if self.sleep_between_rollouts:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def close(self) -> None:
+        del self.llm
+
+
+def _accepts_tags(fn) -> bool:
+    import inspect
+
+    return "tags" in inspect.signature(fn).parameters

@@ -1,0 +1,164 @@
+"""The embedded default model: a tiny Qwen2-architecture model built from a config, and its supervised warm-up
+on the synthetic task (both modes, cached on disk so a second run skips it)."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from .char_tokenizer import build_char_tokenizer
+from .data import build_prompt
+from .synthetic import problems
+
+
+@dataclass(frozen=True)
+class TinyModelConfig:
+    """A Qwen2 small enough to train on two CPU cores (~0.6M parameters at the defaults)."""
+
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 3
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 256
+
+
+@dataclass(frozen=True)
+class WarmupConfig:
+    """Supervised warm-up: thinking and direct responses to the synthetic task, by a fixed recipe."""
+
+    steps: int = 800
+    batch_size: int = 128
+    lr: float = 3e-3
+    warmup_steps: int = 50
+    levels: tuple[int, ...] = (1, 2, 3, 4)
+    direct_share: float = 0.5  # share of examples answered directly (the rest think)
+    hack_share: float = 0.1  # share of the direct examples that write their steps after </think> anyway
+    seed: int = 0
+
+
+def build_tiny_model(tokenizer: PreTrainedTokenizerFast, cfg: TinyModelConfig, seed: int = 0) -> Qwen2ForCausalLM:
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config)
+
+
+def _examples(tokenizer, cfg: WarmupConfig):
+    """Endless (prompt ids, response ids) pairs; the response ends with EOS."""
+    rng = random.Random(f"warmup-{cfg.seed}")
+    eos = tokenizer.eos_token
+    for p in problems("train", levels=cfg.levels, seed=cfg.seed):
+        if rng.random() < cfg.direct_share:
+            response = p.hacked if rng.random() < cfg.hack_share else p.direct
+        else:
+            response = p.thinking
+        prompt = build_prompt(tokenizer, p.problem).text
+        yield (
+            tokenizer(prompt, add_special_tokens=False)["input_ids"],
+            tokenizer(response + eos, add_special_tokens=False)["input_ids"],
+        )
+
+
+def _padded(pairs, pad_id):
+    """Right-padded input ids, attention mask and labels (-100 on the prompt and the padding)."""
+    width = max(len(p) + len(r) for p, r in pairs)
+    ids = torch.full((len(pairs), width), pad_id)
+    labels = torch.full((len(pairs), width), -100)
+    mask = torch.zeros((len(pairs), width), dtype=torch.long)
+    for i, (p, r) in enumerate(pairs):
+        n = len(p) + len(r)
+        ids[i, :n] = torch.tensor(p + r)
+        labels[i, len(p) : n] = torch.tensor(r)
+        mask[i, :n] = 1
+    return ids, mask, labels
+
+
+def _token_mean_loss(model, pairs, pad_id, *, buckets: int = 4) -> torch.Tensor:
+    """Cross-entropy over every response token of the batch, computed in length-sorted buckets: direct answers
+    are ~15 tokens and traces up to ~80, so one padded batch would spend half its compute on padding."""
+    pairs = sorted(pairs, key=lambda pr: len(pr[0]) + len(pr[1]))
+    n_tokens = sum(len(r) for _, r in pairs)
+    size = -(-len(pairs) // buckets)
+    total = torch.zeros(())
+    for start in range(0, len(pairs), size):
+        ids, mask, labels = _padded(pairs[start : start + size], pad_id)
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]  # (B, T-1, V): a 100-token vocabulary
+        total = total + torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
+        )
+    return total / n_tokens
+
+
+def warmup(model, tokenizer, cfg: WarmupConfig, *, progress=None) -> list[float]:
+    """Train ``model`` in place on the warm-up mixture; returns the loss per step."""
+    torch.manual_seed(cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.98))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) * max(0.05, 1 - s / cfg.steps)
+    )
+    stream = _examples(tokenizer, cfg)
+    losses = []
+    model.train()
+    for _ in range(cfg.steps):
+        loss = _token_mean_loss(model, list(itertools.islice(stream, cfg.batch_size)), tokenizer.pad_token_id)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        schedule.step()
+        losses.append(loss.item())  # sync: the warm-up is CPU-sized, and the bar shows the loss
+        if progress is not None:
+            progress(losses[-1])
+    model.eval()
+    return losses
+
+
+def warmed_up_model(
+    cache_dir: Path, model_cfg: TinyModelConfig, warmup_cfg: WarmupConfig, *, progress_factory=None
+) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast, Path]:
+    """The tiny model after the warm-up, from ``cache_dir`` when this exact recipe was trained before.
+
+    The cache key hashes both configs; the entry is written to a temporary folder and renamed into place, so an
+    interrupted warm-up never leaves a half-written model behind.
+    """
+    key = hashlib.sha256(json.dumps([asdict(model_cfg), asdict(warmup_cfg)], sort_keys=True).encode()).hexdigest()
+    path = Path(cache_dir) / f"tiny-warmup-{key[:16]}"
+    if (path / "config.json").is_file():
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+        return AutoModelForCausalLM.from_pretrained(path), tokenizer, path
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(tokenizer, model_cfg, seed=warmup_cfg.seed)
+    progress = progress_factory(warmup_cfg.steps) if progress_factory else None
+    start = time.perf_counter()
+    losses = warmup(model, tokenizer, warmup_cfg, progress=progress)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "warmup.json").write_text(
+        json.dumps({"seconds": time.perf_counter() - start, "final_loss": losses[-1], **asdict(warmup_cfg)})
+    )
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+    return model, tokenizer, path

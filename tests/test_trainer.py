@@ -1,0 +1,228 @@
+"""The GRPO trainer end to end on a very small tiny model: outputs, packing, the update's direction, configs,
+resume equality and a crash during a checkpoint save. Real runs, seconds each."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from fasttnt.char_tokenizer import build_char_tokenizer
+from fasttnt.checkpoint import list_checkpoints
+from fasttnt.cli import main as cli_main
+from fasttnt.config import TrainConfig, load_config
+from fasttnt.data import build_prompt
+from fasttnt.policy import response_logprobs
+from fasttnt.rollout import HFEngine
+from fasttnt.synthetic import held_out
+from fasttnt.tiny import TinyModelConfig, build_tiny_model
+from fasttnt.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def small(tmp_path: Path, *extra: str) -> list[str]:
+    """Overrides for a run of seconds: a 1-layer width-32 model, 3 warm-up steps, 4 prompts x 4 samples."""
+    return [
+        f"cache_dir={tmp_path / 'cache'}",
+        "model.tiny.hidden_size=32",
+        "model.tiny.intermediate_size=64",
+        "model.tiny.num_hidden_layers=1",
+        "model.tiny.num_attention_heads=2",
+        "model.tiny.num_key_value_heads=1",
+        "warmup.steps=3",
+        "warmup.batch_size=8",
+        "rollout.prompts_per_step=4",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=16",
+        "steps=4",
+        "save_every=2",
+        "verify_workers=1",
+        *extra,
+    ]
+
+
+def _run(tmp_path: Path, out: str, *extra: str, resume: bool = False) -> list[dict]:
+    cfg = load_config(None, small(tmp_path, *extra))
+    Trainer(cfg, tmp_path / out, resume=resume).run()
+    return [json.loads(line) for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _deterministic(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith("time_") and not k.endswith("_per_s")}
+
+
+def test_a_run_writes_every_output(tmp_path):
+    rows = _run(tmp_path, "run")
+    out = tmp_path / "run"
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    needed = {
+        "step",
+        "reward",
+        "acc",
+        "non_thinking_ratio",
+        "len",
+        "len_thinking",
+        "len_non_thinking",
+        "limit_mean",
+        "hack_rate",
+        "loss",
+        "clip_frac",
+        "kl",
+        "entropy",
+        "grad_norm",
+        "lr",
+        "generated_tokens_per_s",
+        "trained_tokens_per_s",
+        "time_generate",
+        "time_verify",
+        "time_reward",
+        "time_logprobs",
+        "time_update",
+    }
+    assert needed <= set(rows[0]), needed - set(rows[0])
+    assert all(v == v for r in rows for v in r.values()), "NaN in the metrics"
+    assert load_config(out / "config.yaml") == load_config(None, small(tmp_path))  # the resolved config, reloadable
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step-000002", "step-000004"]
+    model = AutoModelForCausalLM.from_pretrained(out / "final")  # Hugging Face format, safetensors
+    assert (out / "final" / "model.safetensors").is_file()
+    assert model.config.model_type == "qwen2"
+    assert (out / "curves.png").stat().st_size > 10_000
+
+
+def test_packed_logprobs_equal_an_unpacked_padded_forward():
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, TinyModelConfig(hidden_size=64, num_hidden_layers=2), seed=1).eval()
+    engine = HFEngine(model, tok, max_new_tokens=40, temperature=1.0, top_p=1.0)
+    batch = engine.generate([build_prompt(tok, p.problem) for p in held_out(3)], 3, seed=0)
+    responses = batch.responses()
+    with torch.no_grad():
+        # several sequences per packed row (rows of 64 tokens), one row per sequence, and one long row
+        packed = [
+            response_logprobs(model, batch, temperature=0.7, pack_tokens=n, pad_id=tok.pad_token_id)[0]
+            for n in (64, 1, 4096)
+        ]
+        # the reference: a right-padded batch with an attention mask, logits materialised
+        seqs = [p + r for p, r in zip(batch.prompt_ids, responses, strict=True)]
+        width = max(map(len, seqs))
+        ids = torch.full((len(seqs), width), tok.pad_token_id)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.tensor(s)
+            mask[i, : len(s)] = 1
+        logits = model(input_ids=ids, attention_mask=mask).logits.double() / 0.7
+        expected = []
+        for i, (p, r) in enumerate(zip(batch.prompt_ids, responses, strict=True)):
+            rows = torch.log_softmax(logits[i, len(p) - 1 : len(p) + len(r) - 1], -1)
+            expected.append(rows.gather(1, torch.tensor(r)[:, None])[:, 0])
+        expected = torch.cat(expected)
+    for got in packed:
+        torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_one_update_lowers_the_loss_on_its_batch(tmp_path):
+    cfg = load_config(None, small(tmp_path, "optim.lr=1e-2", "optim.warmup_steps=0"))
+    trainer = Trainer(cfg, tmp_path / "run")
+    batch = trainer.engine.generate([build_prompt(trainer.tokenizer, p.problem) for p in held_out(2)], 4, seed=0)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5]).repeat(batch.lengths.numel() // 4)  # (S,)
+    with torch.no_grad():
+        old, _ = trainer._logprobs(trainer.model, batch)
+
+    def loss_now():
+        from fasttnt_kernels import clipped_policy_loss
+
+        with torch.no_grad():
+            logp, _ = trainer._logprobs(trainer.model, batch)
+            return clipped_policy_loss(logp, old, advantages, batch.cu_seqlens)[0].item()
+
+    before = loss_now()
+    trainer._update(batch, advantages, old, None)
+    after = loss_now()
+    assert after < before, f"loss {before:.5f} -> {after:.5f}"
+    trainer.verifier.close()
+
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path):
+    straight = _run(tmp_path, "straight")
+    _run(tmp_path, "resumed", "steps=2")
+    resumed = _run(tmp_path, "resumed", resume=True)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [_deterministic(r) for r in resumed] == [_deterministic(r) for r in straight]
+
+
+def test_a_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    import fasttnt.checkpoint as ckpt
+
+    real_save = torch.save
+    calls = {"n": 0}
+
+    def dying_save(obj, path, *a, **kw):  # the process dies half-way through the second checkpoint
+        calls["n"] += 1
+        if calls["n"] == 4:  # 3 files per checkpoint: the 4th write is inside the second one
+            raise KeyboardInterrupt("killed during save")
+        return real_save(obj, path, *a, **kw)
+
+    monkeypatch.setattr(ckpt.torch, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        _run(tmp_path, "run")
+    root = tmp_path / "run" / "checkpoints"
+    assert [p.name for p in list_checkpoints(root)] == ["step-000002"]
+    assert (root / "step-000002" / "optimizer.pt").is_file()
+    monkeypatch.setattr(ckpt.torch, "save", real_save)
+    rows = _run(tmp_path, "run", resume=True)  # resumes from step 2, the half-written folder is discarded
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [p.name for p in list_checkpoints(root)] == ["step-000002", "step-000004"]
+    assert not list(root.glob("*.tmp"))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["rollout.group_size=eight"], "rollout.group_size: expected an int, got 'eight'"),
+        (["rollout.gruop_size=4"], "rollout.gruop_size: unknown key"),
+        (["rollout.group_size=1"], "rollout.group_size: 1 sample per prompt has no group std"),
+        (["loss.mini_batches=3"], "loss.mini_batches: 3 mini-batches do not divide rollout.prompts_per_step=32"),
+        (["data.train=/no/such/file.jsonl"], "data.train: /no/such/file.jsonl does not exist"),
+        (["reward.scheme=adaptive"], "reward.scheme: unknown"),
+        (["--config", "/no/such.yaml"], "--config: /no/such.yaml does not exist"),
+        (["steps"], "steps: overrides are key=value"),
+    ],
+)
+def test_config_errors_name_the_key_and_exit_2(capsys, tmp_path, args, message):
+    assert cli_main(["train", "--output-dir", str(tmp_path / "never"), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "never").exists(), "nothing may start before the config is valid"
+
+
+def test_shipped_configs_load_and_validate():
+    configs = sorted((ROOT / "configs").glob("*.yaml"))
+    assert {p.name for p in configs} >= {
+        "tiny.yaml",
+        "r1-distill-qwen-1.5b.yaml",
+        "deepscaler-1.5b.yaml",
+        "r1-distill-qwen-7b.yaml",
+    }
+    for path in configs:
+        load_config(path)
+    assert load_config(ROOT / "configs" / "tiny.yaml") == TrainConfig(), "tiny.yaml must be the embedded default"
+    real = load_config(ROOT / "configs" / "r1-distill-qwen-1.5b.yaml")
+    assert real.rollout.prompts_per_step == 128 and real.optim.lr == 1e-6 and real.loss.kl_coef == 0.0
+
+
+def test_cli_train_runs(tmp_path):
+    out = tmp_path / "cli"
+    result = subprocess.run(
+        [sys.executable, "-m", "fasttnt", "train", "--output-dir", str(out), *small(tmp_path, "steps=2")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "first" in result.stdout and "generate" in result.stdout  # the summary table
+    assert (out / "final" / "config.json").is_file()
