@@ -26,10 +26,35 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--output-dir", default="runs/train", help="where config, metrics, checkpoints go")
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. steps=10")
+    ev = commands.add_parser(
+        "eval",
+        help="accuracy, tokens, TE, non-thinking ratio and hack rate of models on benchmarks",
+        description="Evaluates each --model on each benchmark and writes eval.json, eval.md and eval.png; "
+        "finished (model, benchmark) results are kept, so a rerun with the same --output-dir skips them.",
+    )
+    ev.add_argument("--model", action="append", required=True, help="a local HF folder or hub id (repeatable)")
+    ev.add_argument(
+        "--benchmarks",
+        default="aime24,aime25,amc23,math500,minerva,olympiad,gpqa",
+        help="comma-separated: synthetic, aime24, aime25, amc23, math500, minerva, olympiad, gpqa, or local files",
+    )
+    ev.add_argument("--samples", type=int, default=4, help="samples per problem; accuracy is their mean (pass@1)")
+    ev.add_argument("--mode", choices=["free", "thinking", "non-thinking"], default="free")
+    ev.add_argument("--engine", choices=["hf", "vllm"], default="hf")
+    ev.add_argument("--temperature", type=float, default=0.6)
+    ev.add_argument("--top-p", type=float, default=0.95)
+    ev.add_argument("--max-new-tokens", type=int, default=None, help="default: 96 for synthetic, else 16384")
+    ev.add_argument("--synthetic-per-level", type=int, default=50, help="held-out synthetic problems per level")
+    ev.add_argument("--limit", type=int, default=None, help="at most this many problems per benchmark")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--output-dir", default="runs/eval")
+    ev.add_argument("--save-responses", action="store_true", help="write every response as jsonl")
     args = parser.parse_args(argv)
 
     if args.command == "train":
         return _train(args)
+    if args.command == "eval":
+        return _eval(args)
 
     if args.command == "selfcheck":
         # imported here: the kernel package picks compiled or interpreted Triton when it is first imported
@@ -69,6 +94,46 @@ def _train(args) -> int:
         "metrics.jsonl, checkpoints/, final/, curves.png"
     )
     return 0
+
+
+def _eval(args) -> int:
+    from dataclasses import replace
+    from pathlib import Path
+
+    from transformers.utils import logging as hf_logging
+
+    from .data import DataError
+    from .evaluate import SYNTHETIC, EvalSettings, run_eval
+
+    benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
+    if not benchmarks:
+        print("fasttnt eval: --benchmarks is empty", file=sys.stderr)
+        return 2
+    if args.samples < 1:
+        print("fasttnt eval: --samples must be >= 1", file=sys.stderr)
+        return 2
+    max_new = args.max_new_tokens or (96 if benchmarks == [SYNTHETIC] else 16384)
+    settings = replace(
+        EvalSettings(),
+        samples=args.samples,
+        mode=args.mode,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=max_new,
+        engine=args.engine,
+        seed=args.seed,
+        synthetic_per_level=args.synthetic_per_level,
+        limit=args.limit,
+    )
+    hf_logging.disable_progress_bar()
+    try:
+        report = run_eval(args.model, benchmarks, settings, Path(args.output_dir), save_responses=args.save_responses)
+    except DataError as err:
+        print(f"fasttnt eval: {err}", file=sys.stderr)
+        return 2
+    print((Path(args.output_dir) / "eval.md").read_text())
+    print(f"eval.json, eval.md, eval.png in {args.output_dir}")
+    return 0 if report["results"] else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,317 @@
+"""``fasttnt eval``: accuracy, tokens, token efficiency, non-thinking ratio and hack rate of models on benchmarks.
+
+Every (model, benchmark) result is written to ``results/`` the moment it is finished, so a crash loses only the
+benchmark in progress and a rerun with the same output directory skips what is done (when its settings match).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .data import DATASETS, MATH_INSTRUCTION, DataError, Problem, PromptMode, build_prompt, load_problems
+from .metrics import MARKER_SETS, hack_flags, rollout_metrics, to_floats, token_efficiency
+from .rewards import PackedResponses, RewardConfig, compute_rewards
+from .rollout import ENGINES
+from .synthetic import held_out
+from .verify import VerifierPool, verify_batch
+
+SYNTHETIC = "synthetic"
+BENCHMARK_ORDER = ("aime24", "aime25", "amc23", "math500", "minerva", "olympiad", "gpqa")
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    samples: int = 4  # per problem; accuracy is their mean (pass@1)
+    mode: str = "free"
+    temperature: float = 0.6  # DeepSeek's recommended sampling for R1-series models, as the peers evaluate
+    top_p: float = 0.95
+    max_new_tokens: int = 96
+    engine: str = "hf"
+    seed: int = 0
+    synthetic_per_level: int = 50
+    batch_prompts: int = 64
+    limit: int | None = None  # at most this many problems per benchmark
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "__", name.strip("/")) or "model"
+
+
+def load_benchmark(name: str, settings: EvalSettings) -> list[Problem]:
+    """A registered set, ``synthetic`` (the held-out split, levels 1-4), or a local file named by its path."""
+    if name == SYNTHETIC:
+        items = held_out(settings.synthetic_per_level, seed=settings.seed)
+        problems = [Problem(p.problem, p.answer, p.level) for p in items]
+    elif name in DATASETS or Path(name).suffix in (".jsonl", ".json", ".parquet"):
+        problems = load_problems(name)
+    else:
+        raise DataError(f"{name}: not a benchmark; use synthetic, {', '.join(BENCHMARK_ORDER)} or a local file")
+    return problems[: settings.limit] if settings.limit else problems
+
+
+def _load_model(name: str, device: torch.device, engine: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name)
+    if engine == "vllm":  # vLLM loads the weights itself
+        return None, tokenizer
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device).eval()
+    return model, tokenizer
+
+
+def evaluate_one(
+    model, tokenizer, model_name: str, name: str, problems: list[Problem], settings: EvalSettings, pool
+) -> tuple[dict, list]:
+    """Metrics of one model on one benchmark, and every response as a record."""
+    synthetic = name == SYNTHETIC
+    instruction = "" if synthetic else MATH_INSTRUCTION
+    markers = MARKER_SETS["synthetic" if synthetic else "math"]
+    engine = ENGINES.get(settings.engine)(
+        model,
+        tokenizer,
+        model_path=model_name,
+        max_new_tokens=settings.max_new_tokens,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        gpu_memory_utilization=0.8,
+        sleep_between_rollouts=False,
+        weight_sync_bucket_mb=512,
+        max_model_len=4096 + settings.max_new_tokens,
+        seed=settings.seed,
+        dtype="bfloat16",
+    )
+    think_end_id = tokenizer.convert_tokens_to_ids("</think>")
+    records: list[dict] = []
+    k = settings.samples
+    for start in range(0, len(problems), settings.batch_prompts):
+        chunk = problems[start : start + settings.batch_prompts]
+        prompts = [
+            build_prompt(tokenizer, p.problem, PromptMode(settings.mode), instruction=instruction) for p in chunk
+        ]
+        batch = engine.generate(prompts, k, seed=settings.seed * 1_000_003 + start)
+        responses = batch.responses()
+        texts = tokenizer.batch_decode(responses, skip_special_tokens=False)
+        verdicts = verify_batch(texts, [p.answer for p in chunk for _ in range(k)], pool=pool)
+        correct = torch.tensor(list(verdicts))
+        packed = PackedResponses(batch.response_ids.cpu(), batch.cu_seqlens.cpu(), batch.truncated.cpu(), k)
+        modes = compute_rewards(packed, correct, think_end_id, RewardConfig()).non_thinking.tolist()
+        hacked = hack_flags(texts, modes, markers)
+        lengths = batch.lengths.tolist()
+        truncated = batch.truncated.tolist()
+        for i, text in enumerate(texts):
+            p = chunk[i // k]
+            records.append(
+                {
+                    "problem": p.problem,
+                    "answer": p.answer,
+                    "level": p.level,
+                    "sample": i % k,
+                    "response": text,
+                    "non_thinking": modes[i],
+                    "tokens": lengths[i],
+                    "correct": bool(verdicts[i]),
+                    "hacked": hacked[i],
+                    "truncated": truncated[i],
+                }
+            )
+    engine.close()
+    return summarize(records), records
+
+
+def summarize(records: list[dict]) -> dict:
+    """The metrics of a set of response records (the same code recomputes them from a saved jsonl)."""
+
+    def metrics_of(rows: list[dict]) -> dict:
+        values = to_floats(
+            rollout_metrics(
+                correct=torch.tensor([r["correct"] for r in rows]),
+                non_thinking=torch.tensor([r["non_thinking"] for r in rows]),
+                lengths=torch.tensor([r["tokens"] for r in rows]),
+                hacked=torch.tensor([r["hacked"] for r in rows]),
+                truncated=torch.tensor([r["truncated"] for r in rows]),
+            )
+        )
+        acc = 100 * values["acc"]
+        return {
+            "acc": acc,
+            "len": values["len"],
+            "te": token_efficiency(acc, values["len"]),
+            "non_thinking_ratio": values["non_thinking_ratio"],
+            "hack_rate": values["hack_rate"],
+            "len_thinking": values["len_thinking"],
+            "len_non_thinking": values["len_non_thinking"],
+            "truncated_ratio": values["truncated_ratio"],
+            "responses": len(rows),
+        }
+
+    out = metrics_of(records)
+    levels = sorted({r["level"] for r in records if r["level"] is not None})
+    if levels:
+        out["by_level"] = {str(lv): metrics_of([r for r in records if r["level"] == lv]) for lv in levels}
+    return out
+
+
+def run_eval(
+    models: list[str],
+    benchmarks: list[str],
+    settings: EvalSettings,
+    output_dir: Path,
+    *,
+    save_responses: bool = False,
+    device: torch.device | None = None,
+) -> dict:
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    output_dir.mkdir(parents=True, exist_ok=True)
+    # every benchmark is loaded, and so checked, before any generation starts
+    problem_sets = {name: load_benchmark(name, settings) for name in benchmarks}
+    results: dict[str, dict[str, dict]] = {}
+    pool = VerifierPool(workers=2)
+    try:
+        for model_name in models:
+            slug = _slug(model_name)
+            results[model_name] = {}
+            tokenizer = None
+            for bench in benchmarks:
+                path = output_dir / "results" / slug / f"{_slug(bench)}.json"
+                if path.is_file():
+                    saved = json.loads(path.read_text())
+                    if saved.get("settings") == asdict(settings):
+                        results[model_name][bench] = saved["metrics"]
+                        tqdm.write(f"{model_name} / {bench}: done before, skipped ({path})")
+                        continue
+                if tokenizer is None:
+                    model, tokenizer = _load_model(model_name, device, settings.engine)
+                tqdm.write(f"{model_name} / {bench}: {len(problem_sets[bench])} problems x {settings.samples} samples")
+                metrics, records = evaluate_one(
+                    model, tokenizer, model_name, bench, problem_sets[bench], settings, pool
+                )
+                if save_responses:
+                    rpath = output_dir / "responses" / slug / f"{_slug(bench)}.jsonl"
+                    _write_atomic(rpath, "".join(json.dumps(r) + "\n" for r in records))
+                _write_atomic(path, json.dumps({"settings": asdict(settings), "metrics": metrics}, indent=1))
+                results[model_name][bench] = metrics
+            model = tokenizer = None  # free this model before loading the next
+    finally:
+        pool.close()
+    report = {"settings": asdict(settings), "benchmarks": benchmarks, "results": results, "mean": {}}
+    for model_name, per_bench in results.items():
+        acc = sum(m["acc"] for m in per_bench.values()) / len(per_bench)
+        length = sum(m["len"] for m in per_bench.values()) / len(per_bench)
+        report["mean"][model_name] = {
+            "acc": acc,
+            "len": length,
+            "te": token_efficiency(acc, length),
+            "non_thinking_ratio": sum(m["non_thinking_ratio"] for m in per_bench.values()) / len(per_bench),
+            "hack_rate": sum(m["hack_rate"] for m in per_bench.values()) / len(per_bench),
+        }
+    _write_atomic(output_dir / "eval.json", json.dumps(report, indent=1))
+    _write_atomic(output_dir / "eval.md", markdown_table(report))
+    plot_eval(report, output_dir / "eval.png")
+    return report
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def markdown_table(report: dict) -> str:
+    """One row per model: accuracy (%) and mean tokens per benchmark, then the means, TE, non-thinking ratio
+    and hack rate, as the TNT paper reports."""
+    benches = report["benchmarks"]
+    head = ["model", *[f"{b} acc / len" for b in benches], "mean acc", "mean len", "TE", "non-thinking", "hack rate"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for model_name, per_bench in report["results"].items():
+        mean = report["mean"][model_name]
+        cells = [f"{per_bench[b]['acc']:.1f} / {per_bench[b]['len']:.0f}" for b in benches]
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    f"`{model_name}`",
+                    *cells,
+                    f"{mean['acc']:.1f}",
+                    f"{mean['len']:.0f}",
+                    f"{mean['te']:.2f}",
+                    f"{mean['non_thinking_ratio']:.2f}",
+                    f"{mean['hack_rate']:.2f}",
+                ]
+            )
+            + " |"
+        )
+    s = report["settings"]
+    lines.append("")
+    lines.append(
+        f"{s['samples']} samples per problem (accuracy is their mean), mode {s['mode']}, temperature "
+        f"{s['temperature']}, top-p {s['top_p']}, at most {s['max_new_tokens']} new tokens; TE = acc / sqrt(len)."
+    )
+    synthetic = [m for m, per in report["results"].items() if "by_level" in per.get(SYNTHETIC, {})]
+    if synthetic:
+        levels = sorted(report["results"][synthetic[0]][SYNTHETIC]["by_level"], key=int)
+        lines += ["", "Synthetic task by level (digits per operand): accuracy % / non-thinking ratio", ""]
+        lines.append("| model | " + " | ".join(f"level {lv}" for lv in levels) + " |")
+        lines.append("|" + " --- |" * (len(levels) + 1))
+        for m in synthetic:
+            by = report["results"][m][SYNTHETIC]["by_level"]
+            cells = [f"{by[lv]['acc']:.0f} / {by[lv]['non_thinking_ratio']:.2f}" for lv in levels]
+            lines.append(f"| `{m}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _label(model_name: str) -> str:
+    """The last two path parts: ``runs/tnt/final`` -> ``tnt/final``."""
+    return "/".join(Path(model_name).parts[-2:]) or model_name
+
+
+def plot_eval(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    synthetic = [m for m, per in report["results"].items() if "by_level" in per.get(SYNTHETIC, {})]
+    fig, axes = plt.subplots(1, 2 if synthetic else 1, figsize=(11 if synthetic else 6, 4.5), constrained_layout=True)
+    axes = list(axes) if synthetic else [axes]
+    ax = axes[0]
+    for model_name, mean in report["mean"].items():
+        ax.scatter(mean["len"], mean["acc"], s=60)
+        ax.annotate(
+            Path(model_name).name or model_name,
+            (mean["len"], mean["acc"]),
+            fontsize=8,
+            xytext=(4, 4),
+            textcoords="offset points",
+        )
+    ax.set_xlabel("mean tokens")
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title("accuracy vs. tokens (mean over benchmarks)")
+    ax.grid(alpha=0.3)
+    if synthetic:
+        ax = axes[1]
+        for m in synthetic:
+            by = report["results"][m][SYNTHETIC]["by_level"]
+            levels = sorted(by, key=int)
+            ax.plot(
+                [int(lv) for lv in levels],
+                [by[lv]["non_thinking_ratio"] for lv in levels],
+                marker="o",
+                label=Path(m).name or m,
+            )
+        ax.set_xlabel("level (digits per operand)")
+        ax.set_xticks([int(lv) for lv in levels])
+        ax.set_ylabel("non-thinking ratio")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title("non-thinking ratio by difficulty (synthetic)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,133 @@
+"""fasttnt eval on tiny models: two models side by side, forced modes, metrics from saved responses, resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import fasttnt.evaluate as evaluate
+from fasttnt.char_tokenizer import THINK_END, build_char_tokenizer
+from fasttnt.cli import main as cli_main
+from fasttnt.evaluate import EvalSettings, run_eval, summarize
+from fasttnt.tiny import TinyModelConfig, WarmupConfig, build_tiny_model, warmup
+
+SETTINGS = EvalSettings(samples=2, max_new_tokens=24, synthetic_per_level=3, temperature=1.0)
+
+
+def _tiny(tmp_path: Path, name: str, seed: int) -> str:
+    """A width-32 model with a few warm-up steps, saved as a Hugging Face folder."""
+    tok = build_char_tokenizer()
+    model = build_tiny_model(
+        tok,
+        TinyModelConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
+        ),
+        seed=seed,
+    )
+    warmup(model, tok, WarmupConfig(steps=5, batch_size=16, seed=seed))
+    path = tmp_path / name
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return _tiny(root, "a", 0), _tiny(root, "b", 1)
+
+
+def test_two_models_side_by_side(tmp_path, models):
+    report = run_eval(list(models), ["synthetic"], SETTINGS, tmp_path, save_responses=True)
+    assert set(report["results"]) == set(models)
+    for m in models:
+        metrics = report["results"][m]["synthetic"]
+        assert metrics["responses"] == 4 * 3 * 2  # 4 levels x 3 problems x 2 samples
+        assert set(metrics["by_level"]) == {"1", "2", "3", "4"}
+        for key in (
+            "acc",
+            "len",
+            "te",
+            "non_thinking_ratio",
+            "hack_rate",
+            "len_thinking",
+            "len_non_thinking",
+            "truncated_ratio",
+        ):
+            assert key in metrics and metrics[key] == metrics[key]
+    table = (tmp_path / "eval.md").read_text()
+    assert all(f"`{m}`" in table for m in models) and "level 4" in table
+    assert (tmp_path / "eval.png").stat().st_size > 10_000
+    saved = json.loads((tmp_path / "eval.json").read_text())
+    assert saved["settings"]["samples"] == 2 and saved["mean"][models[0]]["acc"] == report["mean"][models[0]]["acc"]
+
+
+def test_metrics_recomputed_from_saved_responses_agree(tmp_path, models):
+    report = run_eval([models[0]], ["synthetic"], SETTINGS, tmp_path, save_responses=True)
+    path = next((tmp_path / "responses").rglob("synthetic.jsonl"))
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(records) == 24
+    recomputed = summarize(records)
+    assert recomputed == report["results"][models[0]]["synthetic"]
+    # and by hand, from the records alone
+    acc = 100 * sum(r["correct"] for r in records) / len(records)
+    assert abs(recomputed["acc"] - acc) < 1e-4
+    assert all(r["non_thinking"] == r["response"].startswith(THINK_END) for r in records)
+
+
+@pytest.mark.parametrize("mode", ["non-thinking", "thinking"])
+def test_forced_modes_force(tmp_path, models, mode):
+    settings = EvalSettings(**{**SETTINGS.__dict__, "mode": mode})
+    run_eval([models[1]], ["synthetic"], settings, tmp_path, save_responses=True)
+    records = [json.loads(line) for line in next((tmp_path / "responses").rglob("*.jsonl")).read_text().splitlines()]
+    starts = [r["response"].startswith(THINK_END) for r in records]
+    assert all(starts) if mode == "non-thinking" else not any(starts)
+
+
+def test_rerun_skips_finished_benchmarks(tmp_path, models, monkeypatch):
+    run_eval([models[0]], ["synthetic"], SETTINGS, tmp_path)
+    first = (tmp_path / "eval.json").read_text()
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("a finished benchmark was evaluated again")
+
+    monkeypatch.setattr(evaluate, "evaluate_one", no_generation)
+    run_eval([models[0]], ["synthetic"], SETTINGS, tmp_path)
+    assert json.loads((tmp_path / "eval.json").read_text())["results"] == json.loads(first)["results"]
+    # other settings are another evaluation: not skipped
+    with pytest.raises(AssertionError, match="evaluated again"):
+        run_eval([models[0]], ["synthetic"], EvalSettings(**{**SETTINGS.__dict__, "samples": 3}), tmp_path)
+
+
+def test_a_crash_in_one_benchmark_keeps_the_others(tmp_path, models, monkeypatch):
+    bad = tmp_path / "second.jsonl"
+    bad.write_text('{"problem": "1+1", "answer": "2"}\n')
+    real = evaluate.evaluate_one
+
+    def crash_on_second(model, tokenizer, model_name, name, *rest):
+        if name == str(bad):
+            raise RuntimeError("out of memory")
+        return real(model, tokenizer, model_name, name, *rest)
+
+    monkeypatch.setattr(evaluate, "evaluate_one", crash_on_second)
+    with pytest.raises(RuntimeError):
+        run_eval([models[0]], ["synthetic", str(bad)], SETTINGS, tmp_path)
+    assert list((tmp_path / "results").rglob("synthetic.json")), "the finished benchmark was lost"
+
+
+def test_missing_or_malformed_benchmark_fails_before_generation(tmp_path, models, monkeypatch, capsys):
+    monkeypatch.setattr(evaluate, "evaluate_one", lambda *a: (_ for _ in ()).throw(AssertionError("generated")))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"problem": "x"}\n')
+    code = cli_main(
+        ["eval", "--model", models[0], "--benchmarks", f"synthetic,{broken}", "--output-dir", str(tmp_path / "out")]
+    )
+    assert code == 2
+    assert "broken.jsonl: row 1: missing field 'answer'" in capsys.readouterr().err
+    code = cli_main(
+        ["eval", "--model", models[0], "--benchmarks", "synthetic,nosuchbench", "--output-dir", str(tmp_path / "out")]
+    )
+    assert code == 2
+    assert "nosuchbench: not a benchmark" in capsys.readouterr().err
