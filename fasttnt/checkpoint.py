@@ -48,8 +48,10 @@ def save_checkpoint(root: Path, state: TrainerState, model, optimizer, scheduler
     torch.save(rng_state(), tmp / "rng.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(state.__dict__))
     _fsync_tree(tmp)
-    shutil.rmtree(final, ignore_errors=True)
+    if final.exists():  # only when a step is saved twice; never the checkpoint a resume would use
+        shutil.rmtree(final)
     os.replace(tmp, final)  # the commit point
+    _fsync_dir(root)
     for old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -60,6 +62,18 @@ def _fsync_tree(path: Path) -> None:
         if f.is_file():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make the rename itself durable (POSIX: a directory's entries are flushed by fsync on the directory)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def list_checkpoints(root: Path) -> list[Path]:

@@ -84,8 +84,14 @@ def _train(args) -> int:
 
     hf_logging.disable_progress_bar()  # our bars say what is happening; its per-file bars only add noise
 
+    from .data import DataError
+
     start = time.perf_counter()
-    trainer = Trainer(cfg, Path(args.output_dir), resume=args.resume)
+    try:
+        trainer = Trainer(cfg, Path(args.output_dir), resume=args.resume)
+    except (DataError, FileExistsError) as err:
+        print(f"fasttnt train: {err}", file=sys.stderr)
+        return 2
     history = trainer.run()
     print()
     print(summary_table(history))

@@ -29,7 +29,9 @@ class ConfigError(ValueError):
 class ModelConfig:
     name: str = "tiny"  # "tiny" (the embedded default, built from `tiny`) or a hub id / local HF folder
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    # the weights and AdamW state stay float32 (16-bit weights would round lr-1e-6 updates away); "auto" adds
+    # bf16 autocast on CUDA
+    dtype: Literal["auto", "float32"] = "auto"
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
     gradient_checkpointing: bool = False
     liger_kernels: bool = True  # Liger's RMSNorm/SwiGLU/RoPE on CUDA when liger-kernel is installed
@@ -265,7 +267,8 @@ def validate(cfg: TrainConfig) -> None:
     need(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
     need(cfg.reward.scheme in REWARD_SCHEMES, "reward.scheme", f"unknown; choose one of {REWARD_SCHEMES.names()}")
     need(
-        cfg.reward.scheme != "uniform-limit" or (cfg.reward.uniform_limit or -1) >= 0,
+        cfg.reward.scheme != "uniform-limit"
+        or (cfg.reward.uniform_limit is not None and cfg.reward.uniform_limit >= 0),
         "reward.uniform_limit",
         "reward.scheme=uniform-limit needs uniform_limit >= 0",
     )

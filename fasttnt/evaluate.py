@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from .data import DATASETS, MATH_INSTRUCTION, DataError, Problem, PromptMode, build_prompt, load_problems
 from .metrics import MARKER_SETS, hack_flags, rollout_metrics, to_floats, token_efficiency
 from .rewards import PackedResponses, RewardConfig, compute_rewards
-from .rollout import ENGINES
+from .rollout import ENGINES, decode_responses
 from .synthetic import held_out
 from .verify import VerifierPool, verify_batch
 
@@ -96,15 +96,14 @@ def evaluate_one(
             build_prompt(tokenizer, p.problem, PromptMode(settings.mode), instruction=instruction) for p in chunk
         ]
         batch = engine.generate(prompts, k, seed=settings.seed * 1_000_003 + start)
-        responses = batch.responses()
-        texts = tokenizer.batch_decode(responses, skip_special_tokens=False)
-        verdicts = verify_batch(texts, [p.answer for p in chunk for _ in range(k)], pool=pool)
-        correct = torch.tensor(list(verdicts))
+        texts = decode_responses(tokenizer, batch.responses())
+        verdicts = verify_batch(texts, [p.answer for p in chunk for _ in range(k)], pool=pool, require_think_end=True)
+        truncated = batch.truncated.tolist()
+        correct = torch.tensor([v and not t for v, t in zip(verdicts, truncated, strict=True)])
         packed = PackedResponses(batch.response_ids.cpu(), batch.cu_seqlens.cpu(), batch.truncated.cpu(), k)
         modes = compute_rewards(packed, correct, think_end_id, RewardConfig()).non_thinking.tolist()
         hacked = hack_flags(texts, modes, markers)
         lengths = batch.lengths.tolist()
-        truncated = batch.truncated.tolist()
         for i, text in enumerate(texts):
             p = chunk[i // k]
             records.append(
@@ -116,7 +115,7 @@ def evaluate_one(
                     "response": text,
                     "non_thinking": modes[i],
                     "tokens": lengths[i],
-                    "correct": bool(verdicts[i]),
+                    "correct": bool(correct[i]),
                     "hacked": hacked[i],
                     "truncated": truncated[i],
                 }

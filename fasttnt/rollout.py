@@ -9,6 +9,7 @@ install on CPU-only machines, so the ``vllm`` engine is written against vLLM's d
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -52,6 +53,14 @@ def pack(sequences: list[list[int]], device: torch.device | str = "cpu") -> tupl
     cu[1:] = lengths.cumsum(0)
     flat = torch.tensor([t for s in sequences for t in s], dtype=torch.int64)
     return flat.to(device), cu.to(device)
+
+
+def decode_responses(tokenizer, responses: list[list[int]]) -> list[str]:
+    """Response texts without their final EOS/pad ids (kept in the ids, which count as tokens), so "the answer
+    is 5<eos>" reads as 5; ``</think>`` stays, since it may be a special token."""
+    stop = {tokenizer.eos_token_id, tokenizer.pad_token_id} - {None}
+    trimmed = [r[:-1] if r and r[-1] in stop else r for r in responses]
+    return tokenizer.batch_decode(trimmed, skip_special_tokens=False)
 
 
 class RolloutEngine(Protocol):
@@ -174,6 +183,9 @@ class VLLMEngine:
             from vllm import LLM, SamplingParams
         except ImportError as err:
             raise RuntimeError("rollout.engine=vllm needs vLLM on a CUDA machine: pip install 'fasttnt[gpu]'") from err
+        # sync_weights reaches the model through the engine's in-process executor (the colocated pattern TRL
+        # uses); vLLM's V1 engine runs the model in a separate process unless this is 0
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self._sampling_params = SamplingParams
         self.tokenizer = tokenizer
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p

@@ -24,11 +24,11 @@ from fasttnt_kernels import clipped_policy_loss, group_advantages
 
 from .checkpoint import TrainerState, list_checkpoints, load_training_state, remove_partial, save_checkpoint
 from .config import TrainConfig, dump_config
-from .data import MATH_INSTRUCTION, Problem, PromptMode, build_prompt, load_problems
+from .data import MATH_INSTRUCTION, DataError, Problem, PromptMode, build_prompt, load_problems
 from .metrics import MARKER_SETS, hack_flags, rollout_metrics, to_floats
 from .policy import response_logprobs
 from .rewards import PackedResponses, compute_rewards
-from .rollout import ENGINES, RolloutBatch
+from .rollout import ENGINES, RolloutBatch, decode_responses
 from .synthetic import problems as synthetic_problems
 from .tiny import warmed_up_model
 from .verify import VerifierPool, verify_batch
@@ -40,12 +40,25 @@ class ProblemStream:
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
         self.position = 0
+        self._order: tuple[int, list[int]] | None = None  # (epoch, permutation) of the current epoch
         if cfg.data.train == "synthetic":
             self._items = None
             self._stream = synthetic_problems("train", levels=cfg.data.levels, seed=cfg.seed)
         else:
             d = cfg.data
-            self._items = load_problems(d.train, problem_field=d.problem_field, answer_field=d.answer_field)
+            self._items = load_problems(
+                str(Path(d.train).expanduser()), problem_field=d.problem_field, answer_field=d.answer_field
+            )
+
+    def drop_long_prompts(self, prompt_tokens) -> int:
+        """Remove problems whose prompt is longer than ``data.max_prompt_tokens``; returns how many."""
+        if self._items is None:
+            return 0
+        keep = [p for p in self._items if prompt_tokens(p) <= self.cfg.data.max_prompt_tokens]
+        if not keep:
+            raise DataError(f"{self.cfg.data.train}: every prompt is longer than data.max_prompt_tokens")
+        dropped, self._items = len(self._items) - len(keep), keep
+        return dropped
 
     def take(self, n: int) -> list[Problem]:
         if self._items is None:
@@ -54,9 +67,11 @@ class ProblemStream:
             out = []
             for pos in range(self.position, self.position + n):
                 epoch, i = divmod(pos, len(self._items))
-                order = list(range(len(self._items)))
-                random.Random(f"{self.cfg.seed}-{epoch}").shuffle(order)
-                out.append(self._items[order[i]])
+                if self._order is None or self._order[0] != epoch:
+                    order = list(range(len(self._items)))
+                    random.Random(f"{self.cfg.seed}-{epoch}").shuffle(order)
+                    self._order = (epoch, order)
+                out.append(self._items[self._order[1][i]])
         self.position += n
         return out
 
@@ -91,10 +106,17 @@ class Trainer:
         self.device = torch.device(
             "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
         )
-        self.autocast = self.device.type == "cuda" and cfg.model.dtype in ("auto", "bfloat16")
+        self.autocast = self.device.type == "cuda" and cfg.model.dtype == "auto"
+        existing = list_checkpoints(self.ckpt_root)
+        if existing and not resume:
+            raise FileExistsError(
+                f"{self.out} holds checkpoints of an earlier run ({existing[-1].name}): pass --resume to continue "
+                "it, or choose another --output-dir"
+            )
+        self.stream = ProblemStream(cfg)  # the data is read and checked before any model is loaded
         self.out.mkdir(parents=True, exist_ok=True)
         remove_partial(self.ckpt_root)
-        resume_from = list_checkpoints(self.ckpt_root)[-1] if resume and list_checkpoints(self.ckpt_root) else None
+        resume_from = existing[-1] if resume and existing else None
         if resume and resume_from is None:
             tqdm.write(f"--resume: no checkpoint under {self.ckpt_root}; starting from step 0")
         dump_config(cfg, self.out / "config.yaml")
@@ -105,7 +127,7 @@ class Trainer:
             self.model.gradient_checkpointing_enable()
         self.ref_model = None
         if cfg.loss.kl_coef > 0:  # the starting policy, also when resuming
-            self.ref_model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.model.dtype)
+            self.ref_model = self._from_pretrained(self.model_path)
             self.ref_model.to(self.device).eval().requires_grad_(False)
         self.think_end_id = self.tokenizer.convert_tokens_to_ids("</think>")
         if self.think_end_id is None or self.think_end_id == self.tokenizer.unk_token_id:
@@ -115,7 +137,6 @@ class Trainer:
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg))
-        self.stream = ProblemStream(cfg)
         self.state = TrainerState(step=0, data_position=0)
         if resume_from is not None:
             self.state = load_training_state(resume_from, self.optimizer, self.scheduler)
@@ -129,6 +150,11 @@ class Trainer:
         self.instruction = cfg.data.instruction
         if self.instruction is None:
             self.instruction = "" if train == "synthetic" else MATH_INSTRUCTION
+        dropped = self.stream.drop_long_prompts(
+            lambda p: len(self.tokenizer(self._prompt(p).text, add_special_tokens=False)["input_ids"])
+        )
+        if dropped:
+            tqdm.write(f"data.train: {dropped} problems dropped, their prompts exceed data.max_prompt_tokens")
         markers = cfg.data.hack_markers
         if markers == "auto":
             markers = "synthetic" if train == "synthetic" else "math"
@@ -166,20 +192,26 @@ class Trainer:
                 Path(self.cfg.cache_dir).expanduser(), m.tiny, self.cfg.warmup, progress_factory=bar
             )
         else:
-            kwargs = {"trust_remote_code": m.trust_remote_code}
-            tokenizer = AutoTokenizer.from_pretrained(m.name, **kwargs)
-            attn = m.attn_implementation
-            if attn == "auto":
-                attn = "flash_attention_2" if self.device.type == "cuda" and _has_flash_attn() else "sdpa"
-            dtype = torch.float32 if m.dtype in ("auto", "float32") else getattr(torch, m.dtype)
-            model = AutoModelForCausalLM.from_pretrained(m.name, dtype=dtype, attn_implementation=attn, **kwargs)
-            path = Path(m.name)
-            if self.device.type == "cuda" and m.liger_kernels:
-                _apply_liger(model)
-        if resume_from is not None:  # the weights of the checkpoint, same architecture
-            model = AutoModelForCausalLM.from_pretrained(resume_from, dtype=model.dtype)
+            tokenizer = AutoTokenizer.from_pretrained(m.name, trust_remote_code=m.trust_remote_code)
+            path = m.name
+            model = self._from_pretrained(path)
+        if resume_from is not None:  # the checkpoint's weights into the model as configured
+            _load_weights(model, resume_from)
         tokenizer.save_pretrained(self.out / "tokenizer")
         return model, tokenizer, path
+
+    def _from_pretrained(self, path):
+        """A model as configured: float32 master weights, the attention kernel, Liger on CUDA."""
+        m = self.cfg.model
+        attn = m.attn_implementation
+        if attn == "auto":
+            attn = "flash_attention_2" if self.device.type == "cuda" and _has_flash_attn() else "sdpa"
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation=attn, trust_remote_code=m.trust_remote_code
+        )
+        if self.device.type == "cuda" and m.liger_kernels:
+            _apply_liger(model)
+        return model
 
     def _tensorboard(self):
         try:
@@ -193,7 +225,7 @@ class Trainer:
         path = self.out / "metrics.jsonl"
         if not path.exists():
             return
-        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        kept = [json.dumps(row) for row in _read_jsonl(path) if row["step"] <= step]
         path.write_text("".join(line + "\n" for line in kept))
 
     # -- one step, phase by phase -----------------------------------------------------------------------------
@@ -214,18 +246,15 @@ class Trainer:
 
         # rollout
         problems = self.stream.take(r.prompts_per_step)
-        prompts = [
-            build_prompt(self.tokenizer, p.problem, PromptMode.FREE, instruction=self.instruction) for p in problems
-        ]
+        prompts = [self._prompt(p) for p in problems]
         batch = self.engine.generate(prompts, r.group_size, seed=cfg.seed * 1_000_003 + step)
-        responses = batch.responses()
-        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=False)
+        texts = decode_responses(self.tokenizer, batch.responses())
         lap("generate")
 
-        # verify
+        # verify: a truncated response is wrong whatever it says
         golds = [p.answer for p in problems for _ in range(r.group_size)]
-        verdicts = verify_batch(texts, golds, pool=self.verifier)
-        correct = torch.tensor(list(verdicts), device=self.device)
+        verdicts = verify_batch(texts, golds, pool=self.verifier, require_think_end=True)
+        correct = torch.tensor(list(verdicts), device=self.device) & ~batch.truncated
         lap("verify")
 
         # reward and advantage
@@ -280,6 +309,9 @@ class Trainer:
         )
         self.state = TrainerState(step=step, data_position=self.stream.position)
         return values
+
+    def _prompt(self, problem: Problem):
+        return build_prompt(self.tokenizer, problem.problem, PromptMode.FREE, instruction=self.instruction)
 
     def _autocast(self):
         return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast)
@@ -384,7 +416,7 @@ class Trainer:
 
     def _read_history(self) -> list[dict[str, float]]:
         path = self.out / "metrics.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+        return _read_jsonl(path) if path.exists() else []
 
     def _finish(self, history: list[dict[str, float]]) -> None:
         from .plots import plot_curves
@@ -401,6 +433,31 @@ class Trainer:
         self.engine.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    """Rows of a metrics file; a line torn by a kill mid-write (always the last) is dropped."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def _load_weights(model, folder: Path) -> None:
+    """Load a checkpoint's safetensors (one file or shards) into a model built with the same architecture."""
+    from safetensors.torch import load_file
+
+    state = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(file))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {name for name in missing if "lm_head" in name and model.config.tie_word_embeddings}
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"{folder}: weights do not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    model.tie_weights()
 
 
 def _select_groups(batch: RolloutBatch, first: int, last: int) -> RolloutBatch:

@@ -58,8 +58,11 @@ def _braced(text: str, open_at: int) -> str | None:
     return None
 
 
+_MAX_BOX_CANDIDATES = 8  # a looping response with thousands of unclosed boxes must not cost a rescan for each
+
+
 def _last_boxed(text: str) -> str | None:
-    for match in reversed(list(_BOXED.finditer(text))):
+    for match in list(_BOXED.finditer(text))[::-1][:_MAX_BOX_CANDIDATES]:
         rest = match.end()
         while rest < len(text) and text[rest] == " ":
             rest += 1
@@ -75,12 +78,18 @@ def _last_boxed(text: str) -> str | None:
     return None
 
 
-def extract_answer(text: str) -> str | None:
+def extract_answer(text: str, *, require_think_end: bool = False) -> str | None:
     """The final answer of a response: the last ``\\boxed{...}``/``\\fbox{...}`` (nested braces kept), else
     ``\\boxed 5``, else the last "the answer is ..." / "Answer: ...". Only the part after the first ``</think>`` is
-    searched when there is one; only the last ``MAX_RESPONSE_CHARS`` characters are read."""
+    searched when there is one; only the last ``MAX_RESPONSE_CHARS`` characters are read.
+
+    ``require_think_end``: a hybrid model's response that never closes its think block has no answer (else a
+    ``\\boxed`` in an unfinished draft would pay, and such responses also escape the TNT limit).
+    """
     if THINK_END in text:
         text = text.split(THINK_END, 1)[1]
+    elif require_think_end:
+        return None
     text = text[-MAX_RESPONSE_CHARS:]
     boxed = _last_boxed(text)
     if boxed is not None:
@@ -126,7 +135,12 @@ class _Number:
     integer: bool  # written as an integer: two unequal integers are certainly different answers
 
 
+_MAX_NUMBER_CHARS = 200  # longer digit strings are not numbers we compare exactly (int() refuses 4,300+ digits)
+
+
 def _as_number(s: str) -> _Number | None:
+    if len(s) > _MAX_NUMBER_CHARS:
+        return None
     percent = s.endswith("%")
     s = s.removesuffix("\\%").removesuffix("%")
     if _NUMBER.fullmatch(s):
@@ -212,7 +226,17 @@ class Verdicts(list):
         self.seconds = seconds
 
 
-def _worker_main(conn: Connection) -> None:
+WORKER_MEMORY_BYTES = 4 * 2**30
+"""Address-space cap of a verification worker: a power tower that allocates instead of hanging fails fast."""
+
+
+def _worker_main(conn: Connection, memory_bytes: int) -> None:
+    try:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    except (ImportError, ValueError, OSError):  # not on this platform: the timeout still bounds the item
+        pass
     symbolic_equivalent("1", "1")  # import math-verify and warm its caches before the first real item
     while True:
         try:
@@ -222,13 +246,17 @@ def _worker_main(conn: Connection) -> None:
         if task is None:
             return
         index, pred, gold = task
-        conn.send((index, is_equivalent(pred, gold)))
+        try:
+            verdict = is_equivalent(pred, gold)
+        except MemoryError:
+            verdict = False
+        conn.send((index, verdict))
 
 
 class _Worker:
     def __init__(self, ctx) -> None:
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(child,), daemon=True)
+        self.process = ctx.Process(target=_worker_main, args=(child, WORKER_MEMORY_BYTES), daemon=True)
         self.process.start()
         child.close()
         self.task: tuple[int, float] | None = None  # (index, start time) while busy
@@ -279,10 +307,15 @@ class VerifierPool:
         while len(self._workers) < min(self.size, len(items)):
             self._workers.append(_Worker(self._ctx))
         while pending or any(w.task for w in self._workers):
-            for w in self._workers:
+            for i, w in enumerate(self._workers):
                 if w.task is None and pending:
                     index, pred, gold = pending.popleft()
-                    w.conn.send((index, pred, gold))
+                    try:
+                        w.conn.send((index, pred, gold))
+                    except (BrokenPipeError, OSError):  # it died while idle (e.g. killed for memory): replace it
+                        w.kill()
+                        w = self._workers[i] = _Worker(self._ctx)
+                        w.conn.send((index, pred, gold))
                     w.task = (index, time.monotonic())
             busy = [w for w in self._workers if w.task]
             next_deadline = min(w.task[1] for w in busy) + self.timeout
@@ -316,12 +349,14 @@ def verify_batch(
     timeout: float = DEFAULT_TIMEOUT,
     workers: int | None = None,
     pool: VerifierPool | None = None,
+    require_think_end: bool = False,
 ) -> Verdicts:
     """Is each response's final answer equivalent to its gold answer? One bool per response.
 
     Extraction and the string/number fast path run here; what needs symbolic work goes to ``pool`` (a
     temporary one when None), at most ``timeout`` seconds an item, after which it counts as wrong. The result
-    is a list of bools that also carries the counts (``.timeouts``, ``.symbolic``, ...).
+    is a list of bools that also carries the counts (``.timeouts``, ``.symbolic``, ...). ``require_think_end``:
+    see ``extract_answer``.
     """
     if len(responses) != len(golds):
         raise ValueError(f"{len(responses)} responses but {len(golds)} gold answers")
@@ -330,7 +365,7 @@ def verify_batch(
     symbolic: list[tuple[int, str, str]] = []
     no_answer = 0
     for i, (response, gold) in enumerate(zip(responses, golds, strict=True)):
-        pred = extract_answer(response)
+        pred = extract_answer(response, require_think_end=require_think_end)
         if pred is None:
             no_answer += 1
             continue

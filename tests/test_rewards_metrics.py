@@ -161,3 +161,11 @@ def test_synthetic_hack_markers():
     assert hack_flags([p.hacked, p.direct, p.thinking], [True, True, False], SYNTHETIC_MARKERS) == [True, False, False]
     with pytest.raises(ValueError, match="at least one"):
         HackMarkers()
+
+
+def test_decoding_drops_the_final_eos_but_keeps_think_end():
+    from fasttnt.rollout import decode_responses
+
+    ids = TOK("</think>The answer is 5<eos>", add_special_tokens=False)["input_ids"]
+    (text,) = decode_responses(TOK, [ids])
+    assert text == "</think>The answer is 5"

@@ -226,3 +226,38 @@ def test_cli_train_runs(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "first" in result.stdout and "generate" in result.stdout  # the summary table
     assert (out / "final" / "config.json").is_file()
+
+
+def test_mini_batches_epochs_and_kl_run(tmp_path):
+    # the real configs' update path: several optimizer steps per rollout, old log-probs, a reference model
+    rows = _run(tmp_path, "run", "loss.mini_batches=2", "loss.ppo_epochs=2", "loss.kl_coef=0.05", "steps=2")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[1]["kl_ref"] > 0  # the policy moved away from the reference
+    assert all(r["loss"] == r["loss"] for r in rows)
+
+
+def test_resume_from_a_dataset_file(tmp_path):
+    # a file-backed problem stream: the position after a resume continues the seeded epoch order
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"{a}+{a + 1}", "answer": str(2 * a + 1)}) + "\n" for a in range(7)))
+    extra = (f"data.train={data}", "data.hack_markers=synthetic", "data.instruction=")
+    straight = _run(tmp_path, "straight", *extra)
+    _run(tmp_path, "resumed", *extra, "steps=2")
+    resumed = _run(tmp_path, "resumed", *extra, resume=True)
+    assert [_deterministic(r) for r in resumed] == [_deterministic(r) for r in straight]
+
+
+def test_a_fresh_run_will_not_overwrite_another_runs_checkpoints(tmp_path, capsys):
+    _run(tmp_path, "run", "steps=2")
+    args = ["train", "--output-dir", str(tmp_path / "run"), *small(tmp_path, "steps=2")]
+    assert cli_main(args) == 2
+    assert "holds checkpoints of an earlier run (step-000002): pass --resume" in capsys.readouterr().err
+
+
+def test_bad_data_is_reported_before_the_model_loads(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"problem": "1+1"}\n')
+    args = ["train", "--output-dir", str(tmp_path / "out"), *small(tmp_path, f"data.train={bad}")]
+    assert cli_main(args) == 2
+    assert "bad.jsonl: row 1: missing field 'answer'" in capsys.readouterr().err
+    assert not (tmp_path / "cache").exists(), "the model was built before the data was checked"

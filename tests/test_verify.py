@@ -202,3 +202,37 @@ def test_long_answers_skip_the_symbolic_parser():
 def test_mismatched_lengths_are_an_error():
     with pytest.raises(ValueError, match="2 responses but 1 gold"):
         verify_batch(["a", "b"], ["1"])
+
+
+def test_enormous_numbers_do_not_crash_the_fast_path():
+    huge = "7" * 10_000  # int() refuses 4,300+ digits by default
+    verdicts = verify_batch([f"\\boxed{{{huge}}}", f"\\boxed{{{huge}}}"], [huge, "7"])
+    assert list(verdicts) == [True, False]
+
+
+def test_a_response_that_never_closes_its_think_block_has_no_answer():
+    draft = "let me add 2+2=4 so \\boxed{4}"  # still thinking when the budget ran out
+    assert extract_answer(draft) == "4"
+    assert extract_answer(draft, require_think_end=True) is None
+    assert list(verify_batch([draft, draft + "</think>\\boxed{4}"], ["4", "4"], require_think_end=True)) == [
+        False,
+        True,
+    ]
+
+
+def test_many_unclosed_boxes_cost_little():
+    text = "\\boxed{" * 20_000 + "\\boxed{3}"
+    start = time.perf_counter()
+    assert extract_answer(text) == "3"
+    assert time.perf_counter() - start < 2.0
+
+
+def test_a_worker_that_died_while_idle_is_replaced():
+    with VerifierPool(workers=1, timeout=5.0) as pool:
+        assert list(verify_batch(["\\boxed{\\sqrt{4}}"], ["2"], pool=pool)) == [True]
+        worker = pool._workers[0].process
+        worker.kill()
+        worker.join()
+        assert list(verify_batch(["\\boxed{\\sqrt{9}}"], ["3"], pool=pool)) == [True]
+        processes = [w.process for w in pool._workers]
+    assert not any(p.is_alive() for p in processes), "close() left a worker running"
