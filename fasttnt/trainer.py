@@ -124,7 +124,8 @@ class Trainer:
         self.model, self.tokenizer, self.model_path = self._load_model(resume_from)
         self.model.to(self.device)
         if cfg.model.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+            # transformers 5 renamed it; 4.x has only the old name
+            getattr(self.model, "activation_checkpointing_enable", self.model.gradient_checkpointing_enable)()
         self.ref_model = None
         if cfg.loss.kl_coef > 0:  # the starting policy, also when resuming
             self.ref_model = self._from_pretrained(self.model_path)
@@ -135,7 +136,9 @@ class Trainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
         o = cfg.optim
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay, fused=True
+        )  # fused: one kernel for all parameters, on the CPU as on CUDA
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg))
         self.state = TrainerState(step=0, data_position=0)
         if resume_from is not None:

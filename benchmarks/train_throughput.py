@@ -1,0 +1,112 @@
+"""Training-step throughput of a randomly initialised Qwen2-1.5B-shaped policy on packed micro-batches, through
+the project's own path: padding-free packed forward, ``linear_token_logprobs``, ``clipped_policy_loss``, backward.
+
+    python benchmarks/train_throughput.py [--tokens 16384] [--steps 10] [--smoke]
+
+Reports tokens/s and model FLOPs utilisation (6 N per token for N non-embedding parameters plus the lm_head,
+with the attention term, against the H200's measured 790 TFLOP/s dense bf16). Meaningful on a GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+H200_BF16_TFLOPS = 790.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=16384, help="tokens per packed micro-batch")
+    parser.add_argument("--seq-len", type=int, default=2048, help="length of each packed sequence")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: checks the code path")
+    args = parser.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from fasttnt.policy import response_logprobs
+    from fasttnt.rollout import RolloutBatch
+    from fasttnt_kernels import clipped_policy_loss
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.smoke:
+        shape = dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=1000,
+        )
+        args.tokens, args.seq_len, args.steps = 512, 128, 2
+    else:  # DeepSeek-R1-Distill-Qwen-1.5B's shape
+        shape = dict(
+            hidden_size=1536,
+            intermediate_size=8960,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            vocab_size=151936,
+        )
+    config = Qwen2Config(**shape, max_position_embeddings=32768, tie_word_embeddings=False)
+    attn = "sdpa"
+    if device.type == "cuda":
+        import importlib.util
+
+        attn = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn).to(device)
+    getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+    model.train()
+
+    n_seq = args.tokens // args.seq_len
+    prompt_len = args.seq_len // 8
+    prompts = [torch.randint(0, shape["vocab_size"], (prompt_len,)).tolist() for _ in range(n_seq)]
+    responses = torch.randint(0, shape["vocab_size"], (n_seq * (args.seq_len - prompt_len),), device=device)
+    cu = torch.arange(n_seq + 1, device=device) * (args.seq_len - prompt_len)
+    batch = RolloutBatch(prompts, responses, cu, torch.zeros(n_seq, dtype=torch.bool, device=device), n_seq)
+    advantages = torch.randn(n_seq, device=device)
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logp, _ = response_logprobs(model, batch, temperature=1.0, pack_tokens=args.tokens, pad_id=0)
+        loss, _ = clipped_policy_loss(logp, logp.detach(), advantages, cu)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    step()  # compile, allocate
+    times = []
+    for _ in range(args.steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    median = statistics.median(times)
+    params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    layers, width = shape["num_hidden_layers"], shape["hidden_size"]
+    # 6 N per token, plus causal attention's 6 * layers * seq * width (QK^T and PV, forward + backward, halved)
+    flops_per_token = 6 * params + 6 * layers * args.seq_len * width
+    tokens_per_s = args.tokens / median
+    mfu = flops_per_token * tokens_per_s / (H200_BF16_TFLOPS * 1e12)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    print(
+        f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, attention {attn}, "
+        f"gradient checkpointing on"
+    )
+    print(f"{args.tokens} tokens per micro-batch ({n_seq} sequences of {args.seq_len}), {params / 1e9:.2f}B params")
+    print(
+        f"step median {median * 1e3:.1f} ms (runs {', '.join(f'{t * 1e3:.0f}' for t in times)}); "
+        f"{tokens_per_s:,.0f} tokens/s; MFU {100 * mfu:.1f}% of 790 TFLOP/s; peak memory {peak:.1f} GiB"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
