@@ -36,17 +36,33 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(root: Path, state: TrainerState, model, optimizer, scheduler, *, keep: int) -> Path:
-    """Write ``root/step-NNNNNN`` atomically and keep the newest ``keep`` checkpoints."""
+def checkpoint_paths(root: Path, step: int) -> tuple[Path, Path]:
+    """(final, temporary) folders of the checkpoint of ``step``."""
+    final = root / f"{_PREFIX}{step:06d}"
+    return final, root / f"{final.name}.tmp"
+
+
+def save_checkpoint(root: Path, state: TrainerState, model, optimizer, *, keep: int) -> Path:
+    """Write ``root/step-NNNNNN`` atomically and keep the newest ``keep`` checkpoints (single process)."""
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{_PREFIX}{state.step:06d}"
-    tmp = root / f"{final.name}.tmp"
+    final, tmp = checkpoint_paths(root, state.step)
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    torch.save(rng_state(), tmp / "rng.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps(state.__dict__))
+    write_trainer_files(tmp, state, rank=0)
+    commit_checkpoint(root, tmp, final, keep=keep)
+    return final
+
+
+def write_trainer_files(folder: Path, state: TrainerState, *, rank: int) -> None:
+    """This rank's RNG states, and (rank 0) the step and data position."""
+    torch.save(rng_state(), folder / f"rng{'' if rank == 0 else f'_rank{rank}'}.pt")
+    if rank == 0:
+        (folder / "trainer_state.json").write_text(json.dumps(state.__dict__))
+
+
+def commit_checkpoint(root: Path, tmp: Path, final: Path, *, keep: int) -> None:
+    """Make a fully written temporary folder the checkpoint (one rename), then drop the oldest."""
     _fsync_tree(tmp)
     if final.exists():  # only when a step is saved twice; never the checkpoint a resume would use
         shutil.rmtree(final)
@@ -54,11 +70,10 @@ def save_checkpoint(root: Path, state: TrainerState, model, optimizer, scheduler
     _fsync_dir(root)
     for old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def _fsync_tree(path: Path) -> None:
-    for f in path.iterdir():
+    for f in path.rglob("*"):
         if f.is_file():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -90,9 +105,10 @@ def remove_partial(root: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def load_training_state(path: Path, optimizer, scheduler) -> TrainerState:
-    """Restore optimizer, scheduler and RNG states from a checkpoint (the model is loaded by the caller)."""
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-    set_rng_state(torch.load(path / "rng.pt", weights_only=True))
+def load_training_state(path: Path, optimizer=None, *, rank: int = 0) -> TrainerState:
+    """Restore the optimizer (single process; DeepSpeed restores its own shards) and this rank's RNG states from
+    a checkpoint, and return the step and data position. The model is loaded by the caller."""
+    if optimizer is not None:
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    set_rng_state(torch.load(path / f"rng{'' if rank == 0 else f'_rank{rank}'}.pt", weights_only=True))
     return TrainerState(**json.loads((path / "trainer_state.json").read_text()))

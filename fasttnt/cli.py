@@ -8,6 +8,8 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fasttnt", description="GRPO for hybrid reasoning models with the TNT reward")
+    # the deepspeed launcher puts --local_rank=N before the command; torchrun sets LOCAL_RANK (read from the env)
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     check = commands.add_parser(
         "selfcheck",
@@ -66,40 +68,46 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(args) -> int:
+    import time
     from pathlib import Path
 
+    from transformers.utils import logging as hf_logging
+
+    from . import distributed
     from .config import ConfigError, load_config
+    from .data import DataError
+    from .plots import summary_table
+    from .trainer import Trainer
 
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
         print(f"fasttnt train: config error: {err}", file=sys.stderr)
         return 2
-    import time
-
-    from transformers.utils import logging as hf_logging
-
-    from .plots import summary_table
-    from .trainer import Trainer
-
     hf_logging.disable_progress_bar()  # our bars say what is happening; its per-file bars only add noise
 
-    from .data import DataError
+    def run() -> int:
+        start = time.perf_counter()
+        try:
+            trainer = Trainer(cfg, Path(args.output_dir), resume=args.resume)
+        except (DataError, FileExistsError) as err:
+            print(f"fasttnt train: {err}", file=sys.stderr)
+            return 2
+        history = trainer.run()
+        if trainer.is_main:
+            print()
+            print(summary_table(history))
+            print(
+                f"\nwall time {time.perf_counter() - start:.0f} s; outputs in {args.output_dir}: config.yaml, "
+                "metrics.jsonl, checkpoints/, final/, curves.png"
+            )
+        if trainer.dist:
+            distributed.shutdown()
+        return 0
 
-    start = time.perf_counter()
-    try:
-        trainer = Trainer(cfg, Path(args.output_dir), resume=args.resume)
-    except (DataError, FileExistsError) as err:
-        print(f"fasttnt train: {err}", file=sys.stderr)
-        return 2
-    history = trainer.run()
-    print()
-    print(summary_table(history))
-    print(
-        f"\nwall time {time.perf_counter() - start:.0f} s; outputs in {args.output_dir}: config.yaml, "
-        "metrics.jsonl, checkpoints/, final/, curves.png"
-    )
-    return 0
+    if distributed.launched_distributed():
+        return distributed.fail_fast(run)  # a failing rank ends the job instead of hanging the others
+    return run()
 
 
 def _eval(args) -> int:

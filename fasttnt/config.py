@@ -90,6 +90,14 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
+class DistributedConfig:
+    """Used when a launcher starts several processes (deepspeed or torchrun)."""
+
+    zero_stage: Literal[2, 3] = 2  # 2: optimizer state and gradients sharded; 3: parameters too
+    bucket_size: int = 50_000_000  # elements per ZeRO communication bucket
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     seed: int = 0
     steps: int = 100
@@ -109,6 +117,7 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 # -- loading ----------------------------------------------------------------------------------------------------
@@ -138,7 +147,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} fits none of {_type_name(tp)}")
     if origin is Literal:
         choices = typing.get_args(tp)
-        if value not in choices:
+        if value not in choices or type(value) not in {type(c) for c in choices}:
             raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, choices))}")
         return value
     if origin is tuple:

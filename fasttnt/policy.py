@@ -55,6 +55,26 @@ def pack_rows(prompts: list[list[int]], responses: list[list[int]], pack_tokens:
     return PackedRows(input_ids, position_ids, torch.tensor(index, dtype=torch.long))
 
 
+class PolicyHead(torch.nn.Module):
+    """The policy as the update uses it: packed rows in, response-token log-probs out, in one module forward (so
+    that under ZeRO-3 the lm_head weight is gathered for the fused op, as an external parameter of this module)."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, position_ids, hidden_index, targets, temperature: float, with_entropy: bool):
+        # use_cache=False matters: with a KV cache transformers assumes generation and ignores the packing (it only
+        # builds the per-sequence mask from position_ids when there is neither an attention mask nor a cache)
+        out = self.model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        hidden = out.last_hidden_state  # (R, L, H)
+        hidden = hidden.reshape(-1, hidden.shape[-1])[hidden_index]  # (N, H)
+        weight = self.model.get_output_embeddings().weight  # (V, H)
+        hidden = hidden.to(weight.dtype)  # under autocast the states are 16-bit; the op casts per autocast itself
+        result = linear_token_logprobs(hidden, weight, targets, temperature=temperature, with_entropy=with_entropy)
+        return result if with_entropy else (result, None)
+
+
 def response_logprobs(
     model,
     batch: RolloutBatch,
@@ -64,18 +84,17 @@ def response_logprobs(
     pad_id: int,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (N,) of the batch's response tokens under ``model`` at the sampling temperature, and the
-    per-token entropy when asked; differentiable when grad is enabled."""
+    """Log-probs (N,) of the batch's response tokens under ``model`` (a causal LM, or its ``PolicyHead``) at the
+    sampling temperature, and the per-token entropy when asked; differentiable when grad is enabled."""
+    # a PolicyHead, DeepSpeed's engine around one (it has .module), or a bare causal LM
+    head = model if isinstance(model, PolicyHead) or hasattr(model, "module") else PolicyHead(model)
     device = batch.response_ids.device
     rows = pack_rows(batch.prompt_ids, batch.responses(), pack_tokens, pad_id)
-    # use_cache=False matters: with a KV cache transformers assumes generation and ignores the packing (it only
-    # builds the per-sequence mask from position_ids when there is neither an attention mask nor a cache)
-    out = model.model(input_ids=rows.input_ids.to(device), position_ids=rows.position_ids.to(device), use_cache=False)
-    hidden = out.last_hidden_state  # (R, L, H)
-    hidden = hidden.reshape(-1, hidden.shape[-1])[rows.hidden_index.to(device)]  # (N, H)
-    weight = model.get_output_embeddings().weight  # (V, H)
-    hidden = hidden.to(weight.dtype)  # under autocast the states are 16-bit; the op casts per autocast itself
-    result = linear_token_logprobs(
-        hidden, weight, batch.response_ids, temperature=temperature, with_entropy=with_entropy
+    return head(
+        rows.input_ids.to(device),
+        rows.position_ids.to(device),
+        rows.hidden_index.to(device),
+        batch.response_ids,
+        temperature,
+        with_entropy,
     )
-    return result if with_entropy else (result, None)

@@ -74,6 +74,49 @@ class RolloutEngine(Protocol):
 ENGINES: Registry[type] = Registry("rollout engine")
 
 
+_MIX = (-7046029254386353131, -4658895280553007687, -7723592293110705685)  # splitmix64's odd constants, signed
+
+
+def _hash_uniform(row_seeds: torch.Tensor, position: int, vocab: int) -> torch.Tensor:
+    """(B, V) uniforms in (0, 1), a pure function of (row seed, position, token id): counter-based, so a row's
+    draws do not depend on which other rows share its batch (or its rank). int64 arithmetic wraps, as hashes want."""
+    v = torch.arange(vocab, device=row_seeds.device, dtype=torch.int64)
+    pos = torch.full((), position + 1, dtype=torch.int64, device=row_seeds.device)
+    x = row_seeds[:, None] * _MIX[0] + pos * _MIX[1] + v[None, :] * _MIX[2]
+    for shift, mult in ((30, _MIX[1]), (27, _MIX[2]), (31, 1)):
+        x = (x ^ ((x >> shift) & ((1 << (64 - shift)) - 1))) * mult
+    return (((x >> 11) & ((1 << 53) - 1)).double() + 0.5) / float(1 << 53)
+
+
+class SeededSampler(LogitsProcessor):
+    """Sampling by the Gumbel-max trick with per-row counter-based noise, for greedy decoding to apply.
+
+    ``argmax(logits / T + Gumbel)`` is a draw from ``softmax(logits / T)`` (after the top-p cut); drawing the
+    noise from each row's own seed makes a response depend only on its prompt, its seed and the model, not on
+    the batch: a prompt's samples are the same whether one process generates the step's batch or N ranks
+    generate a share each.
+    """
+
+    def __init__(self, row_seeds: torch.Tensor, prompt_width: int, temperature: float, top_p: float) -> None:
+        self.row_seeds, self.prompt_width = row_seeds, prompt_width
+        self.temperature, self.top_p = temperature, top_p
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        z = scores.float() / self.temperature
+        if self.top_p < 1.0:  # keep the smallest set of tokens whose probability reaches top_p
+            sorted_z, order = z.sort(dim=-1, descending=True)
+            cum = sorted_z.softmax(-1).cumsum(-1)
+            drop_sorted = cum - sorted_z.softmax(-1) >= self.top_p
+            z = z.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -float("inf"))
+        u = _hash_uniform(self.row_seeds.to(z.device), input_ids.shape[1] - self.prompt_width, z.shape[-1])
+        return z + (-torch.log(-torch.log(u))).to(z.dtype)
+
+
+def row_seeds(seed: int, first_row: int, rows: int) -> torch.Tensor:
+    """Seeds of rows ``first_row .. first_row + rows - 1`` of a step whose seed is ``seed``."""
+    return torch.arange(first_row, first_row + rows, dtype=torch.int64) * 1_000_003 + seed * 7_919
+
+
 class _ForbidFirst(LogitsProcessor):
     """Forced thinking: the first generated token may not be ``</think>``."""
 
@@ -98,7 +141,8 @@ class HFEngine:
         self.think_end_id = tokenizer.convert_tokens_to_ids("</think>")
 
     @torch.no_grad()
-    def generate(self, prompts: list[Prompt], group_size: int, *, seed: int) -> RolloutBatch:
+    def generate(self, prompts: list[Prompt], group_size: int, *, seed: int, first_row: int = 0) -> RolloutBatch:
+        """``first_row``: the global index of this batch's first response, when ranks generate shares of a step."""
         device = next(self.model.parameters()).device
         encoded = [self.tokenizer(p.text + p.response_prefix, add_special_tokens=False)["input_ids"] for p in prompts]
         prefixes = [
@@ -115,16 +159,17 @@ class HFEngine:
         processors = LogitsProcessorList()
         if any(p.forbid_think_end_first for p in prompts):
             processors.append(_ForbidFirst(width, self.think_end_id))
+        # sampling is ours (seeded per row), so generate decodes greedily over the perturbed scores
+        processors.append(SeededSampler(row_seeds(seed, first_row, len(rows)), width, self.temperature, self.top_p))
         was_training = self.model.training
         self.model.eval()
-        torch.manual_seed(seed)  # sampling reads the global generator: seeded per step, so a resumed run repeats it
         out = self.model.generate(
             input_ids=input_ids.to(device),
             attention_mask=attention.to(device),
-            do_sample=True,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=0,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
             max_new_tokens=self.max_new_tokens,
             eos_token_id=self.eos_id,
             pad_token_id=self.pad_id,
@@ -256,15 +301,11 @@ class VLLMEngine:
             self.llm.wake_up(tags=["weights"]) if _accepts_tags(self.llm.wake_up) else self.llm.wake_up()
             self.asleep = False
         target = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
-        bucket, size = [], 0
-        for name, param in model.state_dict().items():
-            bucket.append((name, param.detach()))
-            size += param.numel() * param.element_size()
-            if size >= self.bucket_bytes:
-                target.load_weights(bucket)
-                bucket, size = [], 0
-        if bucket:
-            target.load_weights(bucket)
+        for bucket in _parameter_buckets(model, self.bucket_bytes):
+            # under ZeRO-3 each rank holds a shard: gather one bucket at a time, so the extra memory is one
+            # bucket of full parameters (weight_sync_bucket_mb), never the whole model
+            with _gathered([p for _, p in bucket]):
+                target.load_weights([(name, p.detach()) for name, p in bucket])
         self.llm.reset_prefix_cache()
         if self.sleep_between_rollouts:
             self.llm.sleep(level=1)
@@ -272,6 +313,30 @@ class VLLMEngine:
 
     def close(self) -> None:
         del self.llm
+
+
+def _parameter_buckets(model: torch.nn.Module, bucket_bytes: int):
+    """Named parameters in groups of about ``bucket_bytes`` (counted at their full, unsharded size)."""
+    bucket, size = [], 0
+    for name, param in model.named_parameters():
+        bucket.append((name, param))
+        size += getattr(param, "ds_numel", param.numel()) * param.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def _gathered(params):
+    """Full parameters for the duration (ZeRO-3 shards carry ``ds_id``); nothing to do otherwise."""
+    import contextlib
+
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    return contextlib.nullcontext()
 
 
 def _accepts_tags(fn) -> bool:

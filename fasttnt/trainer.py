@@ -8,6 +8,7 @@ per step.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -22,11 +23,21 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fasttnt_kernels import clipped_policy_loss, group_advantages
 
-from .checkpoint import TrainerState, list_checkpoints, load_training_state, remove_partial, save_checkpoint
+from . import distributed
+from .checkpoint import (
+    TrainerState,
+    checkpoint_paths,
+    commit_checkpoint,
+    list_checkpoints,
+    load_training_state,
+    remove_partial,
+    save_checkpoint,
+    write_trainer_files,
+)
 from .config import TrainConfig, dump_config
 from .data import MATH_INSTRUCTION, DataError, Problem, PromptMode, build_prompt, load_problems
 from .metrics import MARKER_SETS, hack_flags, rollout_metrics, to_floats
-from .policy import response_logprobs
+from .policy import PolicyHead, response_logprobs
 from .rewards import PackedResponses, compute_rewards
 from .rollout import ENGINES, RolloutBatch, decode_responses
 from .synthetic import problems as synthetic_problems
@@ -103,10 +114,19 @@ class Trainer:
         self.cfg = cfg
         self.out = Path(output_dir)
         self.ckpt_root = self.out / "checkpoints"
-        self.device = torch.device(
-            "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
-        )
+        device_type = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+        self.dist = distributed.init(device_type) if distributed.launched_distributed() else None
+        self.rank, self.world = (self.dist.rank, self.dist.world) if self.dist else (0, 1)
+        self.is_main = self.rank == 0
+        self.device = self.dist.device if self.dist else torch.device(device_type)
         self.autocast = self.device.type == "cuda" and cfg.model.dtype == "auto"
+        r = cfg.rollout
+        if r.prompts_per_step % (self.world * cfg.loss.mini_batches):
+            raise ValueError(
+                f"rollout.prompts_per_step={r.prompts_per_step} must divide into {self.world} ranks x "
+                f"loss.mini_batches={cfg.loss.mini_batches}"
+            )
+        self.prompts_per_rank = r.prompts_per_step // self.world
         existing = list_checkpoints(self.ckpt_root)
         if existing and not resume:
             raise FileExistsError(
@@ -114,14 +134,20 @@ class Trainer:
                 "it, or choose another --output-dir"
             )
         self.stream = ProblemStream(cfg)  # the data is read and checked before any model is loaded
-        self.out.mkdir(parents=True, exist_ok=True)
-        remove_partial(self.ckpt_root)
         resume_from = existing[-1] if resume and existing else None
-        if resume and resume_from is None:
-            tqdm.write(f"--resume: no checkpoint under {self.ckpt_root}; starting from step 0")
-        dump_config(cfg, self.out / "config.yaml")
+        if self.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            remove_partial(self.ckpt_root)
+            if resume and resume_from is None:
+                tqdm.write(f"--resume: no checkpoint under {self.ckpt_root}; starting from step 0")
+            dump_config(cfg, self.out / "config.yaml")
 
+        # rank 0 first: the tiny model's warm-up cache must be written once, then read by the others
+        if not self.is_main:
+            distributed.barrier()
         self.model, self.tokenizer, self.model_path = self._load_model(resume_from)
+        if self.is_main and self.dist:
+            distributed.barrier()
         self.model.to(self.device)
         if cfg.model.gradient_checkpointing:
             # transformers 5 renamed it; 4.x has only the old name
@@ -136,18 +162,31 @@ class Trainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
         o = cfg.optim
+        self.head = PolicyHead(self.model)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay, fused=True
         )  # fused: one kernel for all parameters, on the CPU as on CUDA
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg))
+        self.lr_factor = _lr_lambda(cfg)
+        self.ds_engine = None
+        if self.dist:
+            import deepspeed
+
+            self.ds_engine, self.optimizer, _, _ = deepspeed.initialize(
+                model=self.head, optimizer=self.optimizer, config=distributed.deepspeed_config(cfg, self.world)
+            )
+            if cfg.distributed.zero_stage == 3:  # the fused op reads the lm_head weight outside its module
+                deepspeed.zero.register_external_parameter(self.head, self.model.get_output_embeddings().weight)
         self.state = TrainerState(step=0, data_position=0)
         if resume_from is not None:
-            self.state = load_training_state(resume_from, self.optimizer, self.scheduler)
+            if self.ds_engine is not None:
+                self.ds_engine.load_checkpoint(str(resume_from), tag="deepspeed")
+            self.state = load_training_state(resume_from, None if self.ds_engine else self.optimizer, rank=self.rank)
             self.stream.seek(self.state.data_position)
         else:
             torch.manual_seed(cfg.seed)
             random.seed(cfg.seed)
-        self._truncate_metrics(self.state.step)
+        if self.is_main:
+            self._truncate_metrics(self.state.step)
 
         train = cfg.data.train
         self.instruction = cfg.data.instruction
@@ -162,7 +201,6 @@ class Trainer:
         if markers == "auto":
             markers = "synthetic" if train == "synthetic" else "math"
         self.markers = MARKER_SETS[markers]
-        r = cfg.rollout
         self.engine = ENGINES.get(r.engine)(
             self.model,
             self.tokenizer,
@@ -180,7 +218,7 @@ class Trainer:
         if resume_from is not None:
             self.engine.sync_weights(self.model)  # an engine with its own copy starts from the base weights
         self.verifier = VerifierPool(cfg.verify_workers, cfg.verify_timeout)
-        self.tb = self._tensorboard()
+        self.tb = self._tensorboard() if self.is_main else None
 
     # -- set-up ---------------------------------------------------------------------------------------------------
 
@@ -198,9 +236,10 @@ class Trainer:
             tokenizer = AutoTokenizer.from_pretrained(m.name, trust_remote_code=m.trust_remote_code)
             path = m.name
             model = self._from_pretrained(path)
-        if resume_from is not None:  # the checkpoint's weights into the model as configured
-            _load_weights(model, resume_from)
-        tokenizer.save_pretrained(self.out / "tokenizer")
+        if resume_from is not None and not distributed.launched_distributed():
+            _load_weights(model, resume_from)  # the checkpoint's weights into the model as configured
+        if self.is_main:
+            tokenizer.save_pretrained(self.out / "tokenizer")
         return model, tokenizer, path
 
     def _from_pretrained(self, path):
@@ -245,12 +284,21 @@ class Trainer:
             times[f"time_{name}"] = now - clock
             clock = now
 
-        lr = self.scheduler.get_last_lr()[0]  # the rate this step's update uses
+        lr = cfg.optim.lr * self.lr_factor(self.state.step)  # the rate this step's update uses
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
-        # rollout
+        # rollout: every rank draws the step's prompts and generates its share, seeded per response
         problems = self.stream.take(r.prompts_per_step)
+        problems = problems[self.rank * self.prompts_per_rank : (self.rank + 1) * self.prompts_per_rank]
         prompts = [self._prompt(p) for p in problems]
-        batch = self.engine.generate(prompts, r.group_size, seed=cfg.seed * 1_000_003 + step)
+        with self._full_parameters():
+            batch = self.engine.generate(
+                prompts,
+                r.group_size,
+                seed=cfg.seed * 1_000_003 + step,
+                first_row=self.rank * self.prompts_per_rank * r.group_size,
+            )
         texts = decode_responses(self.tokenizer, batch.responses())
         lap("generate")
 
@@ -260,7 +308,7 @@ class Trainer:
         correct = torch.tensor(list(verdicts), device=self.device) & ~batch.truncated
         lap("verify")
 
-        # reward and advantage
+        # reward and advantage: all K samples of a prompt are on this rank, so both are local
         packed = PackedResponses(batch.response_ids, batch.cu_seqlens, batch.truncated, r.group_size)
         rewards = compute_rewards(packed, correct, self.think_end_id, cfg.reward)
         advantages = group_advantages(rewards.rewards, r.group_size, scale=cfg.loss.adv_scale, eps=cfg.loss.adv_eps)
@@ -272,7 +320,7 @@ class Trainer:
         old_logp = ref_logp = None
         if cfg.loss.ppo_epochs > 1 or cfg.loss.mini_batches > 1:
             with torch.no_grad(), self._autocast():
-                old_logp, _ = self._logprobs(self.model, batch)
+                old_logp, _ = self._logprobs(self._policy(), batch)
         if self.ref_model is not None:
             with torch.no_grad(), self._autocast():
                 ref_logp, _ = self._logprobs(self.ref_model, batch)
@@ -282,36 +330,59 @@ class Trainer:
         update = self._update(batch, advantages, old_logp, ref_logp)
         lap("update")
 
-        # weight sync
+        # weight sync (the vllm engine gathers ZeRO-3 shards bucket by bucket itself)
         self.engine.sync_weights(self.model)
         lap("sync")
 
-        # log
-        n_tokens = batch.response_ids.numel()
-        metrics = rollout_metrics(
-            correct=correct,
-            non_thinking=rewards.non_thinking,
-            lengths=batch.lengths,
-            hacked=hacked,
-            truncated=batch.truncated,
-            limit=rewards.limit,
-            rewards=rewards.rewards,
-        )
+        # log: every metric over all ranks' responses, so N ranks log what one process would
+        per_response = {
+            "correct": correct,
+            "non_thinking": rewards.non_thinking,
+            "lengths": batch.lengths,
+            "hacked": hacked,
+            "truncated": batch.truncated,
+            "limit": rewards.limit,
+            "rewards": rewards.rewards,
+        }
+        if self.dist:
+            per_response = {k: distributed.all_gather_cat(v) for k, v in per_response.items()}
+        metrics = rollout_metrics(**per_response)
         metrics.update(update)
-        values = to_floats(metrics)  # sync: one read of every metric per step
+        counts = torch.tensor(
+            [batch.response_ids.numel(), sum(len(p) for p in batch.prompt_ids), verdicts.timeouts],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        metrics["_counts"] = self._sum(counts)
+        values = to_floats({k: v for k, v in metrics.items() if k != "_counts"})  # sync: one read per step
+        n_tokens, prompt_tokens, timeouts = metrics["_counts"].tolist()
         values.update(times)
-        step_time = sum(times.values())
-        prompt_tokens = sum(len(p) for p in batch.prompt_ids)
         values.update(
             step=step,
             lr=lr,
-            verify_timeouts=verdicts.timeouts,
+            verify_timeouts=int(timeouts),
             generated_tokens_per_s=n_tokens / max(times["time_generate"], 1e-9),
             trained_tokens_per_s=(n_tokens + prompt_tokens) * cfg.loss.ppo_epochs / max(times["time_update"], 1e-9),
-            time_step=step_time,
+            time_step=sum(times.values()),
         )
         self.state = TrainerState(step=step, data_position=self.stream.position)
         return values
+
+    def _sum(self, t: torch.Tensor) -> torch.Tensor:
+        return distributed.all_sum(t) if self.dist else t
+
+    def _policy(self):
+        """The policy's log-prob module: DeepSpeed's engine when distributed (its forward drives ZeRO)."""
+        return self.ds_engine if self.ds_engine is not None else self.head
+
+    def _full_parameters(self):
+        """Under ZeRO-3, gather every parameter for generation, weight sync and saving (each rank then holds the
+        whole model for the duration: the memory that ZeRO-3 otherwise saves); elsewhere nothing to do."""
+        if self.ds_engine is not None and self.cfg.distributed.zero_stage == 3:
+            import deepspeed
+
+            return deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None)
+        return contextlib.nullcontext()
 
     def _prompt(self, problem: Problem):
         return build_prompt(self.tokenizer, problem.problem, PromptMode.FREE, instruction=self.instruction)
@@ -320,6 +391,7 @@ class Trainer:
         return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast)
 
     def _logprobs(self, model, batch: RolloutBatch, with_entropy: bool = False):
+        """``model``: the policy (``_policy()``) or the reference model."""
         return response_logprobs(
             model,
             batch,
@@ -342,8 +414,12 @@ class Trainer:
                 part = _select_groups(batch, mb * per_mb, (mb + 1) * per_mb)
                 lo, hi = int(batch.cu_seqlens[mb * per_mb * k]), int(batch.cu_seqlens[(mb + 1) * per_mb * k])
                 seqs = slice(mb * per_mb * k, (mb + 1) * per_mb * k)
+                # the loss's normalisers are global (all ranks' tokens and sequences), so the ranks' losses add up
+                # to the loss of the whole mini-batch
+                n_local = torch.tensor(float(hi - lo), device=self.device)
+                n_global = self._sum(n_local)
                 with self._autocast():
-                    logp, entropy = self._logprobs(self.model, part, with_entropy=True)
+                    logp, entropy = self._logprobs(self._policy(), part, with_entropy=True)
                 old = old_logp[lo:hi] if old_logp is not None else logp.detach()
                 ref = ref_logp[lo:hi] if ref_logp is not None else None
                 loss, stats = clipped_policy_loss(
@@ -358,64 +434,100 @@ class Trainer:
                     kl_coef=loss_cfg.kl_coef,
                     agg=loss_cfg.agg,
                     norm_length=loss_cfg.norm_length,
+                    total_tokens=float(n_global) if self.dist else None,  # sync: one read per mini-batch
+                    total_seqs=float(per_mb * k * self.world) if self.dist else None,
                 )
-                entropy_mean = entropy.mean() if entropy.numel() else entropy.sum()
-                total = loss - loss_cfg.entropy_coef * entropy_mean
-                self.optimizer.zero_grad(set_to_none=True)
-                total.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
-                self.optimizer.step()
+                entropy_sum = entropy.sum()
+                total = loss - loss_cfg.entropy_coef * entropy_sum / n_global.clamp(min=1)  # token-mean entropy
+                if self.ds_engine is not None:
+                    # DeepSpeed averages gradients over ranks; each rank's loss is its part of a global sum
+                    self.ds_engine.backward(total * self.world)
+                    self.ds_engine.step()
+                    grad_norm = torch.tensor(float(self.ds_engine.get_global_grad_norm() or 0.0))
+                else:
+                    self.optimizer.zero_grad(set_to_none=True)
+                    total.backward()
+                    grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
+                    self.optimizer.step()
+                token_stats = torch.stack(
+                    [
+                        loss.detach(),
+                        entropy_sum.detach(),
+                        (stats["clip_frac_low"] + stats["clip_frac_high"]) * n_local,
+                        stats["approx_kl"] * n_local,
+                        stats["kl_ref"] * n_local,
+                    ]
+                ).float()
+                token_stats = self._sum(token_stats)
+                n = n_global.clamp(min=1)
                 for name, value in (
-                    ("loss", loss.detach()),
-                    ("entropy", entropy_mean.detach()),
-                    ("grad_norm", grad_norm.detach()),
-                    ("clip_frac", stats["clip_frac_low"] + stats["clip_frac_high"]),
-                    ("kl", stats["approx_kl"]),
-                    ("kl_ref", stats["kl_ref"]),
+                    ("loss", token_stats[0]),
+                    ("entropy", token_stats[1] / n),
+                    ("grad_norm", grad_norm.to(token_stats.device).float()),
+                    ("clip_frac", token_stats[2] / n),
+                    ("kl", token_stats[3] / n),
+                    ("kl_ref", token_stats[4] / n),
                 ):
-                    sums[name] = sums.get(name, 0) + value.float()
+                    sums[name] = sums.get(name, 0) + value
                 count += 1
-        self.scheduler.step()
         return {name: value / count for name, value in sums.items()}
 
     # -- the run ----------------------------------------------------------------------------------------------
 
     def run(self) -> list[dict[str, float]]:
         cfg = self.cfg
-        history = self._read_history()
-        bar = tqdm(total=cfg.steps, initial=self.state.step, desc="GRPO", unit="step")
+        history = self._read_history() if self.is_main else []
+        bar = tqdm(total=cfg.steps, initial=self.state.step, desc="GRPO", unit="step", disable=not self.is_main)
+        log = (self.out / "metrics.jsonl").open("a") if self.is_main else None
         try:
-            with (self.out / "metrics.jsonl").open("a") as log:
-                while self.state.step < cfg.steps:
-                    values = self.step()
-                    history.append(values)
+            while self.state.step < cfg.steps:
+                values = self.step()
+                history.append(values)
+                if log is not None:
                     log.write(json.dumps(values) + "\n")
                     log.flush()
-                    if self.tb is not None:
-                        for name, value in values.items():
-                            self.tb.add_scalar(name, value, values["step"])
-                    bar.set_postfix(
-                        reward=f"{values['reward']:.2f}",
-                        acc=f"{values['acc']:.2f}",
-                        len=f"{values['len']:.0f}",
-                        nt=f"{values['non_thinking_ratio']:.2f}",
-                        hack=f"{values['hack_rate']:.2f}",
-                    )
-                    bar.update(1)
-                    if self.state.step % cfg.save_every == 0 or self.state.step == cfg.steps:
-                        save_checkpoint(
-                            self.ckpt_root,
-                            self.state,
-                            self.model,
-                            self.optimizer,
-                            self.scheduler,
-                            keep=cfg.keep_checkpoints,
-                        )
+                if self.tb is not None:
+                    for name, value in values.items():
+                        self.tb.add_scalar(name, value, values["step"])
+                bar.set_postfix(
+                    reward=f"{values['reward']:.2f}",
+                    acc=f"{values['acc']:.2f}",
+                    len=f"{values['len']:.0f}",
+                    nt=f"{values['non_thinking_ratio']:.2f}",
+                    hack=f"{values['hack_rate']:.2f}",
+                )
+                bar.update(1)
+                if self.state.step % cfg.save_every == 0 or self.state.step == cfg.steps:
+                    self._save_checkpoint()
         finally:
             bar.close()
+            if log is not None:
+                log.close()
             self.verifier.close()
         self._finish(history)
         return history
+
+    def _save_checkpoint(self) -> None:
+        keep = self.cfg.keep_checkpoints
+        if self.ds_engine is None:
+            save_checkpoint(self.ckpt_root, self.state, self.model, self.optimizer, keep=keep)
+            return
+        # distributed: every rank writes its optimizer shard and RNG state into the temporary folder, rank 0 the
+        # Hugging Face weights; once all are done rank 0 renames it into place
+        final, tmp = checkpoint_paths(self.ckpt_root, self.state.step)
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        distributed.barrier()
+        self.ds_engine.save_checkpoint(str(tmp), tag="deepspeed")
+        with self._full_parameters():
+            if self.is_main:
+                self.model.save_pretrained(tmp, safe_serialization=True)
+        write_trainer_files(tmp, self.state, rank=self.rank)
+        distributed.barrier()
+        if self.is_main:
+            commit_checkpoint(self.ckpt_root, tmp, final, keep=keep)
+        distributed.barrier()
 
     def _read_history(self) -> list[dict[str, float]]:
         path = self.out / "metrics.jsonl"
@@ -424,14 +536,16 @@ class Trainer:
     def _finish(self, history: list[dict[str, float]]) -> None:
         from .plots import plot_curves
 
-        final = self.out / "final"
-        tmp = self.out / "final.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(tmp, safe_serialization=True)
-        self.tokenizer.save_pretrained(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        if history:
+        with self._full_parameters():
+            if self.is_main:
+                final = self.out / "final"
+                tmp = self.out / "final.tmp"
+                shutil.rmtree(tmp, ignore_errors=True)
+                self.model.save_pretrained(tmp, safe_serialization=True)
+                self.tokenizer.save_pretrained(tmp)
+                shutil.rmtree(final, ignore_errors=True)
+                tmp.rename(final)
+        if self.is_main and history:
             plot_curves(history, self.out / "curves.png")
         self.engine.close()
         if self.tb is not None:

@@ -21,7 +21,16 @@ def test_matches_float64_reference(triton_path, shape, scale, dtype):
     adv = group_advantages(rewards, k, scale=scale)
     assert adv.dtype == torch.float32 and adv.shape == (g * k,)
     truth = group_advantages_reference(rewards.double(), k, scale=scale)
-    assert_close(adv, truth, name="advantages")
+    if scale == "std" and dtype == torch.float32:
+        # centring loses float32 digits in proportion to max|r| / std: a group of 3 normals can have std 1e-3,
+        # where no float32 computation gets 1e-5; allow a few ulps of that conditioning, group by group
+        r = rewards.double().reshape(g, k)
+        cond = (r.abs().amax(1) / (r.std(1) + 1e-6)).repeat_interleave(k)
+        err = (adv.double() - truth).abs()
+        assert not torch.isnan(adv).any()
+        assert bool((err <= 1e-5 + 4 * 2**-24 * cond).all()), f"worst {(err / (1e-5 + 4 * 2**-24 * cond)).max():.2f}"
+    else:
+        assert_close(adv, truth, name="advantages")
     # the defining properties, checked on the kernel's output: zero mean per group, unit unbiased std
     per_group = adv.double().reshape(g, k)
     assert per_group.mean(1).abs().max() < 1e-5

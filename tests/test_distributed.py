@@ -1,0 +1,158 @@
+"""Data-parallel training under DeepSpeed ZeRO on CPU processes (gloo): a 2-rank run logs what a 1-process run
+of the same global batch logs, with ZeRO-2 and ZeRO-3, through the deepspeed launcher and torchrun; resume with
+the same ranks; a failing rank ends the job."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+SMALL = [
+    "model.tiny.hidden_size=32",
+    "model.tiny.intermediate_size=64",
+    "model.tiny.num_hidden_layers=1",
+    "model.tiny.num_attention_heads=2",
+    "model.tiny.num_key_value_heads=1",
+    "warmup.steps=20",
+    "warmup.batch_size=16",
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=24",
+    "steps=3",
+    "save_every=2",
+    "verify_workers=1",
+    "optim.lr=1e-2",
+]
+# DeepSpeed sees no accelerator here and picks its CPU one; keep its launcher from probing for GPUs
+ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+
+
+def _launch(launcher: str, out: Path, cache: Path, *extra: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    args = ["train", "--output-dir", str(out), f"cache_dir={cache}", *SMALL, *extra]
+    if launcher == "single":
+        cmd = [sys.executable, "-m", "fasttnt", *args]
+    elif launcher == "deepspeed":
+        cmd = [shutil.which("deepspeed"), "--num_gpus", "2", "--master_port", "29511", "--module", "fasttnt", *args]
+    else:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            "29512",
+            "-m",
+            "fasttnt",
+            *args,
+        ]
+    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout)
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+KEYS = ("loss", "grad_norm", "reward", "acc", "len", "non_thinking_ratio", "entropy", "kl", "clip_frac")
+
+
+def _assert_same_run(a: list[dict], b: list[dict]) -> None:
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b, strict=True):
+        for key in KEYS:
+            assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-6), (ra["step"], key, ra[key], rb[key])
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    result = _launch("single", root / "single", root / "cache")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root, _metrics(root / "single")
+
+
+@pytest.mark.parametrize(("launcher", "stage"), [("deepspeed", 2), ("deepspeed", 3), ("torchrun", 2)])
+def test_two_ranks_match_one_process(single, launcher, stage):
+    root, expected = single
+    out = root / f"{launcher}-zero{stage}"
+    result = _launch(launcher, out, root / "cache", f"distributed.zero_stage={stage}")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    _assert_same_run(_metrics(out), expected)
+    assert (out / "final" / "model.safetensors").is_file()
+    assert any(r["loss"] != 0 for r in expected) and any(r["grad_norm"] > 0 for r in expected)
+
+
+def test_resume_with_the_same_ranks(single):
+    root, expected = single
+    out = root / "resumed"
+    first = _launch("deepspeed", out, root / "cache", "steps=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (out / "checkpoints" / "step-000002" / "deepspeed").is_dir()  # the ranks' optimizer shards
+    again = subprocess.run(
+        [
+            shutil.which("deepspeed"),
+            "--num_gpus",
+            "2",
+            "--master_port",
+            "29513",
+            "--module",
+            "fasttnt",
+            "train",
+            "--output-dir",
+            str(out),
+            "--resume",
+            f"cache_dir={root / 'cache'}",
+            *SMALL,
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=240,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    _assert_same_run(_metrics(out), expected)
+
+
+FAILING = """
+import sys
+from fasttnt import distributed
+
+def main():
+    ctx = distributed.init("cpu")
+    if ctx.rank == 1:
+        raise RuntimeError("rank 1 cannot read its shard")
+    distributed.barrier()  # rank 0 waits here for a rank that is gone
+    return 0
+
+sys.exit(distributed.fail_fast(main))
+"""
+
+
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
+def test_a_failing_rank_ends_the_job(tmp_path, launcher):
+    script = tmp_path / "fails.py"
+    script.write_text(FAILING)
+    if launcher == "deepspeed":
+        cmd = [shutil.which("deepspeed"), "--num_gpus", "2", "--master_port", "29514", str(script)]
+    else:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            "29515",
+            str(script),
+        ]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=180)  # a hang fails here
+    assert result.returncode != 0
+    assert "rank 1 cannot read its shard" in result.stdout + result.stderr
