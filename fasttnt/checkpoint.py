@@ -1,6 +1,7 @@
 """Atomic checkpoints: a step's folder is written under a temporary name and renamed into place, so a run killed
-mid-save leaves the previous checkpoint whole. Weights are safetensors; optimizer, scheduler and RNG states load
-with ``torch.load(weights_only=True)``, never an unrestricted unpickle."""
+mid-save leaves the previous checkpoint whole. Weights are safetensors; optimizer and RNG states load with
+``torch.load(weights_only=True)``, never an unrestricted unpickle (the learning rate is a function of the step).
+Distributed runs add DeepSpeed's own checkpoint (each rank's optimizer shard) under ``deepspeed/``."""
 
 from __future__ import annotations
 

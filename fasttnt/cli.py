@@ -51,8 +51,24 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--output-dir", default="runs/eval")
     ev.add_argument("--save-responses", action="store_true", help="write every response as jsonl")
+    cmp = commands.add_parser(
+        "compare",
+        help="train the embedded model with each reward scheme and compare them (the TNT paper in miniature)",
+        description="From one shared warm-up, trains the embedded model with each reward scheme (same steps, seeds "
+        "and prompts), evaluates each on the synthetic held-out split, and writes compare.json, compare.md and "
+        "compare.png. Finished runs are kept, so a rerun with the same --output-dir skips them.",
+    )
+    cmp.add_argument("--schemes", default="tnt,no-limit,uniform-limit,binary")
+    cmp.add_argument("--seeds", type=int, default=2)
+    cmp.add_argument("--steps", type=int, default=80, help="GRPO steps per run")
+    cmp.add_argument("--uniform-limit", type=float, default=32.0, help="the uniform-limit scheme's cap, in tokens")
+    cmp.add_argument("--samples", type=int, default=4, help="evaluation samples per held-out problem")
+    cmp.add_argument("--output-dir", default="runs/compare")
+    cmp.add_argument("overrides", nargs="*", metavar="key=value", help="training config overrides (all runs)")
     args = parser.parse_args(argv)
 
+    if args.command == "compare":
+        return _compare(args)
     if args.command == "train":
         return _train(args)
     if args.command == "eval":
@@ -108,6 +124,44 @@ def _train(args) -> int:
     if distributed.launched_distributed():
         return distributed.fail_fast(run)  # a failing rank ends the job instead of hanging the others
     return run()
+
+
+def _compare(args) -> int:
+    from dataclasses import replace
+    from pathlib import Path
+
+    from transformers.utils import logging as hf_logging
+
+    from .compare import CompareSettings, run_compare
+    from .config import ConfigError, load_config
+    from .rewards import REWARD_SCHEMES
+
+    schemes = tuple(s.strip() for s in args.schemes.split(",") if s.strip())
+    unknown = [s for s in schemes if s not in REWARD_SCHEMES]
+    problems = [f"--schemes: unknown {', '.join(unknown)}"] if unknown or not schemes else []
+    problems += [f"--{name}: must be >= 1" for name in ("seeds", "steps", "samples") if getattr(args, name) < 1]
+    try:
+        load_config(None, args.overrides)  # check the overrides before hours of training
+    except ConfigError as err:
+        problems.append(f"config error: {err}")
+    if problems:
+        print(f"fasttnt compare: {problems[0]}", file=sys.stderr)
+        return 2
+    hf_logging.disable_progress_bar()
+    base = CompareSettings()
+    settings = replace(
+        base,
+        schemes=schemes,
+        seeds=args.seeds,
+        steps=args.steps,
+        uniform_limit=args.uniform_limit,
+        eval=replace(base.eval, samples=args.samples),
+    )
+    out = Path(args.output_dir)
+    run_compare(settings, out, args.overrides)
+    print((out / "compare.md").read_text())
+    print(f"compare.json, compare.md, compare.png in {out}")
+    return 0
 
 
 def _eval(args) -> int:

@@ -95,6 +95,7 @@ class ProblemStream:
 
 
 def _lr_lambda(cfg: TrainConfig):
+    """The learning-rate factor of a step: linear warm-up, then constant, cosine or linear decay."""
     o = cfg.optim
 
     def factor(step: int) -> float:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from small import SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,16 +36,7 @@ def test_train_throughput_smoke():
 
 def test_e2e_against_trl_smoke(tmp_path):
     pytest.importorskip("trl")
-    overrides = [
-        "model.tiny.hidden_size=32",
-        "model.tiny.intermediate_size=64",
-        "model.tiny.num_hidden_layers=1",
-        "model.tiny.num_attention_heads=2",
-        "model.tiny.num_key_value_heads=1",
-        "warmup.steps=3",
-        "warmup.batch_size=8",
-        "verify_workers=1",
-    ]
+    overrides = [*SMALL, "warmup.steps=3", "warmup.batch_size=8"]
     out = _run(
         str(ROOT / "benchmarks" / "e2e.py"),
         "--steps",

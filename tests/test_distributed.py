@@ -12,49 +12,27 @@ import sys
 from pathlib import Path
 
 import pytest
+from small import SMALL as SMALL_BASE
 
 pytest.importorskip("deepspeed")
 
-SMALL = [
-    "model.tiny.hidden_size=32",
-    "model.tiny.intermediate_size=64",
-    "model.tiny.num_hidden_layers=1",
-    "model.tiny.num_attention_heads=2",
-    "model.tiny.num_key_value_heads=1",
-    "warmup.steps=20",
-    "warmup.batch_size=16",
-    "rollout.prompts_per_step=4",
-    "rollout.group_size=4",
-    "rollout.max_new_tokens=24",
-    "steps=3",
-    "save_every=2",
-    "verify_workers=1",
-    "optim.lr=1e-2",
-]
+SMALL = [*SMALL_BASE, "steps=3", "save_every=2", "optim.lr=1e-2"]
 # DeepSpeed sees no accelerator here and picks its CPU one; keep its launcher from probing for GPUs
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 
 
-def _launch(launcher: str, out: Path, cache: Path, *extra: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    args = ["train", "--output-dir", str(out), f"cache_dir={cache}", *SMALL, *extra]
+def _launch(
+    launcher: str, out: Path, cache: Path, *extra: str, resume: bool = False, port: int = 29511
+) -> subprocess.CompletedProcess:
+    args = ["train", "--output-dir", str(out), *(["--resume"] if resume else []), f"cache_dir={cache}", *SMALL, *extra]
     if launcher == "single":
         cmd = [sys.executable, "-m", "fasttnt", *args]
     elif launcher == "deepspeed":
-        cmd = [shutil.which("deepspeed"), "--num_gpus", "2", "--master_port", "29511", "--module", "fasttnt", *args]
+        cmd = [shutil.which("deepspeed"), "--num_gpus", "2", "--master_port", str(port), "--module", "fasttnt", *args]
     else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            "29512",
-            "-m",
-            "fasttnt",
-            *args,
-        ]
-    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout)
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+        cmd = [*torchrun, "--master-port", str(port + 1), "-m", "fasttnt", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=240)
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -96,27 +74,7 @@ def test_resume_with_the_same_ranks(single):
     first = _launch("deepspeed", out, root / "cache", "steps=2")
     assert first.returncode == 0, first.stderr[-3000:]
     assert (out / "checkpoints" / "step-000002" / "deepspeed").is_dir()  # the ranks' optimizer shards
-    again = subprocess.run(
-        [
-            shutil.which("deepspeed"),
-            "--num_gpus",
-            "2",
-            "--master_port",
-            "29513",
-            "--module",
-            "fasttnt",
-            "train",
-            "--output-dir",
-            str(out),
-            "--resume",
-            f"cache_dir={root / 'cache'}",
-            *SMALL,
-        ],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=240,
-    )
+    again = _launch("deepspeed", out, root / "cache", resume=True, port=29513)
     assert again.returncode == 0, again.stderr[-3000:]
     _assert_same_run(_metrics(out), expected)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from small import SMALL
 from transformers import AutoModelForCausalLM
 
 from fasttnt.char_tokenizer import build_char_tokenizer
@@ -27,22 +28,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def small(tmp_path: Path, *extra: str) -> list[str]:
-    """Overrides for a run of seconds: a 1-layer width-32 model, 3 warm-up steps, 4 prompts x 4 samples."""
+    """Overrides for a run of seconds (tests/small.py), with its own cache and 4 steps."""
     return [
         f"cache_dir={tmp_path / 'cache'}",
-        "model.tiny.hidden_size=32",
-        "model.tiny.intermediate_size=64",
-        "model.tiny.num_hidden_layers=1",
-        "model.tiny.num_attention_heads=2",
-        "model.tiny.num_key_value_heads=1",
+        *SMALL,
         "warmup.steps=3",
         "warmup.batch_size=8",
-        "rollout.prompts_per_step=4",
-        "rollout.group_size=4",
         "rollout.max_new_tokens=16",
         "steps=4",
         "save_every=2",
-        "verify_workers=1",
         *extra,
     ]
 
