@@ -8,6 +8,7 @@ Each run and each evaluation is kept under the output directory when it finishes
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .config import load_config
+from .config import load_config, to_dict
 from .evaluate import SYNTHETIC, EvalSettings, run_eval
 from .trainer import Trainer, _read_jsonl
 
@@ -48,11 +49,6 @@ def train_all(settings: CompareSettings, output_dir: Path, overrides: list[str])
         for scheme in settings.schemes:
             out = run_dir(output_dir, scheme, seed)
             key = (scheme, seed)
-            if (out / "final" / "config.json").is_file():
-                tqdm.write(f"{scheme} seed {seed}: trained before, kept ({out})")
-                done[key] = out
-                continue
-            shutil.rmtree(out, ignore_errors=True)  # an interrupted run starts over: its steps must match the others'
             cfg = load_config(
                 None,
                 [
@@ -64,8 +60,18 @@ def train_all(settings: CompareSettings, output_dir: Path, overrides: list[str])
                     f"reward.uniform_limit={settings.uniform_limit}",
                 ],
             )
+            # the run's identity is its resolved config: a finished run is kept only if it was trained with it
+            fingerprint = hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()
+            stamp = out / "compare_run.json"
+            finished = (out / "final" / "config.json").is_file() and stamp.is_file()
+            if finished and json.loads(stamp.read_text()).get("config_sha256") == fingerprint:
+                tqdm.write(f"{scheme} seed {seed}: trained before with this config, kept ({out})")
+                done[key] = out
+                continue
+            shutil.rmtree(out, ignore_errors=True)  # interrupted, or trained with other settings: start over
             tqdm.write(f"{scheme} seed {seed}: {settings.steps} GRPO steps -> {out}")
             Trainer(cfg, out).run()
+            stamp.write_text(json.dumps({"config_sha256": fingerprint}))
             done[key] = out
     return done
 

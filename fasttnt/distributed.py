@@ -8,6 +8,7 @@ metric is taken over all ranks, so a 2-rank run logs what a 1-rank run of the sa
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
@@ -43,8 +44,9 @@ def init(device_type: str) -> DistContext:
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
     # a rank that dies leaves the others blocked in a collective: the launcher kills them (see fail_fast), and
-    # this timeout bounds the wait if it does not
-    deepspeed.init_distributed(dist_backend="nccl" if device_type == "cuda" else "gloo", timeout=timedelta(minutes=10))
+    # this timeout bounds the wait if it does not; an hour, since rank 0 alone writes a 7B model's float32 weights
+    # (28 GB) to a shared filesystem while the others wait at a barrier
+    deepspeed.init_distributed(dist_backend="nccl" if device_type == "cuda" else "gloo", timeout=timedelta(minutes=60))
     device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
@@ -54,7 +56,8 @@ def fail_fast(main: Callable[[], int]) -> int:
     launcher tears the job down instead of the other ranks hanging in their next collective."""
     try:
         return main()
-    except BaseException as err:  # noqa: BLE001: every failure, KeyboardInterrupt included, must end the rank
+    # every failure, KeyboardInterrupt included, must end the rank
+    except BaseException as err:
         rank = os.environ.get("RANK", "?")
         print(f"[rank {rank}] failed: {type(err).__name__}: {err}", file=sys.stderr)
         traceback.print_exc()
@@ -99,6 +102,34 @@ def deepspeed_config(cfg, world: int) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+
+@contextlib.contextmanager
+def zero3_full_model(engine, module: torch.nn.Module):
+    """Every parameter of ``module`` gathered, and ZeRO-3's per-module hooks off, for the duration.
+
+    Gathering alone is not enough for generation: the hooks would re-shard each layer after its forward and
+    gather it again with a collective at every decode step, and ranks that stop after different numbers of
+    tokens would wait on each other forever. With the hooks removed, each rank decodes on its own. (The same
+    technique as TRL's ``unwrap_model_for_generation``, written against DeepSpeed's ZeRO-3 offload object.)
+    The memory is the whole model on every rank while it lasts.
+    """
+    import deepspeed
+
+    offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+        for param in offload.module.parameters(recurse=True):
+            param.ds_active_sub_modules.clear()
+        for hook in [*offload.forward_hooks, *offload.backward_hooks]:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield
+        finally:
+            coordinator = getattr(offload, "param_coordinator", None)
+            if coordinator is not None and not coordinator.is_invalid_trace():
+                coordinator._invalidate_trace()  # the generation forwards are not the training forward's trace
+            offload._register_deepspeed_module(offload.module)
 
 
 def barrier() -> None:

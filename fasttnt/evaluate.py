@@ -6,6 +6,7 @@ benchmark in progress and a rerun with the same output directory skips what is d
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass
@@ -179,9 +180,10 @@ def run_eval(
             tokenizer = None
             for bench in benchmarks:
                 path = output_dir / "results" / slug / f"{_slug(bench)}.json"
+                identity = {"settings": asdict(settings), "model": model_fingerprint(model_name)}
                 if path.is_file():
                     saved = json.loads(path.read_text())
-                    if saved.get("settings") == asdict(settings):
+                    if {k: saved.get(k) for k in identity} == identity:
                         results[model_name][bench] = saved["metrics"]
                         tqdm.write(f"{model_name} / {bench}: done before, skipped ({path})")
                         continue
@@ -194,7 +196,7 @@ def run_eval(
                 if save_responses:
                     rpath = output_dir / "responses" / slug / f"{_slug(bench)}.jsonl"
                     _write_atomic(rpath, "".join(json.dumps(r) + "\n" for r in records))
-                _write_atomic(path, json.dumps({"settings": asdict(settings), "metrics": metrics}, indent=1))
+                _write_atomic(path, json.dumps({**identity, "metrics": metrics}, indent=1))
                 results[model_name][bench] = metrics
             model = tokenizer = None  # free this model before loading the next
     finally:
@@ -214,6 +216,19 @@ def run_eval(
     _write_atomic(output_dir / "eval.md", markdown_table(report))
     plot_eval(report, output_dir / "eval.png")
     return report
+
+
+def model_fingerprint(name: str) -> str:
+    """What a result was computed from: a local folder's config and weight files (size and time), or the hub id.
+    A model retrained into the same folder is therefore evaluated again."""
+    folder = Path(name)
+    if not folder.is_dir():
+        return name
+    parts = [(folder / "config.json").read_text() if (folder / "config.json").is_file() else ""]
+    for f in sorted(folder.glob("*.safetensors")):
+        stat = f.stat()
+        parts.append(f"{f.name}:{stat.st_size}:{stat.st_mtime_ns}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from .data import Prompt
 from .registry import Registry
@@ -64,7 +64,9 @@ def decode_responses(tokenizer, responses: list[list[int]]) -> list[str]:
 
 
 class RolloutEngine(Protocol):
-    def generate(self, prompts: list[Prompt], group_size: int, *, seed: int) -> RolloutBatch: ...
+    def generate(self, prompts: list[Prompt], group_size: int, *, seed: int, first_row: int = 0) -> RolloutBatch:
+        """K samples per prompt; ``first_row`` is the global index of the first response (ranks' shares)."""
+        ...
 
     def sync_weights(self, model: torch.nn.Module) -> None: ...
 
@@ -85,7 +87,9 @@ def _hash_uniform(row_seeds: torch.Tensor, position: int, vocab: int) -> torch.T
     x = row_seeds[:, None] * _MIX[0] + pos * _MIX[1] + v[None, :] * _MIX[2]
     for shift, mult in ((30, _MIX[1]), (27, _MIX[2]), (31, 1)):
         x = (x ^ ((x >> shift) & ((1 << (64 - shift)) - 1))) * mult
-    return (((x >> 11) & ((1 << 53) - 1)).double() + 0.5) / float(1 << 53)
+    # 52 random bits and a half: strictly inside (0, 1), since 2^52 - 0.5 is exact in float64 (with 53 bits the
+    # top value rounds to 1.0, and -log(-log(1)) is +inf)
+    return (((x >> 12) & ((1 << 52) - 1)).double() + 0.5) / float(1 << 52)
 
 
 class SeededSampler(LogitsProcessor):
@@ -113,8 +117,13 @@ class SeededSampler(LogitsProcessor):
 
 
 def row_seeds(seed: int, first_row: int, rows: int) -> torch.Tensor:
-    """Seeds of rows ``first_row .. first_row + rows - 1`` of a step whose seed is ``seed``."""
-    return torch.arange(first_row, first_row + rows, dtype=torch.int64) * 1_000_003 + seed * 7_919
+    """Seeds of rows ``first_row .. first_row + rows - 1`` of a step whose seed is ``seed``: a hash of both, so
+    no two (seed, row) pairs share a stream (a linear mix would, once a step had as many rows as its factor)."""
+    x = torch.arange(first_row, first_row + rows, dtype=torch.int64)
+    x = x ^ (torch.tensor(seed, dtype=torch.int64) * _MIX[0])
+    for shift, mult in ((30, _MIX[1]), (27, _MIX[2]), (31, 1)):
+        x = (x ^ ((x >> shift) & ((1 << (64 - shift)) - 1))) * mult
+    return x
 
 
 class _ForbidFirst(LogitsProcessor):
@@ -163,18 +172,24 @@ class HFEngine:
         processors.append(SeededSampler(row_seeds(seed, first_row, len(rows)), width, self.temperature, self.top_p))
         was_training = self.model.training
         self.model.eval()
-        out = self.model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention.to(device),
-            do_sample=False,
-            temperature=None,
-            top_p=None,
-            top_k=None,
-            max_new_tokens=self.max_new_tokens,
-            eos_token_id=self.eos_id,
-            pad_token_id=self.pad_id,
-            logits_processor=processors,
-        )
+        # the model's own generation_config (repetition penalty, n-gram bans, ...) would bend the distribution the
+        # loss's log-probs assume: sample from the policy and nothing else (restored in the finally below)
+        saved_config, self.model.generation_config = self.model.generation_config, GenerationConfig()
+        try:
+            out = self.model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention.to(device),
+                do_sample=False,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                max_new_tokens=self.max_new_tokens,
+                eos_token_id=self.eos_id,
+                pad_token_id=self.pad_id,
+                logits_processor=processors,
+            )
+        finally:
+            self.model.generation_config = saved_config
         self.model.train(was_training)
         generated = out[:, width:].tolist()  # sync: one per rollout
         responses, truncated = [], []
@@ -251,7 +266,7 @@ class VLLMEngine:
             self.llm.sleep(level=1)
             self.asleep = True
 
-    def generate(self, prompts: list[Prompt], group_size: int, *, seed: int) -> RolloutBatch:
+    def generate(self, prompts: list[Prompt], group_size: int, *, seed: int, first_row: int = 0) -> RolloutBatch:
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
@@ -263,14 +278,19 @@ class VLLMEngine:
             self.tokenizer(p.text, add_special_tokens=False)["input_ids"] + prefix
             for p, prefix in zip(prompts, prefixes, strict=True)
         ]
-        params = self._sampling_params(
-            n=group_size,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            max_tokens=self.max_new_tokens,
-            logprobs=0,  # the sampled token's own log-prob
-            seed=seed,
-        )
+        # one seed per prompt, from its global row: a prompt's samples do not depend on the rank that draws them
+        seeds = row_seeds(seed, first_row, len(prompts) * group_size)[::group_size].tolist()
+        params = [
+            self._sampling_params(
+                n=group_size,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                max_tokens=self.max_new_tokens,
+                logprobs=0,  # the sampled token's own log-prob
+                seed=s & 0x7FFFFFFF,
+            )
+            for s in seeds
+        ]
         if any(p.forbid_think_end_first for p in prompts):
             raise NotImplementedError("forced thinking is not implemented for the vllm engine; use engine=hf")
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)

@@ -180,6 +180,10 @@ class Trainer:
         self.state = TrainerState(step=0, data_position=0)
         if resume_from is not None:
             if self.ds_engine is not None:
+                if not (resume_from / "deepspeed").is_dir():
+                    raise FileExistsError(
+                        f"{resume_from} was written by a single-process run: resume it the same way (no launcher)"
+                    )
                 self.ds_engine.load_checkpoint(str(resume_from), tag="deepspeed")
             self.state = load_training_state(resume_from, None if self.ds_engine else self.optimizer, rank=self.rank)
             self.stream.seek(self.state.data_position)
@@ -293,7 +297,7 @@ class Trainer:
         problems = self.stream.take(r.prompts_per_step)
         problems = problems[self.rank * self.prompts_per_rank : (self.rank + 1) * self.prompts_per_rank]
         prompts = [self._prompt(p) for p in problems]
-        with self._full_parameters():
+        with self._generation_context():
             batch = self.engine.generate(
                 prompts,
                 r.group_size,
@@ -376,13 +380,22 @@ class Trainer:
         """The policy's log-prob module: DeepSpeed's engine when distributed (its forward drives ZeRO)."""
         return self.ds_engine if self.ds_engine is not None else self.head
 
+    def _zero3(self) -> bool:
+        return self.ds_engine is not None and self.cfg.distributed.zero_stage == 3
+
     def _full_parameters(self):
-        """Under ZeRO-3, gather every parameter for generation, weight sync and saving (each rank then holds the
-        whole model for the duration: the memory that ZeRO-3 otherwise saves); elsewhere nothing to do."""
-        if self.ds_engine is not None and self.cfg.distributed.zero_stage == 3:
+        """Under ZeRO-3, every parameter gathered for saving (the whole model on each rank while it lasts)."""
+        if self._zero3():
             import deepspeed
 
             return deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None)
+        return contextlib.nullcontext()
+
+    def _generation_context(self):
+        """Under ZeRO-3 with the hf engine, the whole model without ZeRO's hooks (see zero3_full_model); the
+        vllm engine generates from its own copy and needs nothing."""
+        if self._zero3() and self.cfg.rollout.engine == "hf":
+            return distributed.zero3_full_model(self.ds_engine, self.model)
         return contextlib.nullcontext()
 
     def _prompt(self, problem: Problem):

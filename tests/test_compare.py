@@ -50,8 +50,18 @@ def test_compare_writes_the_table_the_json_and_the_figure(tmp_path, monkeypatch)
     assert first["tnt"] == first["no-limit"]
 
     # a rerun trains nothing again
+    real_trainer = compare.Trainer
     monkeypatch.setattr(compare, "Trainer", lambda *a, **k: pytest.fail("a finished run was trained again"))
     assert cli_main(_args(tmp_path)) == 0
+    # other settings are other runs: --steps 4 retrains all of them, and the evaluation follows the new models
+    trained = []
+    monkeypatch.setattr(compare, "Trainer", lambda cfg, out: trained.append(out) or real_trainer(cfg, out))
+    args = _args(tmp_path)
+    args[args.index("--steps") + 1] = "4"
+    assert cli_main(args) == 0
+    assert len(trained) == 4
+    summary = json.loads((out / "compare.json").read_text())
+    assert summary["schemes"]["tnt"]["seeds"][0]["train"]["step"] == [1, 2, 3, 4]
 
 
 def test_bad_arguments_fail_before_training(tmp_path, capsys):
