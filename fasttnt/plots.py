@@ -22,11 +22,20 @@ def plot_curves(history: list[dict[str, float]], path: Path, *, title: str = "fa
     import matplotlib.pyplot as plt
 
     steps = [h["step"] for h in history]
+
+    def value(h: dict, key: str) -> float:
+        # a mode with no response in a step has no length and no hack rate: a gap, not a dip to 0
+        if key in ("len_non_thinking", "hack_rate") and h.get("non_thinking_ratio") == 0:
+            return float("nan")
+        if key == "len_thinking" and h.get("non_thinking_ratio") == 1:
+            return float("nan")
+        return h[key]
+
     fig, axes = plt.subplots(2, 3, figsize=(13, 7), constrained_layout=True)
     for ax, (name, series) in zip(axes.flat, _PANELS, strict=True):
         for key, label in series:
             if all(key in h for h in history):
-                ax.plot(steps, [h[key] for h in history], label=label, linewidth=1.5)
+                ax.plot(steps, [value(h, key) for h in history], label=label, linewidth=1.5)
         ax.set_title(name)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
