@@ -122,7 +122,7 @@ def _train(args) -> int:
         return 0
 
     if distributed.launched_distributed():
-        return distributed.fail_fast(run)  # a failing rank ends the job instead of hanging the others
+        distributed.exit_process(distributed.fail_fast(run))  # a failing rank ends the job, not hangs the others
     return run()
 
 

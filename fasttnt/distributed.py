@@ -27,10 +27,6 @@ class DistContext:
     local_rank: int
     device: torch.device
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
 
 def launched_distributed() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -64,6 +60,15 @@ def fail_fast(main: Callable[[], int]) -> int:
         sys.stderr.flush()
         sys.stdout.flush()
         os._exit(1)
+
+
+def exit_process(code: int) -> None:
+    """End a rank without the interpreter's teardown. Measured here: with ZeRO-3, about one run in five aborted
+    after finishing its work ("terminate called without an active exception", exit -6), a native thread torn
+    down by the interpreter's exit; everything is written and closed before this point."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def all_gather_cat(t: torch.Tensor) -> torch.Tensor:

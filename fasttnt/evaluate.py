@@ -97,7 +97,7 @@ def evaluate_one(
             build_prompt(tokenizer, p.problem, PromptMode(settings.mode), instruction=instruction) for p in chunk
         ]
         batch = engine.generate(prompts, k, seed=settings.seed * 1_000_003 + start)
-        texts = decode_responses(tokenizer, batch.responses())
+        texts = decode_responses(tokenizer, batch.responses)
         verdicts = verify_batch(texts, [p.answer for p in chunk for _ in range(k)], pool=pool, require_think_end=True)
         truncated = batch.truncated.tolist()
         correct = torch.tensor([v and not t for v, t in zip(verdicts, truncated, strict=True)])

@@ -89,7 +89,7 @@ def response_logprobs(
     # a PolicyHead, DeepSpeed's engine around one (it has .module), or a bare causal LM
     head = model if isinstance(model, PolicyHead) or hasattr(model, "module") else PolicyHead(model)
     device = batch.response_ids.device
-    rows = pack_rows(batch.prompt_ids, batch.responses(), pack_tokens, pad_id)
+    rows = pack_rows(batch.prompt_ids, batch.responses, pack_tokens, pad_id)
     return head(
         rows.input_ids.to(device),
         rows.position_ids.to(device),

@@ -8,6 +8,7 @@ install on CPU-only machines, so the ``vllm`` engine is written against vLLM's d
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from dataclasses import dataclass
@@ -40,8 +41,11 @@ class RolloutBatch:
         """The prompt each response answers: responses g*K .. g*K+K-1 belong to prompt g."""
         return torch.arange(self.lengths.numel(), device=self.cu_seqlens.device) // self.group_size  # (S,)
 
+    @functools.cached_property
     def responses(self) -> list[list[int]]:
-        bounds = self.cu_seqlens.tolist()  # sync: one per step, for decoding
+        """The responses as token lists, read from the device once per batch (decoding and every packed forward
+        of the step share it)."""
+        bounds = self.cu_seqlens.tolist()  # sync: once per batch
         ids = self.response_ids.tolist()
         return [ids[a:b] for a, b in itertools.pairwise(bounds)]
 

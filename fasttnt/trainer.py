@@ -304,7 +304,7 @@ class Trainer:
                 seed=cfg.seed * 1_000_003 + step,
                 first_row=self.rank * self.prompts_per_rank * r.group_size,
             )
-        texts = decode_responses(self.tokenizer, batch.responses())
+        texts = decode_responses(self.tokenizer, batch.responses)
         lap("generate")
 
         # verify: a truncated response is wrong whatever it says

@@ -94,7 +94,7 @@ def test_packed_logprobs_equal_an_unpacked_padded_forward():
     model = build_tiny_model(tok, TinyModelConfig(hidden_size=64, num_hidden_layers=2), seed=1).eval()
     engine = HFEngine(model, tok, max_new_tokens=40, temperature=1.0, top_p=1.0)
     batch = engine.generate([build_prompt(tok, p.problem) for p in held_out(3)], 3, seed=0)
-    responses = batch.responses()
+    responses = batch.responses
     with torch.no_grad():
         # several sequences per packed row (rows of 64 tokens), one row per sequence, and one long row
         packed = [
