@@ -6,10 +6,12 @@ Triton kernels for CUDA tensors and the reference elsewhere; ``FASTTNT_KERNELS=t
 """
 
 from .clipped_policy_loss import (
+    ROLLOUT_CORRECTIONS,
     STAT_NAMES,
     PolicyLossConfig,
     clipped_policy_loss,
     clipped_policy_loss_reference,
+    rollout_correction_weights,
 )
 from .group_advantages import group_advantages, group_advantages_reference
 from .linear_token_logprobs import linear_token_logprobs, linear_token_logprobs_reference
@@ -19,6 +21,7 @@ from .token_logprobs import token_logprobs, token_logprobs_reference
 __version__ = "0.1.0"
 
 __all__ = [
+    "ROLLOUT_CORRECTIONS",
     "SCHEMES",
     "STAT_NAMES",
     "PolicyLossConfig",
@@ -30,6 +33,7 @@ __all__ = [
     "group_advantages_reference",
     "linear_token_logprobs",
     "linear_token_logprobs_reference",
+    "rollout_correction_weights",
     "tnt_rewards",
     "tnt_rewards_reference",
     "token_logprobs",

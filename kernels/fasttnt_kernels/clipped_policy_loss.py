@@ -2,16 +2,23 @@
 
 Sequence s owns tokens cu_seqlens[s]:cu_seqlens[s+1] and one advantage A_s. Per token t of s:
 
-    r_t  = exp(logp_t - old_logp_t)
+    r_t  = exp(clamp(logp_t - old_logp_t, -20, 20))
     pg_t = -min(r_t A_s, clip(r_t, 1 - clip_low, 1 + clip_high) A_s)
     pg_t = min(pg_t, -dual_clip A_s)                            when dual_clip is set and A_s < 0
-    l_t  = pg_t + kl_coef (exp(ref_t - logp_t) - (ref_t - logp_t) - 1)     when ref_logp is given (k3)
+    pg_t = w_t pg_t                                             when is_weights w (N,) are given
+    d_t  = clamp(ref_t - logp_t, -20, 20)
+    l_t  = pg_t + kl_coef (exp(d_t) - d_t - 1)                  when ref_logp is given (k3)
 
 and the loss is sum_t w_t l_t with the aggregation's weights:
 
     token-mean                w_t = 1 / total_tokens                  (total_tokens defaults to N)
     seq-mean-token-mean       w_t = 1 / (total_seqs * len_s)          (total_seqs defaults to S)
     seq-mean-token-sum-norm   w_t = 1 / (total_seqs * norm_length)    (Dr. GRPO)
+
+Both exponents are clamped to +-20 before ``exp`` (as verl does): unclamped, a log-ratio above ~88 is inf in
+float32, and a zero advantage times inf is NaN in the loss and its gradient. Outside the clamp the gradient is
+0, as ``torch.clamp``'s is. ``is_weights`` are constants of the update, e.g. the truncated importance weights
+``rollout_correction_weights`` makes for samples drawn by another engine (vLLM) than the one that scores them.
 
 The kernel writes dloss/dlogp_t beside the loss, so the backward is one multiply by the upstream gradient.
 The statistics are token means: clip fractions (low: A < 0 and r < 1 - clip_low; high: A > 0 and
@@ -32,11 +39,15 @@ from . import _common
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 _AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+RolloutCorrection = Literal["none", "token-truncate", "token-mask", "sequence-truncate", "sequence-mask"]
+ROLLOUT_CORRECTIONS = ("none", "token-truncate", "token-mask", "sequence-truncate", "sequence-mask")
 
 STAT_NAMES = ("clip_frac_low", "clip_frac_high", "dual_clip_frac", "approx_kl", "ratio_mean", "kl_ref")
 # the partials buffer's columns: the loss first, then one per statistic
 _N_PARTIALS = 1 + len(STAT_NAMES)
 _BLOCK = 1024
+# exp(20) = 4.9e8: far past any clip bound, and far from float32's overflow at exp(88.7)
+LOG_RATIO_CLAMP = 20.0
 
 
 @dataclass(frozen=True)
@@ -71,6 +82,7 @@ def _clipped_policy_loss_kernel(
     logp_ptr,
     old_logp_ptr,
     ref_logp_ptr,
+    is_weight_ptr,
     adv_ptr,
     cu_seqlens_ptr,
     grad_ptr,  # (N,) dloss/dlogp, written only when COMPUTE_GRAD
@@ -86,14 +98,16 @@ def _clipped_policy_loss_kernel(
     kl_coef,
     w_const,  # w_t = w_const + w_per_len / len_s covers all three aggregations
     w_per_len,
+    log_ratio_clamp,
     # meta
     HAS_DUAL_CLIP: tl.constexpr,  # off, the bound has no value to compare with (an infinite one gives 0 * inf)
     HAS_REF: tl.constexpr,  # skips the read of ref_logp and the k3 term
+    HAS_IS_WEIGHT: tl.constexpr,  # skips the read of the per-token weights
     COMPUTE_GRAD: tl.constexpr,  # skips the gradient write when logp does not require grad (old/ref passes)
     N_PARTIALS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # reads 2-3 floats per token (+ a log2(S)-step search in the small cu_seqlens), writes 1
+    # reads 2-4 floats per token (+ a log2(S)-step search in the small cu_seqlens), writes 1
     pid = tl.program_id(0)
     t = pid * BLOCK + tl.arange(0, BLOCK)
     mask = t < N
@@ -113,7 +127,9 @@ def _clipped_policy_loss_kernel(
 
     logp = tl.load(logp_ptr + t, mask=mask, other=0.0).to(tl.float32)
     old = tl.load(old_logp_ptr + t, mask=mask, other=0.0).to(tl.float32)
-    log_ratio = logp - old
+    raw_log_ratio = logp - old
+    log_ratio = tl.minimum(tl.maximum(raw_log_ratio, -log_ratio_clamp), log_ratio_clamp)
+    ratio_moves = (raw_log_ratio >= -log_ratio_clamp) & (raw_log_ratio <= log_ratio_clamp)  # d(clamp)/dx = 1
     ratio = tl.exp(log_ratio)
     clipped = tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high)
     pg_unclipped = -ratio * a
@@ -121,23 +137,29 @@ def _clipped_policy_loss_kernel(
     # the clipped branch binds (and stops the gradient) exactly when it is the larger loss
     clip_binds = pg_clipped > pg_unclipped
     pg = tl.where(clip_binds, pg_clipped, pg_unclipped)
-    dpg = tl.where(clip_binds, 0.0, -ratio * a)  # dpg/dlogp
+    dpg = tl.where(clip_binds | (ratio_moves == 0), 0.0, -ratio * a)  # dpg/dlogp
     dual_binds = tl.zeros([BLOCK], dtype=tl.int1)
     if HAS_DUAL_CLIP:
         dual_binds = (a < 0.0) & (pg > -dual_clip * a)
         pg = tl.where(dual_binds, -dual_clip * a, pg)
         dpg = tl.where(dual_binds, 0.0, dpg)
+    if HAS_IS_WEIGHT:
+        w_is = tl.load(is_weight_ptr + t, mask=mask, other=0.0).to(tl.float32)
+        pg = w_is * pg
+        dpg = w_is * dpg
 
     weight = w_const + w_per_len / seq_len.to(tl.float32)
     loss_t = pg
     kl_ref = tl.zeros([BLOCK], dtype=tl.float32)
     if HAS_REF:
         ref = tl.load(ref_logp_ptr + t, mask=mask, other=0.0).to(tl.float32)
-        d = ref - logp
+        raw_d = ref - logp
+        d = tl.minimum(tl.maximum(raw_d, -log_ratio_clamp), log_ratio_clamp)
         e = tl.exp(d)
         kl_ref = e - d - 1.0
         loss_t += kl_coef * kl_ref
-        dpg += kl_coef * (1.0 - e)  # d/dlogp of exp(ref - logp) - (ref - logp) - 1
+        d_moves = (raw_d >= -log_ratio_clamp) & (raw_d <= log_ratio_clamp)
+        dpg += tl.where(d_moves, kl_coef * (1.0 - e), 0.0)  # d/dlogp of exp(d) - d - 1, d = ref - logp
     if COMPUTE_GRAD:
         tl.store(grad_ptr + t, weight * dpg, mask=mask)
 
@@ -174,6 +196,7 @@ def clipped_policy_loss_reference(
     *,
     config: PolicyLossConfig = PolicyLossConfig(),
     ref_logp: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
     total_tokens: float | None = None,
     total_seqs: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -184,7 +207,7 @@ def clipped_policy_loss_reference(
     a = torch.repeat_interleave(advantages.to(dtype), lengths, output_size=N)  # (N,)
     seq_len = torch.repeat_interleave(lengths, lengths, output_size=N).to(dtype)  # (N,)
     logp = logp.to(dtype)
-    log_ratio = logp - old_logp.to(dtype)
+    log_ratio = torch.clamp(logp - old_logp.to(dtype), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     pg_unclipped = -ratio * a
     pg_clipped = -torch.clamp(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high) * a
@@ -194,10 +217,12 @@ def clipped_policy_loss_reference(
     if config.dual_clip is not None:
         dual_binds = (a < 0) & (pg > -config.dual_clip * a)
         pg = torch.where(a < 0, torch.minimum(pg, -config.dual_clip * a), pg)
+    if is_weights is not None:
+        pg = is_weights.to(dtype) * pg
     loss_t = pg
     kl_ref = torch.zeros_like(pg)
     if ref_logp is not None:
-        d = ref_logp.to(dtype) - logp
+        d = torch.clamp(ref_logp.to(dtype) - logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         kl_ref = torch.exp(d) - d - 1.0
         loss_t = loss_t + config.kl_coef * kl_ref
     w_const, w_per_len = _token_weights(config, N, S, total_tokens, total_seqs)
@@ -215,9 +240,66 @@ def clipped_policy_loss_reference(
     return loss, stats
 
 
+def rollout_correction_weights(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    mode: RolloutCorrection,
+    cap: float,
+) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """Importance weights (N,) float32 for the ``is_weights`` of ``clipped_policy_loss``, and their statistics.
+
+    The rollout engine samples with its own kernels and numerics (vLLM: bf16, its own sampler), so its token
+    probabilities differ from the trainer's. With rho = exp(old - rollout), per token (``token-*``) or per sequence
+    from the sum of its tokens' differences (``sequence-*``), clamped to +-20 before ``exp``:
+    ``*-truncate`` uses min(rho, cap), ``*-mask`` uses rho where rho <= cap and 0 elsewhere; ``none`` returns no
+    weights. The same modes and formulas as TRL's ``vllm_importance_sampling_mode`` (grpo_trainer.py,
+    trl 1.16) with its lower bound unset; verl calls it rollout correction. Plain PyTorch: elementwise work
+    and one segment sum, no host sync.
+
+    Statistics (float32 scalars, token means): ``rollout_logp_diff`` mean |old - rollout|, ``rollout_is_mean``
+    the mean weight as applied (of rho itself for ``none``), ``rollout_is_clipped_frac`` the share of tokens whose
+    weight was truncated or masked.
+    """
+    if mode not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"mode must be one of {ROLLOUT_CORRECTIONS}, got {mode!r}")
+    if not cap >= 1.0:
+        raise ValueError(f"cap must be >= 1 (a weight of 1 means on-policy), got {cap}")
+    _common.check_1d("old_logp", old_logp)
+    N = old_logp.shape[0]
+    _common.check_1d("rollout_logp", rollout_logp, N)
+    _common.check_1d("cu_seqlens", cu_seqlens)
+    diff = old_logp.detach().float() - rollout_logp.detach().float()  # (N,)
+    if mode.startswith("sequence"):
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # (S,)
+        seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=diff.device), lengths, output_size=N)
+        per_seq = torch.zeros(lengths.numel(), dtype=diff.dtype, device=diff.device).index_add_(0, seq, diff)
+        log_rho = per_seq[seq]  # (N,) each token carries its sequence's summed difference
+    else:
+        log_rho = diff
+    rho = torch.exp(log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # (N,)
+    over = rho > cap  # (N,) the tokens a truncation or a mask changes
+    if mode == "none":
+        weights = None
+    elif mode.endswith("truncate"):
+        weights = rho.clamp(max=cap)
+    else:
+        weights = rho.masked_fill(over, 0.0)
+    applied = rho if weights is None else weights
+    changed = over if weights is not None else torch.zeros_like(over)
+    n = max(N, 1)
+    stats = {
+        "rollout_logp_diff": diff.abs().sum() / n,
+        "rollout_is_mean": applied.sum() / n,
+        "rollout_is_clipped_frac": changed.sum().float() / n,
+    }
+    return weights, stats
+
+
 class ClippedPolicyLossFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logp, old_logp, ref_logp, advantages, cu_seqlens, config, total_tokens, total_seqs):
+    def forward(ctx, logp, old_logp, ref_logp, is_weights, advantages, cu_seqlens, config, total_tokens, total_seqs):
         N, S = logp.shape[0], advantages.shape[0]
         device = logp.device
         compute_grad = logp.requires_grad
@@ -234,6 +316,7 @@ class ClippedPolicyLossFunction(torch.autograd.Function):
                 logp,
                 old_logp,
                 ref_logp if ref_logp is not None else logp,
+                is_weights if is_weights is not None else logp,
                 advantages,
                 cu_seqlens,
                 grad if grad is not None else partials,
@@ -247,8 +330,10 @@ class ClippedPolicyLossFunction(torch.autograd.Function):
                 config.kl_coef,
                 w_const,
                 w_per_len,
+                LOG_RATIO_CLAMP,
                 HAS_DUAL_CLIP=config.dual_clip is not None,
                 HAS_REF=ref_logp is not None,
+                HAS_IS_WEIGHT=is_weights is not None,
                 COMPUTE_GRAD=compute_grad,
                 N_PARTIALS=_N_PARTIALS,
                 BLOCK=_BLOCK,
@@ -264,7 +349,7 @@ class ClippedPolicyLossFunction(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_stats):
         (grad,) = ctx.saved_tensors
         grad_logp = (grad * grad_loss).to(ctx.logp_dtype) if grad is not None else None
-        return grad_logp, None, None, None, None, None, None, None
+        return grad_logp, None, None, None, None, None, None, None, None
 
 
 def clipped_policy_loss(
@@ -278,6 +363,7 @@ def clipped_policy_loss(
     dual_clip: float | None = None,
     ref_logp: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    is_weights: torch.Tensor | None = None,
     agg: Aggregation = "token-mean",
     norm_length: float | None = None,
     total_tokens: float | None = None,
@@ -287,7 +373,8 @@ def clipped_policy_loss(
 
     logp, old_logp, ref_logp: (N,) float; advantages: (S,) float; cu_seqlens: (S+1,) int32/int64, starting at 0
     and ending at N. The loss is a float32 scalar, differentiable w.r.t. ``logp`` only (the others are
-    constants of the update). ``stats`` maps the names in ``STAT_NAMES`` to float32 scalars on the device (no
+    constants of the update). ``is_weights`` (N,) float, optional: a per-token weight of the policy-gradient term
+    (not of the KL term), e.g. ``rollout_correction_weights``. ``stats`` maps the names in ``STAT_NAMES`` to float32 scalars on the device (no
     host sync). ``total_tokens``/``total_seqs`` replace N/S as the normalisers, for a loss split into
     micro-batches or across ranks whose sum must equal the whole batch's mean.
     """
@@ -307,6 +394,10 @@ def clipped_policy_loss(
         tensors["ref_logp"] = ref_logp
     elif kl_coef > 0:
         raise ValueError(f"kl_coef={kl_coef} needs ref_logp")
+    if is_weights is not None:
+        _common.check_1d("is_weights", is_weights, N)
+        _common.check_dtype("is_weights", is_weights, _common.FLOAT_DTYPES)
+        tensors["is_weights"] = is_weights
     for name, value in (("total_tokens", total_tokens), ("total_seqs", total_seqs)):
         if value is not None and not value > 0:
             raise ValueError(f"{name} must be > 0 when given, got {value}")
@@ -320,6 +411,7 @@ def clipped_policy_loss(
             cu_seqlens,
             config=config,
             ref_logp=ref_logp,
+            is_weights=None if is_weights is None else is_weights.detach(),
             total_tokens=total_tokens,
             total_seqs=total_seqs,
         )
@@ -329,6 +421,7 @@ def clipped_policy_loss(
         logp.contiguous(),
         old_logp.detach().contiguous(),
         ref_logp.detach().contiguous() if ref_logp is not None else None,
+        is_weights.detach().contiguous() if is_weights is not None else None,
         advantages.detach().contiguous(),
         cu_seqlens.contiguous(),
         config,

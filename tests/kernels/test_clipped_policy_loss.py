@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from fasttnt_kernels import STAT_NAMES, PolicyLossConfig, clipped_policy_loss, clipped_policy_loss_reference
+from fasttnt_kernels import (
+    STAT_NAMES,
+    PolicyLossConfig,
+    clipped_policy_loss,
+    clipped_policy_loss_reference,
+    rollout_correction_weights,
+)
 
 from checks import DEVICE, assert_close
 
@@ -32,7 +38,7 @@ def _run(logp, old, adv, cu, **kw):
     return loss.detach(), stats, x.grad
 
 
-def _truth(logp, old, adv, cu, *, ref_logp=None, total_tokens=None, total_seqs=None, **kw):
+def _truth(logp, old, adv, cu, *, ref_logp=None, is_weights=None, total_tokens=None, total_seqs=None, **kw):
     x = logp.detach().double().requires_grad_()
     loss, stats = clipped_policy_loss_reference(
         x,
@@ -41,6 +47,7 @@ def _truth(logp, old, adv, cu, *, ref_logp=None, total_tokens=None, total_seqs=N
         cu,
         config=PolicyLossConfig(**kw),
         ref_logp=None if ref_logp is None else ref_logp.double(),
+        is_weights=None if is_weights is None else is_weights.double(),
         total_tokens=total_tokens,
         total_seqs=total_seqs,
     )
@@ -78,6 +85,101 @@ def test_matches_float64_reference(triton_path, lengths, agg, dual_clip, with_re
         assert_close(stats[name], t_stats[name], name=name)
     if lengths == "many-short":  # ~3,000 tokens with ratios spread around both bounds: both clips must bind
         assert 0 < stats["clip_frac_low"] < 1 and 0 < stats["clip_frac_high"] < 1, "the grid must exercise clipping"
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_importance_weights_match_float64_reference(triton_path, agg):
+    # per-token weights in [0, 3) (truncated and masked ones: zeros included) with clipping, dual clip and KL
+    lens = [*torch.randint(1, 40, (60,)).tolist(), 0, 1500]
+    logp, old, ref, adv, cu = _packed_batch(lens)
+    weights = torch.rand(logp.shape[0], device=DEVICE) * 3
+    weights[torch.rand(logp.shape[0], device=DEVICE) < 0.1] = 0.0
+    kw = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0, agg=agg, norm_length=2048.0, ref_logp=ref, kl_coef=0.05)
+    loss, stats, grad = _run(logp, old, adv, cu, is_weights=weights, **kw)
+    t_loss, t_stats, t_grad = _truth(logp, old, adv, cu, is_weights=weights, **kw)
+    assert_close(loss, t_loss, name="loss")
+    assert_close(grad, t_grad, name="grad")
+    for name in STAT_NAMES:
+        assert_close(stats[name], t_stats[name], name=name)
+    # the weights scale the policy-gradient term only: with unit weights the loss is the unweighted one
+    unit, _, _ = _run(logp, old, adv, cu, is_weights=torch.ones_like(weights), **kw)
+    assert_close(unit, _truth(logp, old, adv, cu, **kw)[0], name="unit weights")
+
+
+def test_importance_weights_by_hand(triton_path):
+    # ratio 1, A = 1, token-mean over 3 tokens: pg_t = -w_t, dloss/dlogp_t = -w_t / 3; the KL term is unweighted
+    logp = torch.full((3,), -1.0, device=DEVICE)
+    ref = logp + torch.tensor([0.0, 0.5, -0.5], device=DEVICE)
+    weights = torch.tensor([0.0, 1.0, 2.5], device=DEVICE)
+    cu = torch.tensor([0, 3], device=DEVICE)
+    loss, _, grad = _run(logp, logp, torch.ones(1, device=DEVICE), cu, is_weights=weights, ref_logp=ref, kl_coef=0.1)
+    d = (ref - logp).double().cpu()
+    kl = d.exp() - d - 1
+    expected = (-weights.double().cpu() + 0.1 * kl).mean()
+    assert math.isclose(loss.item(), expected.item(), rel_tol=1e-6)
+    expected_grad = (-weights.double().cpu() + 0.1 * (1 - d.exp())) / 3
+    torch.testing.assert_close(grad.double().cpu(), expected_grad, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("with_ref", [False, True])
+def test_extreme_log_ratios_stay_finite(triton_path, with_ref):
+    # log-ratios of +-100 (exp overflows float32 past ~88) with zero and non-zero advantages: without the clamp
+    # the ratio is inf and 0 * inf is NaN in the loss and its gradient
+    old = torch.full((8,), -2.0, device=DEVICE)
+    logp = old + torch.tensor([100.0, -100.0, 100.0, -100.0, 100.0, -100.0, 19.0, -19.0], device=DEVICE)
+    adv = torch.tensor([0.0, 0.0, 1.0, 1.0, -1.0, -1.0, 0.0, 1.0], device=DEVICE)
+    cu = torch.arange(9, device=DEVICE)
+    kw = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0)
+    if with_ref:  # the k3 exponent ref - logp is +-100 too
+        kw.update(ref_logp=old, kl_coef=0.1)
+    for path in ("triton", "reference"):
+        if path == "triton":
+            loss, stats, grad = _run(logp, old, adv, cu, **kw)
+        else:
+            loss, stats, grad = _truth(logp, old, adv, cu, **kw)
+        assert torch.isfinite(loss), path
+        assert torch.isfinite(grad).all(), path
+        assert all(torch.isfinite(v) for v in stats.values()), path
+    loss, stats, grad = _run(logp, old, adv, cu, **kw)
+    t_loss, t_stats, t_grad = _truth(logp, old, adv, cu, **kw)
+    assert_close(loss, t_loss, name="loss")
+    assert_close(grad, t_grad, name="grad")
+    for name in STAT_NAMES:
+        assert_close(stats[name], t_stats[name], name=name)
+    # outside the clamp the ratio does not move with logp: the only gradient left is the (unclamped) k3's inside
+    assert grad[:6].abs().max() == 0
+
+
+def test_rollout_correction_modes_by_hand():
+    # two sequences: [log diffs 0.5, -0.2] and [2.0, 0.3, -1.0]; cap 2
+    old = torch.tensor([0.5, -0.2, 2.0, 0.3, -1.0], dtype=torch.float64) - 3.0
+    rollout = torch.full((5,), -3.0, dtype=torch.float64)
+    cu = torch.tensor([0, 2, 5])
+    rho_tok = torch.tensor([0.5, -0.2, 2.0, 0.3, -1.0], dtype=torch.float64).exp()
+    rho_seq = torch.tensor([0.3, 0.3, 1.3, 1.3, 1.3], dtype=torch.float64).exp()
+    expected = {
+        "token-truncate": (rho_tok.clamp(max=2.0), 1 / 5),
+        "token-mask": (torch.where(rho_tok > 2, 0.0, rho_tok), 1 / 5),
+        "sequence-truncate": (rho_seq.clamp(max=2.0), 3 / 5),  # e^1.3 = 3.7 > 2: the second sequence's 3 tokens
+        "sequence-mask": (torch.where(rho_seq > 2, 0.0, rho_seq), 3 / 5),
+    }
+    for mode, (weights, frac) in expected.items():
+        got, stats = rollout_correction_weights(old, rollout, cu, mode=mode, cap=2.0)
+        assert got.dtype == torch.float32, mode
+        torch.testing.assert_close(got.double(), weights, rtol=1e-6, atol=1e-7, msg=mode)
+        assert math.isclose(stats["rollout_is_clipped_frac"].item(), frac, rel_tol=1e-6), mode
+        assert math.isclose(stats["rollout_is_mean"].item(), weights.mean().item(), rel_tol=1e-6), mode
+        assert math.isclose(stats["rollout_logp_diff"].item(), 4.0 / 5, rel_tol=1e-6), mode
+    none, stats = rollout_correction_weights(old, rollout, cu, mode="none", cap=2.0)
+    assert none is None and stats["rollout_is_clipped_frac"].item() == 0.0
+    assert math.isclose(stats["rollout_is_mean"].item(), rho_tok.mean().item(), rel_tol=1e-6)
+    # a difference of 1000 (a token the engine nearly never samples) gives a finite weight
+    huge, _ = rollout_correction_weights(old + 1000, rollout, cu, mode="sequence-truncate", cap=2.0)
+    assert torch.isfinite(huge).all() and huge.max().item() == 2.0
+    with pytest.raises(ValueError, match="mode must be one of"):
+        rollout_correction_weights(old, rollout, cu, mode="tokens", cap=2.0)
+    with pytest.raises(ValueError, match="cap must be >= 1"):
+        rollout_correction_weights(old, rollout, cu, mode="token-mask", cap=0.5)
 
 
 def test_bfloat16_log_probs(triton_path):
@@ -177,6 +279,7 @@ def test_all_sequences_empty(triton_path):
         ({"agg": "seq-mean-token-sum-norm"}, "needs norm_length"),
         ({"kl_coef": 0.1}, "needs ref_logp"),
         ({"total_tokens": 0}, "total_tokens"),
+        ({"is_weights": torch.ones(2)}, "is_weights must have 3 elements"),
     ],
 )
 def test_bad_options_name_the_problem(kwargs, match):
