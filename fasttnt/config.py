@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 import yaml
 
+from fasttnt_kernels import ROLLOUT_CORRECTIONS
+
 from .data import DATASETS
 from .metrics import MARKER_SETS
 from .rewards import REWARD_SCHEMES, RewardConfig
@@ -76,6 +78,13 @@ class LossConfig:
     norm_length: float | None = None
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer steps per rollout batch and epoch
+    # importance weights exp(old - rollout) for the engine/trainer mismatch (fasttnt_kernels.rollout_correction_
+    # weights): "auto" is token-truncate with the vllm engine or top_p < 1 (samples then come from another
+    # distribution than the loss's), none otherwise
+    rollout_correction: Literal[
+        "auto", "none", "token-truncate", "token-mask", "sequence-truncate", "sequence-mask"
+    ] = "auto"
+    rollout_correction_cap: float = 2.0  # TRL's default is 3.0
 
 
 @dataclass(frozen=True)
@@ -102,9 +111,10 @@ class TrainConfig:
     seed: int = 0
     steps: int = 100
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # tokens per packed row in the training forward: short rows on the CPU, where SDPA's block-diagonal mask
-    # costs O(row^2); on GPUs with FlashAttention's varlen kernel use one long row (16K+)
-    pack_tokens: int = 256
+    # at most this many tokens (prompts and responses, packed in one row) per forward and backward: gradients
+    # accumulate over a mini-batch's micro-batches, and the old/reference log-prob passes use the same budget.
+    # Packed attention keeps sequences apart at no O(tokens^2) cost, so on the CPU one micro-batch per step is best
+    micro_batch_tokens: int = 16384
     save_every: int = 20
     keep_checkpoints: int = 2
     verify_timeout: float = 5.0
@@ -183,10 +193,17 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported type {_type_name(tp)}")  # a bug in the config classes, not the file
 
 
+# keys of earlier versions, and what took their place
+_REPLACED = {"pack_tokens": "micro_batch_tokens (tokens per forward and backward, packed in one row)"}
+
+
 def _build(cls: type, data: dict, prefix: str = ""):
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
+    for key in unknown:
+        if prefix + key in _REPLACED:
+            raise ConfigError(f"{prefix}{key}: replaced by {_REPLACED[prefix + key]}")
     if unknown:
         raise ConfigError(f"{prefix}{unknown[0]}: unknown key (known: {', '.join(sorted(names))})")
     return cls(**{name: _coerce(value, hints[name], prefix + name) for name, value in data.items()})
@@ -241,7 +258,7 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.steps >= 1, "steps", "must be >= 1")
     need(cfg.save_every >= 1, "save_every", "must be >= 1")
     need(cfg.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
-    need(cfg.pack_tokens >= 64, "pack_tokens", "must be >= 64")
+    need(cfg.micro_batch_tokens >= 64, "micro_batch_tokens", "must be >= 64")
     need(cfg.verify_timeout > 0, "verify_timeout", "must be > 0 seconds")
     need(cfg.verify_workers >= 1, "verify_workers", "must be >= 1")
     need(r.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1")
@@ -266,6 +283,7 @@ def validate(cfg: TrainConfig) -> None:
     need(loss.clip_high >= 0, "loss.clip_high", "must be >= 0")
     need(loss.dual_clip is None or loss.dual_clip > 1, "loss.dual_clip", "must be > 1")
     need(loss.kl_coef >= 0, "loss.kl_coef", "must be >= 0")
+    need(loss.rollout_correction_cap >= 1, "loss.rollout_correction_cap", "must be >= 1 (1 means on-policy)")
     need(
         loss.agg != "seq-mean-token-sum-norm" or (loss.norm_length or 0) > 0,
         "loss.norm_length",
@@ -296,6 +314,17 @@ def validate(cfg: TrainConfig) -> None:
         f"{train} does not exist",
     )
     need(bool(cfg.model.name.strip()), "model.name", "must name a model: tiny, a hub id or a local folder")
+
+
+def rollout_correction(cfg: TrainConfig) -> str:
+    """``loss.rollout_correction`` with ``auto`` resolved: samples from vLLM (its own kernels and bf16 numerics) or
+    from a top-p-truncated distribution are not exactly the loss's, so they are corrected; the hf engine at
+    top_p 1 samples from the trained model itself."""
+    mode = cfg.loss.rollout_correction
+    if mode == "auto":
+        mode = "token-truncate" if cfg.rollout.engine == "vllm" or cfg.rollout.top_p < 1 else "none"
+    assert mode in ROLLOUT_CORRECTIONS
+    return mode
 
 
 def to_dict(cfg: TrainConfig) -> dict:

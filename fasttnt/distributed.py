@@ -84,10 +84,19 @@ def all_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def all_max(n: int, device: torch.device) -> int:
+    """The largest ``n`` over the ranks."""
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def deepspeed_config(cfg, world: int) -> dict:
     """The DeepSpeed config from ours: ZeRO stage, clipping, bf16 on CUDA; the optimizer is ours (AdamW)."""
     return {
-        "train_batch_size": world,  # one optimizer step per engine.step(); we do our own batching
+        # one optimizer step per engine.step(); we do our own batching, and mark the last micro-batch of a
+        # mini-batch with set_gradient_accumulation_boundary (their number varies from step to step)
+        "train_batch_size": world,
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": cfg.optim.grad_clip,

@@ -1,100 +1,167 @@
-"""The policy's log-probabilities of sampled responses, from one padding-free packed forward.
+"""The policy's log-probabilities of sampled responses, from padding-free packed forwards in micro-batches.
 
-Prompt + response sequences are packed back to back into rows of at most ``pack_tokens`` tokens, with position
-ids restarting at 0 for each sequence and no attention mask: transformers then keeps attention inside each
-sequence (FlashAttention's varlen kernel on CUDA when ``attn_implementation="flash_attention_2"``, a
-block-diagonal mask through SDPA elsewhere). The last hidden states of the response positions go to
-``linear_token_logprobs`` with the lm_head weight, so the logits are never materialised.
+Prompt + response sequences are laid back to back in one flattened row per micro-batch, at most
+``micro_batch_tokens`` tokens each (a longer sequence gets a micro-batch of its own), with position ids restarting
+at 0 for each sequence. The boundaries go to the model's attention as a ``Packing`` computed here on the host
+(``fasttnt.attention``): sequences never attend to each other, whatever attention kernel runs. The last hidden
+states of the response positions go to ``linear_token_logprobs`` with the lm_head weight, so the logits are never
+materialised.
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
 
 from fasttnt_kernels import linear_token_logprobs
 
+from .attention import Packing, use_packed_attention
 from .rollout import RolloutBatch
 
 
 @dataclass
-class PackedRows:
-    input_ids: torch.Tensor  # (R, L) sequences back to back, pad at each row's end
-    position_ids: torch.Tensor  # (R, L) restarting at 0 for every sequence (and for the padding)
-    hidden_index: torch.Tensor  # (N,) flat index into (R*L) of the state that predicts each response token
+class MicroBatch:
+    """Sequences ``first .. last - 1`` of a batch, packed into one row (host tensors)."""
+
+    first: int
+    last: int
+    input_ids: torch.Tensor  # (1, T) prompt + response of each sequence, back to back
+    position_ids: torch.Tensor  # (1, T) restarting at 0 for every sequence
+    hidden_index: torch.Tensor  # (n,) index into the T states of the one predicting each response token
+    lengths: tuple[int, ...]  # (last - first,) prompt + response tokens of each sequence
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
 
 
-def pack_rows(prompts: list[list[int]], responses: list[list[int]], pack_tokens: int, pad_id: int) -> PackedRows:
-    """First-fit in order: each sequence goes to the current row while it fits, else starts a new one."""
-    rows: list[list[int]] = [[]]
-    placed: list[tuple[int, int]] = []  # (row, offset) of each sequence
-    for prompt, response in zip(prompts, responses, strict=True):
+def plan_micro_batches(batch: RolloutBatch, budget: int) -> list[MicroBatch]:
+    """The batch's sequences in order, each micro-batch filled while the next sequence fits in ``budget`` tokens
+    (prompt and response); a sequence longer than the budget gets a micro-batch of its own."""
+    prompts, responses = batch.prompt_ids, batch.responses
+    groups: list[list[int]] = []  # sequence indices of each micro-batch
+    used = 0
+    for i, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
         n = len(prompt) + len(response)
-        if rows[-1] and len(rows[-1]) + n > pack_tokens:
-            rows.append([])
-        placed.append((len(rows) - 1, len(rows[-1])))
-        rows[-1].extend(prompt + response)
-    width = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
-    starts: list[list[int]] = [[] for _ in rows]
-    for row, offset in placed:
-        starts[row].append(offset)
-    for r, tokens in enumerate(rows):
-        input_ids[r, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        bounds = [*starts[r], len(tokens)]
-        for a, b in itertools.pairwise(bounds):
-            position_ids[r, a:b] = torch.arange(b - a)
-        position_ids[r, len(tokens) :] = torch.arange(width - len(tokens))  # padding: a sequence of its own
-    index = []
-    for (row, offset), prompt, response in zip(placed, prompts, responses, strict=True):
-        first = row * width + offset + len(prompt) - 1  # the state after the last prompt token predicts token 0
-        index.extend(range(first, first + len(response)))
-    return PackedRows(input_ids, position_ids, torch.tensor(index, dtype=torch.long))
+        if not groups or used + n > budget:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += n
+    return [_pack([prompts[i] for i in g], [responses[i] for i in g], g[0]) for g in groups]
+
+
+def _pack(prompts: list[list[int]], responses: list[list[int]], first: int) -> MicroBatch:
+    ids: list[int] = []
+    positions: list[int] = []
+    index: list[int] = []
+    lengths = []
+    for prompt, response in zip(prompts, responses, strict=True):
+        start = len(ids) + len(prompt) - 1  # the state after the last prompt token predicts response token 0
+        index.extend(range(start, start + len(response)))
+        ids.extend(prompt + response)
+        positions.extend(range(len(prompt) + len(response)))
+        lengths.append(len(prompt) + len(response))
+    return MicroBatch(
+        first,
+        first + len(prompts),
+        torch.tensor([ids], dtype=torch.long),
+        torch.tensor([positions], dtype=torch.long),
+        torch.tensor(index, dtype=torch.long),
+        tuple(lengths),
+    )
+
+
+def dummy_micro_batch(pad_id: int) -> MicroBatch:
+    """A one-sequence micro-batch (one prompt and one response token, both padding) for a rank with fewer
+    micro-batches than another: under ZeRO-3 every forward and backward gathers parameters collectively, so all
+    ranks must run as many. Its loss is multiplied by 0."""
+    return _pack([[pad_id]], [[pad_id]], 0)
 
 
 class PolicyHead(torch.nn.Module):
-    """The policy as the update uses it: packed rows in, response-token log-probs out, in one module forward (so
-    that under ZeRO-3 the lm_head weight is gathered for the fused op, as an external parameter of this module)."""
+    """The policy as the update uses it: a packed micro-batch in, response-token log-probs out, in one module
+    forward (so that under ZeRO-3 the lm_head weight is gathered for the fused op, as an external parameter)."""
 
     def __init__(self, model) -> None:
         super().__init__()
         self.model = model
+        self.attention = use_packed_attention(model)  # without it, `packing` would be ignored: sequences would mix
 
-    def forward(self, input_ids, position_ids, hidden_index, targets, temperature: float, with_entropy: bool):
-        # use_cache=False matters: with a KV cache transformers assumes generation and ignores the packing (it only
-        # builds the per-sequence mask from position_ids when there is neither an attention mask nor a cache)
-        out = self.model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-        hidden = out.last_hidden_state  # (R, L, H)
-        hidden = hidden.reshape(-1, hidden.shape[-1])[hidden_index]  # (N, H)
+    def forward(self, input_ids, position_ids, packing: Packing, hidden_index, targets, temperature, with_entropy):
+        if self.model.config._attn_implementation != self.attention:
+            raise RuntimeError(f"the model's attention was changed to {self.model.config._attn_implementation!r}")
+        # attention_mask as a per-layer-type mapping of None: no mask is built (transformers would otherwise scan
+        # position_ids for packed sequences, a device sync); the packing keeps the sequences apart. use_cache=False:
+        # a forward with a cache is taken for generation
+        out = self.model.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask={"full_attention": None, "sliding_attention": None},
+            use_cache=False,
+            packing=packing,
+        )
+        hidden = out.last_hidden_state[0, hidden_index]  # (n, H)
         weight = self.model.get_output_embeddings().weight  # (V, H)
         hidden = hidden.to(weight.dtype)  # under autocast the states are 16-bit; the op casts per autocast itself
         result = linear_token_logprobs(hidden, weight, targets, temperature=temperature, with_entropy=with_entropy)
         return result if with_entropy else (result, None)
 
 
-def response_logprobs(
-    model,
-    batch: RolloutBatch,
-    *,
-    temperature: float,
-    pack_tokens: int,
-    pad_id: int,
-    with_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (N,) of the batch's response tokens under ``model`` (a causal LM, or its ``PolicyHead``) at the
-    sampling temperature, and the per-token entropy when asked; differentiable when grad is enabled."""
-    # a PolicyHead, DeepSpeed's engine around one (it has .module), or a bare causal LM
-    head = model if isinstance(model, PolicyHead) or hasattr(model, "module") else PolicyHead(model)
-    device = batch.response_ids.device
-    rows = pack_rows(batch.prompt_ids, batch.responses, pack_tokens, pad_id)
+def as_head(model):
+    """A PolicyHead, DeepSpeed's engine around one (it has .module), or a bare causal LM wrapped in one."""
+    return model if isinstance(model, PolicyHead) or hasattr(model, "module") else PolicyHead(model)
+
+
+def run_dummy(head, device: torch.device, *, temperature: float, with_entropy: bool = False):
+    """The forward of ``dummy_micro_batch``: log-probs (1,) whose loss the caller multiplies by 0."""
+    mb = dummy_micro_batch(0)
     return head(
-        rows.input_ids.to(device),
-        rows.position_ids.to(device),
-        rows.hidden_index.to(device),
-        batch.response_ids,
+        mb.input_ids.to(device),
+        mb.position_ids.to(device),
+        Packing.of(mb.lengths, device),
+        mb.hidden_index.to(device),
+        mb.input_ids[0, 1:].to(device),
         temperature,
         with_entropy,
     )
+
+
+def micro_batch_logprobs(
+    head, batch: RolloutBatch, mb: MicroBatch, *, temperature: float, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (n,) of the response tokens of one micro-batch of ``batch`` (entropies too when asked)."""
+    device = batch.response_ids.device
+    lo, hi = batch.bounds[mb.first], batch.bounds[mb.last]
+    return head(
+        mb.input_ids.to(device, non_blocking=True),
+        mb.position_ids.to(device, non_blocking=True),
+        Packing.of(mb.lengths, device),
+        mb.hidden_index.to(device, non_blocking=True),
+        batch.response_ids[lo:hi],
+        temperature,
+        with_entropy,
+    )
+
+
+def response_logprobs(
+    model,
+    batch: RolloutBatch,
+    plan: list[MicroBatch],
+    *,
+    temperature: float,
+    with_entropy: bool = False,
+    pad_to: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (N,) of the batch's response tokens under ``model`` (a causal LM, its ``PolicyHead`` or DeepSpeed's
+    engine) at the sampling temperature, micro-batch by micro-batch of ``plan`` (``plan_micro_batches``), and the
+    per-token entropy when asked; differentiable when grad is enabled. ``pad_to``: run dummy forwards until this
+    many micro-batches ran (under ZeRO-3 every rank must run as many)."""
+    head = as_head(model)
+    parts = [micro_batch_logprobs(head, batch, mb, temperature=temperature, with_entropy=with_entropy) for mb in plan]
+    for _ in range(len(plan), pad_to):
+        run_dummy(head, batch.response_ids.device, temperature=temperature)
+    logp = torch.cat([p[0] for p in parts])
+    entropy = torch.cat([p[1] for p in parts]) if with_entropy else None
+    return logp, entropy

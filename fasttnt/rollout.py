@@ -1,14 +1,16 @@
 """Rollout engines: K sampled responses per prompt, returned packed.
 
 ``hf`` generates with transformers (CPU or GPU, KV cache, batched). ``vllm`` runs a colocated vLLM ``LLM`` on
-the training GPU, asleep between rollouts, with weights pushed from the trained model in buckets. vLLM does not
-install on CPU-only machines, so the ``vllm`` engine is written against vLLM's documented offline API and is
-**not exercised by the test suite**.
+each rank's GPU, asleep between rollouts, with weights pushed from the trained model in buckets. vLLM does not
+install on CPU-only machines: the ``vllm`` engine follows TRL's tested colocate code and is tested here against a
+stand-in that enforces vLLM's rules, never against vLLM itself. Both engines return the log-prob each token was
+sampled with, for the rollout correction (``loss.rollout_correction``).
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
 import os
 from dataclasses import dataclass
@@ -30,7 +32,9 @@ class RolloutBatch:
     cu_seqlens: torch.Tensor  # (S+1,) int64
     truncated: torch.Tensor  # (S,) bool: the length budget ran out before EOS
     group_size: int
-    engine_logprobs: torch.Tensor | None = None  # (N,) the engine's own log-probs of the tokens, when it gives them
+    # (N,) float32: the log-prob of each token under the distribution the engine sampled it from (after temperature
+    # and top-p); 0 for a pre-filled prefix, which was not sampled (forced modes, evaluation only)
+    rollout_logp: torch.Tensor | None = None
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -42,12 +46,16 @@ class RolloutBatch:
         return torch.arange(self.lengths.numel(), device=self.cu_seqlens.device) // self.group_size  # (S,)
 
     @functools.cached_property
+    def bounds(self) -> list[int]:
+        """``cu_seqlens`` on the host, read once per batch."""
+        return self.cu_seqlens.tolist()  # sync: once per batch
+
+    @functools.cached_property
     def responses(self) -> list[list[int]]:
         """The responses as token lists, read from the device once per batch (decoding and every packed forward
         of the step share it)."""
-        bounds = self.cu_seqlens.tolist()  # sync: once per batch
         ids = self.response_ids.tolist()
-        return [ids[a:b] for a, b in itertools.pairwise(bounds)]
+        return [ids[a:b] for a, b in itertools.pairwise(self.bounds)]
 
 
 def pack(sequences: list[list[int]], device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,6 +116,7 @@ class SeededSampler(LogitsProcessor):
     def __init__(self, row_seeds: torch.Tensor, prompt_width: int, temperature: float, top_p: float) -> None:
         self.row_seeds, self.prompt_width = row_seeds, prompt_width
         self.temperature, self.top_p = temperature, top_p
+        self.logprobs: list[torch.Tensor] = []  # (B,) per generated position: the sampled tokens' log-probs
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         z = scores.float() / self.temperature
@@ -117,7 +126,12 @@ class SeededSampler(LogitsProcessor):
             drop_sorted = cum - sorted_z.softmax(-1) >= self.top_p
             z = z.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -float("inf"))
         u = _hash_uniform(self.row_seeds.to(z.device), input_ids.shape[1] - self.prompt_width, z.shape[-1])
-        return z + (-torch.log(-torch.log(u))).to(z.dtype)
+        perturbed = z + (-torch.log(-torch.log(u))).to(z.dtype)
+        # generate takes the argmax of what this returns (greedy decoding): the same token, whose log-prob under the
+        # distribution it was drawn from (after temperature and top-p) the rollout correction compares with
+        chosen = perturbed.argmax(-1, keepdim=True)  # (B, 1)
+        self.logprobs.append(torch.log_softmax(z, -1).gather(-1, chosen)[:, 0])
+        return perturbed
 
 
 def row_seeds(seed: int, first_row: int, rows: int) -> torch.Tensor:
@@ -146,9 +160,12 @@ class _ForbidFirst(LogitsProcessor):
 class HFEngine:
     """transformers ``generate`` on the training model itself (no weight copy, so syncing is free)."""
 
-    def __init__(self, model, tokenizer, *, max_new_tokens: int, temperature: float, top_p: float, **_) -> None:
+    def __init__(
+        self, model, tokenizer, *, max_new_tokens: int, temperature: float, top_p: float, dtype: str = "float32", **_
+    ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.bf16_autocast = dtype == "bfloat16"  # on CUDA, as the training forwards
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
         self.think_end_id = tokenizer.convert_tokens_to_ids("</think>")
@@ -173,42 +190,56 @@ class HFEngine:
         if any(p.forbid_think_end_first for p in prompts):
             processors.append(_ForbidFirst(width, self.think_end_id))
         # sampling is ours (seeded per row), so generate decodes greedily over the perturbed scores
-        processors.append(SeededSampler(row_seeds(seed, first_row, len(rows)), width, self.temperature, self.top_p))
+        sampler = SeededSampler(row_seeds(seed, first_row, len(rows)), width, self.temperature, self.top_p)
+        processors.append(sampler)
         was_training = self.model.training
         self.model.eval()
         # the model's own generation_config (repetition penalty, n-gram bans, ...) would bend the distribution the
         # loss's log-probs assume: sample from the policy and nothing else (restored in the finally below)
         saved_config, self.model.generation_config = self.model.generation_config, GenerationConfig()
+        # on CUDA, the same bf16 autocast as the training forwards (FlashAttention rejects float32 inputs)
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and self.bf16_autocast)
         try:
-            out = self.model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=attention.to(device),
-                do_sample=False,
-                temperature=None,
-                top_p=None,
-                top_k=None,
-                max_new_tokens=self.max_new_tokens,
-                eos_token_id=self.eos_id,
-                pad_token_id=self.pad_id,
-                logits_processor=processors,
-            )
+            with autocast:
+                out = self.model.generate(
+                    input_ids=input_ids.to(device),
+                    attention_mask=attention.to(device),
+                    do_sample=False,
+                    temperature=None,
+                    top_p=None,
+                    top_k=None,
+                    max_new_tokens=self.max_new_tokens,
+                    eos_token_id=self.eos_id,
+                    pad_token_id=self.pad_id,
+                    logits_processor=processors,
+                )
         finally:
             self.model.generation_config = saved_config
         self.model.train(was_training)
         generated = out[:, width:].tolist()  # sync: one per rollout
-        responses, truncated = [], []
+        sampled_logp = torch.stack(sampler.logprobs, 1).tolist()  # (B, steps)
+        responses, truncated, logprobs = [], [], []
         for i, tokens in enumerate(generated):
             if self.eos_id in tokens:
                 tokens = tokens[: tokens.index(self.eos_id) + 1]  # keep EOS: the policy learns to stop
                 truncated.append(False)
             else:
                 truncated.append(True)
-            responses.append(prefixes[i // group_size] + tokens)
+            prefix = prefixes[i // group_size]
+            responses.append(prefix + tokens)
+            logprobs.extend([0.0] * len(prefix) + sampled_logp[i][: len(tokens)])
         prompt_ids = [
             ids[: len(ids) - len(prefixes[i // group_size])] for i, ids in enumerate(rows)
         ]  # the prompt proper: a pre-filled prefix belongs to the response
         ids, cu = pack(responses, device)
-        return RolloutBatch(prompt_ids, ids, cu, torch.tensor(truncated, device=device), group_size)
+        return RolloutBatch(
+            prompt_ids,
+            ids,
+            cu,
+            torch.tensor(truncated, device=device),
+            group_size,
+            rollout_logp=torch.tensor(logprobs, dtype=torch.float32, device=device),
+        )
 
     def sync_weights(self, model) -> None:
         pass  # generates with the trained model itself
@@ -219,12 +250,27 @@ class HFEngine:
 
 @ENGINES.register("vllm")
 class VLLMEngine:
-    """A colocated vLLM ``LLM`` (not exercised by the tests: vLLM needs a GPU and does not install here).
+    """A colocated vLLM ``LLM``, one per rank on the rank's own GPU. **Never run by the test suite against vLLM
+    itself** (it needs a GPU and does not install here); ``tests/test_vllm_engine.py`` drives it against a
+    stand-in that enforces vLLM's sleep/wake rules.
 
-    Sleep mode frees its KV cache (level 1) between rollouts so the update has the GPU memory; after each update
-    the trained weights are pushed into vLLM's model in buckets of ``weight_sync_bucket_mb`` through the model's
-    ``load_weights`` (the colocated pattern TRL uses), with no disk round-trip, and the prefix cache is reset so
-    no stale KV of the old weights is reused.
+    The call sequence follows TRL 1.16's colocate mode (``trl/generation/vllm_generation.py``), read against vLLM
+    0.22.0 and 0.31.0, the range TRL 1.16 supports and the ``gpu`` extra pins:
+
+    * ``distributed_executor_backend="external_launcher"``, tensor parallel 1: each rank's engine lives in the
+      rank's process on ``cuda:LOCAL_RANK``. (vLLM's default single-process executor puts every rank's engine on
+      GPU 0.) The launcher's RANK/LOCAL_RANK/MASTER_* variables are what it reads; a single process gets its own.
+      This backend also runs the engine in-process (vLLM sets VLLM_ENABLE_V1_MULTIPROCESSING=0 for it), which
+      ``apply_model`` relies on to hand the engine's model our tensors without a copy.
+    * ``logprobs_mode="processed_logprobs"``: the log-prob of each sampled token under the distribution it was
+      drawn from (after temperature and top-p; vLLM >= 0.10.2), for the rollout correction.
+    * Asleep at level 2 between rollouts (level 1 would copy every weight to host memory each step; level 2
+      discards them, and they are pushed again anyway). Each rollout: free the trainer's cached blocks
+      (``torch.cuda.empty_cache()``), wake the weights, push them (``LLM.apply_model``, a public call; the weights
+      of a ZeRO-3 model gathered one bucket at a time), reset the prefix cache, wake the KV cache, generate,
+      sleep. vLLM's state machine allows no other order: a ``sleep`` while any part is asleep is ignored (0.22),
+      waking memory that is mapped fails (0.22's allocator maps it twice), and 0.31 schedules nothing until every
+      part is awake.
     """
 
     def __init__(
@@ -242,38 +288,48 @@ class VLLMEngine:
         max_model_len: int,
         seed: int,
         dtype: str,
+        device: torch.device | str | None = None,
+        trust_remote_code: bool = False,
     ) -> None:
         try:
             from vllm import LLM, SamplingParams
         except ImportError as err:
             raise RuntimeError("rollout.engine=vllm needs vLLM on a CUDA machine: pip install 'fasttnt[gpu]'") from err
-        # sync_weights reaches the model through the engine's in-process executor (the colocated pattern TRL
-        # uses); vLLM's V1 engine runs the model in a separate process unless this is 0
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self._sampling_params = SamplingParams
-        self.tokenizer = tokenizer
+        self.model, self.tokenizer = model, tokenizer
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.sleep_between_rollouts = sleep_between_rollouts
         self.bucket_bytes = weight_sync_bucket_mb * 2**20
+        _external_launcher_env()
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
+            tensor_parallel_size=1,
+            distributed_executor_backend="external_launcher",
             gpu_memory_utilization=gpu_memory_utilization,
             enable_sleep_mode=sleep_between_rollouts,
             enable_prefix_caching=True,
             max_model_len=max_model_len,
             seed=seed,
+            logprobs_mode="processed_logprobs",
+            trust_remote_code=trust_remote_code,
         )
-        self.asleep = False
-        self.think_end_id = tokenizer.convert_tokens_to_ids("</think>")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # vLLM made cuda:LOCAL_RANK current; the trainer's device stays so
+        self.asleep: set[str] = set()  # the parts of the engine's memory that are unmapped
+        # the engine's weights are the checkpoint it loaded, not necessarily the trainer's (a resumed run): the
+        # first rollout pushes the trainer's
+        self.weights_current = False
         if sleep_between_rollouts:
-            self.llm.sleep(level=1)
-            self.asleep = True
+            self._sleep()
 
     def generate(self, prompts: list[Prompt], group_size: int, *, seed: int, first_row: int = 0) -> RolloutBatch:
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+        if any(p.forbid_think_end_first for p in prompts):
+            raise NotImplementedError("forced thinking is not implemented for the vllm engine; use engine=hf")
+        if not self.weights_current:  # the first rollout, and every one after a level-2 sleep
+            self.sync_weights(self.model)
+        self._wake("kv_cache")
         prefixes = [
             self.tokenizer(p.response_prefix, add_special_tokens=False)["input_ids"] if p.response_prefix else []
             for p in prompts
@@ -290,13 +346,11 @@ class VLLMEngine:
                 temperature=self.temperature,
                 top_p=self.top_p,
                 max_tokens=self.max_new_tokens,
-                logprobs=0,  # the sampled token's own log-prob
+                logprobs=0,  # the sampled token's own log-prob (processed: after temperature and top-p)
                 seed=s & 0x7FFFFFFF,
             )
             for s in seeds
         ]
-        if any(p.forbid_think_end_first for p in prompts):
-            raise NotImplementedError("forced thinking is not implemented for the vllm engine; use engine=hf")
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
         responses, truncated, logprobs, rows = [], [], [], []
         for i, out in enumerate(outputs):
@@ -304,39 +358,84 @@ class VLLMEngine:
                 tokens = list(completion.token_ids)
                 responses.append(prefixes[i] + tokens)
                 truncated.append(completion.finish_reason == "length")
-                token_lp = [next(iter(lp.values())).logprob for lp in completion.logprobs or []]
+                # each position's dict holds the sampled token (and, were logprobs > 0, the top ones: look it up)
+                token_lp = [lp[t].logprob for t, lp in zip(tokens, completion.logprobs, strict=True)]
                 logprobs.extend([0.0] * len(prefixes[i]) + token_lp)
                 rows.append(prompt_ids[i][: len(prompt_ids[i]) - len(prefixes[i])])
         if self.sleep_between_rollouts:
-            self.llm.sleep(level=1)
-            self.asleep = True
-        ids, cu = pack(responses, "cuda")
+            self._sleep()
+        ids, cu = pack(responses, self.device)
         return RolloutBatch(
             rows,
             ids,
             cu,
-            torch.tensor(truncated, device="cuda"),
+            torch.tensor(truncated, device=self.device),
             group_size,
-            engine_logprobs=torch.tensor(logprobs, device="cuda"),
+            rollout_logp=torch.tensor(logprobs, dtype=torch.float32, device=self.device),
         )
 
     def sync_weights(self, model: torch.nn.Module) -> None:
-        if self.asleep:
-            self.llm.wake_up(tags=["weights"]) if _accepts_tags(self.llm.wake_up) else self.llm.wake_up()
-            self.asleep = False
-        target = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+        """Push ``model``'s weights into the engine (every rank at once: under ZeRO-3 the gathers are collective)."""
+        self.model = model
+        if "weights" in self.asleep:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # the update's cached blocks go back to the driver for the engine to map
+            self._wake("weights")
         for bucket in _parameter_buckets(model, self.bucket_bytes):
             # under ZeRO-3 each rank holds a shard: gather one bucket at a time, so the extra memory is one
             # bucket of full parameters (weight_sync_bucket_mb), never the whole model
             with _gathered([p for _, p in bucket]):
-                target.load_weights([(name, p.detach()) for name, p in bucket])
-        self.llm.reset_prefix_cache()
-        if self.sleep_between_rollouts:
-            self.llm.sleep(level=1)
-            self.asleep = True
+                weights = [(name, p.detach()) for name, p in bucket]
+                self.llm.apply_model(functools.partial(_load_weights_into, weights))
+        self.llm.reset_prefix_cache()  # no KV of the old weights may be reused
+        self.weights_current = True
 
     def close(self) -> None:
+        """Free the engine's GPU memory, so that another engine can be built in this process (evaluation builds
+        one per model): its memory mapped again first (vLLM frees mapped memory), then released."""
+        if self.asleep:
+            self.llm.wake_up(tags=sorted(self.asleep))
+            self.asleep.clear()
         del self.llm
+        gc.collect()
+        try:
+            from vllm.distributed.parallel_state import destroy_model_parallel
+        except ImportError:
+            pass
+        else:
+            destroy_model_parallel()  # its tensor-parallel groups; the trainer's process group stays
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _sleep(self) -> None:
+        if self.asleep:  # vLLM ignores a sleep while any part is asleep: never leave a part awake by mistake
+            raise RuntimeError(f"the vllm engine is partly asleep ({sorted(self.asleep)}); wake it before sleeping")
+        self.llm.sleep(level=2)
+        self.asleep = {"weights", "kv_cache"}
+        self.weights_current = False  # level 2 discards the weights
+
+    def _wake(self, tag: str) -> None:
+        if tag in self.asleep:
+            self.llm.wake_up(tags=[tag])
+            self.asleep.discard(tag)
+
+
+def _load_weights_into(weights: list[tuple[str, torch.Tensor]], model: torch.nn.Module) -> None:
+    """Run by ``LLM.apply_model`` on the engine's model: its own loader maps Hugging Face names and dtypes."""
+    model.load_weights(weights)
+
+
+def _external_launcher_env() -> None:
+    """The variables vLLM's external launcher reads; a launcher sets them, a single process gets rank 0 of 1 (as
+    TRL's ``ensure_master_addr_port``)."""
+    if "RANK" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
 def _parameter_buckets(model: torch.nn.Module, bucket_bytes: int):
@@ -362,8 +461,3 @@ def _gathered(params):
         return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
     return contextlib.nullcontext()
 
-
-def _accepts_tags(fn) -> bool:
-    import inspect
-
-    return "tags" in inspect.signature(fn).parameters

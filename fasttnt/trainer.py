@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fasttnt_kernels import clipped_policy_loss, group_advantages
+from fasttnt_kernels import clipped_policy_loss, group_advantages, rollout_correction_weights
 
 from . import distributed
 from .checkpoint import (
@@ -34,10 +34,10 @@ from .checkpoint import (
     save_checkpoint,
     write_trainer_files,
 )
-from .config import TrainConfig, dump_config
+from .config import TrainConfig, dump_config, rollout_correction
 from .data import MATH_INSTRUCTION, DataError, Problem, PromptMode, build_prompt, load_problems
 from .metrics import MARKER_SETS, hack_flags, rollout_metrics, to_floats
-from .policy import PolicyHead, response_logprobs
+from .policy import MicroBatch, PolicyHead, micro_batch_logprobs, plan_micro_batches, response_logprobs, run_dummy
 from .rewards import PackedResponses, compute_rewards
 from .rollout import ENGINES, RolloutBatch, decode_responses
 from .synthetic import problems as synthetic_problems
@@ -177,6 +177,26 @@ class Trainer:
             )
             if cfg.distributed.zero_stage == 3:  # the fused op reads the lm_head weight outside its module
                 deepspeed.zero.register_external_parameter(self.head, self.model.get_output_embeddings().weight)
+        # the engine before any RNG state is set: vLLM reseeds Python's, NumPy's and torch's RNGs when it starts. It
+        # generates from the trainer's current weights (a resumed run's included): the vllm engine pushes them
+        # before its first rollout
+        self.engine = ENGINES.get(r.engine)(
+            self.model,
+            self.tokenizer,
+            model_path=str(self.model_path),
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            sleep_between_rollouts=r.sleep_between_rollouts,
+            weight_sync_bucket_mb=r.weight_sync_bucket_mb,
+            max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens,
+            seed=cfg.seed,
+            dtype="bfloat16" if self.autocast else "float32",
+            device=self.device,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
+        self.correction = rollout_correction(cfg)
         self.state = TrainerState(step=0, data_position=0)
         if resume_from is not None:
             if self.ds_engine is not None:
@@ -206,22 +226,6 @@ class Trainer:
         if markers == "auto":
             markers = "synthetic" if train == "synthetic" else "math"
         self.markers = MARKER_SETS[markers]
-        self.engine = ENGINES.get(r.engine)(
-            self.model,
-            self.tokenizer,
-            model_path=str(self.model_path),
-            max_new_tokens=r.max_new_tokens,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            gpu_memory_utilization=r.gpu_memory_utilization,
-            sleep_between_rollouts=r.sleep_between_rollouts,
-            weight_sync_bucket_mb=r.weight_sync_bucket_mb,
-            max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens,
-            seed=cfg.seed,
-            dtype="bfloat16" if self.autocast else "float32",
-        )
-        if resume_from is not None:
-            self.engine.sync_weights(self.model)  # an engine with its own copy starts from the base weights
         self.verifier = VerifierPool(cfg.verify_workers, cfg.verify_timeout)
         self.tb = self._tensorboard() if self.is_main else None
 
@@ -324,11 +328,9 @@ class Trainer:
         # old and reference log-probs
         old_logp = ref_logp = None
         if cfg.loss.ppo_epochs > 1 or cfg.loss.mini_batches > 1:
-            with torch.no_grad(), self._autocast():
-                old_logp, _ = self._logprobs(self._policy(), batch)
-        if self.ref_model is not None:
-            with torch.no_grad(), self._autocast():
-                ref_logp, _ = self._logprobs(self.ref_model, batch)
+            old_logp = self._logprobs(self._policy(), batch, zero3_collectives=self._zero3())
+        if self.ref_model is not None:  # a plain module on every rank: no collectives
+            ref_logp = self._logprobs(self.ref_model, batch, zero3_collectives=False)
         lap("logprobs")
 
         # update
@@ -404,87 +406,139 @@ class Trainer:
     def _autocast(self):
         return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast)
 
-    def _logprobs(self, model, batch: RolloutBatch, with_entropy: bool = False):
-        """``model``: the policy (``_policy()``) or the reference model."""
-        return response_logprobs(
-            model,
-            batch,
-            temperature=self.cfg.rollout.temperature,
-            pack_tokens=self.cfg.pack_tokens,
-            pad_id=self.pad_id,
-            with_entropy=with_entropy,
-        )
+    def _logprobs(self, model, batch: RolloutBatch, *, zero3_collectives: bool) -> torch.Tensor:
+        """Log-probs (N,) of the batch under ``model`` (the policy, ``_policy()``, or the reference model), without
+        gradients, in micro-batches of ``micro_batch_tokens``. ``zero3_collectives``: the forwards gather
+        parameters collectively, so every rank runs as many (the ones with fewer pad with dummy forwards)."""
+        plan = plan_micro_batches(batch, self.cfg.micro_batch_tokens)
+        pad_to = self._max_over_ranks(len(plan)) if zero3_collectives else 0
+        with torch.no_grad(), self._autocast():
+            logp, _ = response_logprobs(model, batch, plan, temperature=self.cfg.rollout.temperature, pad_to=pad_to)
+        return logp
+
+    def _max_over_ranks(self, n: int) -> int:
+        return distributed.all_max(n, self.device) if self.dist else n  # sync: one read
 
     def _update(self, batch: RolloutBatch, advantages, old_logp, ref_logp) -> dict[str, torch.Tensor]:
-        cfg, loss_cfg = self.cfg, self.cfg.loss
+        """``ppo_epochs`` passes over the batch, each ``mini_batches`` optimizer steps; metrics are their means."""
+        loss_cfg = self.cfg.loss
         k = batch.group_size
-        n_prompts = batch.lengths.numel() // k
-        per_mb = n_prompts // loss_cfg.mini_batches
+        per_mb = batch.lengths.numel() // k // loss_cfg.mini_batches  # prompts per mini-batch
         self.model.train()
         sums: dict[str, torch.Tensor] = {}
         count = 0
         for _epoch in range(loss_cfg.ppo_epochs):
             for mb in range(loss_cfg.mini_batches):
                 part = _select_groups(batch, mb * per_mb, (mb + 1) * per_mb)
-                lo, hi = int(batch.cu_seqlens[mb * per_mb * k]), int(batch.cu_seqlens[(mb + 1) * per_mb * k])
+                lo, hi = batch.bounds[mb * per_mb * k], batch.bounds[(mb + 1) * per_mb * k]
                 seqs = slice(mb * per_mb * k, (mb + 1) * per_mb * k)
-                # the loss's normalisers are global (all ranks' tokens and sequences), so the ranks' losses add up
-                # to the loss of the whole mini-batch
-                n_local = torch.tensor(float(hi - lo), device=self.device)
-                n_global = self._sum(n_local)
-                with self._autocast():
-                    logp, entropy = self._logprobs(self._policy(), part, with_entropy=True)
-                old = old_logp[lo:hi] if old_logp is not None else logp.detach()
-                ref = ref_logp[lo:hi] if ref_logp is not None else None
-                loss, stats = clipped_policy_loss(
-                    logp,
-                    old,
+                metrics = self._optimizer_step(
+                    part,
                     advantages[seqs],
-                    part.cu_seqlens,
-                    clip_low=loss_cfg.clip_low,
-                    clip_high=loss_cfg.clip_high,
-                    dual_clip=loss_cfg.dual_clip,
-                    ref_logp=ref,
-                    kl_coef=loss_cfg.kl_coef,
-                    agg=loss_cfg.agg,
-                    norm_length=loss_cfg.norm_length,
-                    total_tokens=float(n_global) if self.dist else None,  # sync: one read per mini-batch
-                    total_seqs=float(per_mb * k * self.world) if self.dist else None,
+                    old_logp[lo:hi] if old_logp is not None else None,
+                    ref_logp[lo:hi] if ref_logp is not None else None,
                 )
-                entropy_sum = entropy.sum()
-                total = loss - loss_cfg.entropy_coef * entropy_sum / n_global.clamp(min=1)  # token-mean entropy
-                if self.ds_engine is not None:
-                    # DeepSpeed averages gradients over ranks; each rank's loss is its part of a global sum
-                    self.ds_engine.backward(total * self.world)
-                    self.ds_engine.step()
-                    grad_norm = torch.tensor(float(self.ds_engine.get_global_grad_norm() or 0.0))
-                else:
-                    self.optimizer.zero_grad(set_to_none=True)
-                    total.backward()
-                    grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
-                    self.optimizer.step()
-                token_stats = torch.stack(
-                    [
-                        loss.detach(),
-                        entropy_sum.detach(),
-                        (stats["clip_frac_low"] + stats["clip_frac_high"]) * n_local,
-                        stats["approx_kl"] * n_local,
-                        stats["kl_ref"] * n_local,
-                    ]
-                ).float()
-                token_stats = self._sum(token_stats)
-                n = n_global.clamp(min=1)
-                for name, value in (
-                    ("loss", token_stats[0]),
-                    ("entropy", token_stats[1] / n),
-                    ("grad_norm", grad_norm.to(token_stats.device).float()),
-                    ("clip_frac", token_stats[2] / n),
-                    ("kl", token_stats[3] / n),
-                    ("kl_ref", token_stats[4] / n),
-                ):
+                for name, value in metrics.items():
                     sums[name] = sums.get(name, 0) + value
                 count += 1
         return {name: value / count for name, value in sums.items()}
+
+    def _optimizer_step(self, part: RolloutBatch, advantages, old_logp, ref_logp) -> dict[str, torch.Tensor]:
+        """One optimizer step on a mini-batch, its forward and backward in micro-batches of at most
+        ``micro_batch_tokens``, gradients accumulated. The loss's normalisers are the whole mini-batch's over all
+        ranks, so the micro-batches' (and ranks') losses add up to the mini-batch's loss and the accumulated
+        gradient is the one-forward gradient. Under DeepSpeed every rank runs as many micro-batches (dummy ones
+        with a zero loss pad the ranks that have fewer), since each backward reduces gradients collectively."""
+        plan = plan_micro_batches(part, self.cfg.micro_batch_tokens)
+        n_micro = self._max_over_ranks(len(plan)) if self.ds_engine is not None else len(plan)
+        local = torch.tensor([float(part.bounds[-1]), float(part.lengths.numel())], device=self.device)
+        n_tokens, n_seqs = self._sum(local).tolist()  # sync: one read per mini-batch
+        if self.ds_engine is None:
+            self.optimizer.zero_grad(set_to_none=True)
+        sums = torch.zeros(len(_STEP_SUMS), dtype=torch.float32, device=self.device)
+        for i in range(n_micro):
+            if self.ds_engine is not None:
+                self.ds_engine.set_gradient_accumulation_boundary(i == n_micro - 1)
+            if i < len(plan):
+                total, micro_sums = self._micro_batch_loss(
+                    part, plan[i], advantages, old_logp, ref_logp, n_tokens=n_tokens, n_seqs=n_seqs
+                )
+                sums += micro_sums
+            else:
+                with self._autocast():
+                    logp, entropy = run_dummy(
+                        self._policy(), self.device, temperature=self.cfg.rollout.temperature, with_entropy=True
+                    )
+                total = (logp.sum() + entropy.sum()) * 0.0  # the collectives of a forward and backward, no gradient
+            if self.ds_engine is not None:
+                # DeepSpeed averages gradients over ranks; each rank's loss is its part of a global sum
+                self.ds_engine.backward(total * self.world)
+            else:
+                total.backward()
+        if self.ds_engine is not None:
+            self.ds_engine.step()
+            grad_norm = torch.tensor(float(self.ds_engine.get_global_grad_norm() or 0.0))
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+            self.optimizer.step()
+        sums = self._sum(sums)
+        n = max(n_tokens, 1.0)
+        metrics = {"loss": sums[0], "grad_norm": grad_norm.to(sums.device).float()}
+        metrics.update({name: sums[j] / n for j, name in enumerate(_STEP_SUMS) if j > 0})
+        if part.rollout_logp is None:  # an engine that does not say what it sampled with
+            for name in ("rollout_logp_diff", "rollout_is_mean", "rollout_is_clipped_frac"):
+                metrics.pop(name)
+        return metrics
+
+    def _micro_batch_loss(self, part: RolloutBatch, mb: MicroBatch, advantages, old_logp, ref_logp, *, n_tokens, n_seqs):
+        """The loss of one micro-batch as its share of the mini-batch's, and its token sums (``_STEP_SUMS``)."""
+        loss_cfg = self.cfg.loss
+        lo, hi = part.bounds[mb.first], part.bounds[mb.last]
+        with self._autocast():
+            logp, entropy = micro_batch_logprobs(
+                self._policy(), part, mb, temperature=self.cfg.rollout.temperature, with_entropy=True
+            )
+        old = old_logp[lo:hi] if old_logp is not None else logp.detach()  # one pass over the batch: on-policy
+        cu = part.cu_seqlens[mb.first : mb.last + 1] - lo  # (s+1,)
+        weights, correction = None, None
+        if part.rollout_logp is not None:
+            weights, correction = rollout_correction_weights(
+                old, part.rollout_logp[lo:hi], cu, mode=self.correction, cap=loss_cfg.rollout_correction_cap
+            )
+        loss, stats = clipped_policy_loss(
+            logp,
+            old,
+            advantages[mb.first : mb.last],
+            cu,
+            clip_low=loss_cfg.clip_low,
+            clip_high=loss_cfg.clip_high,
+            dual_clip=loss_cfg.dual_clip,
+            ref_logp=ref_logp[lo:hi] if ref_logp is not None else None,
+            kl_coef=loss_cfg.kl_coef,
+            is_weights=weights,
+            agg=loss_cfg.agg,
+            norm_length=loss_cfg.norm_length,
+            total_tokens=n_tokens,
+            total_seqs=n_seqs,
+        )
+        entropy_sum = entropy.sum()
+        total = loss - loss_cfg.entropy_coef * entropy_sum / max(n_tokens, 1.0)  # token-mean entropy
+        n = float(hi - lo)
+        zero = loss.new_zeros(())
+        sums = torch.stack(
+            [
+                loss.detach(),
+                entropy_sum.detach(),
+                (stats["clip_frac_low"] + stats["clip_frac_high"]) * n,
+                stats["approx_kl"] * n,
+                stats["kl_ref"] * n,
+                *(
+                    correction[name] * n if correction is not None else zero
+                    for name in ("rollout_logp_diff", "rollout_is_mean", "rollout_is_clipped_frac")
+                ),
+            ]
+        ).float()
+        return total, sums
 
     # -- the run ----------------------------------------------------------------------------------------------
 
@@ -591,18 +645,35 @@ def _load_weights(model, folder: Path) -> None:
     model.tie_weights()
 
 
+# what a mini-batch's micro-batches add up: the loss, then token sums that become token means
+_STEP_SUMS = (
+    "loss",
+    "entropy",
+    "clip_frac",
+    "kl",
+    "kl_ref",
+    "rollout_logp_diff",
+    "rollout_is_mean",
+    "rollout_is_clipped_frac",
+)
+
+
 def _select_groups(batch: RolloutBatch, first: int, last: int) -> RolloutBatch:
     """Prompts ``first..last-1`` of a batch (all K samples of each), repacked from 0."""
     k = batch.group_size
     a, b = first * k, last * k
-    lo, hi = batch.cu_seqlens[a], batch.cu_seqlens[b]
-    return RolloutBatch(
+    lo, hi = batch.bounds[a], batch.bounds[b]
+    part = RolloutBatch(
         batch.prompt_ids[a:b],
         batch.response_ids[lo:hi],
         batch.cu_seqlens[a : b + 1] - lo,
         batch.truncated[a:b],
         k,
+        rollout_logp=batch.rollout_logp[lo:hi] if batch.rollout_logp is not None else None,
     )
+    part.responses = batch.responses[a:b]  # already on the host: no second read from the device
+    part.bounds = [x - lo for x in batch.bounds[a : b + 1]]
+    return part
 
 
 def _bar_callback(bar):

@@ -18,10 +18,8 @@ from fasttnt.checkpoint import list_checkpoints
 from fasttnt.cli import main as cli_main
 from fasttnt.config import TrainConfig, load_config
 from fasttnt.data import build_prompt
-from fasttnt.policy import response_logprobs
-from fasttnt.rollout import HFEngine
+from fasttnt.policy import plan_micro_batches
 from fasttnt.synthetic import held_out
-from fasttnt.tiny import TinyModelConfig, build_tiny_model
 from fasttnt.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,6 +67,9 @@ def test_a_run_writes_every_output(tmp_path):
         "clip_frac",
         "kl",
         "entropy",
+        "rollout_logp_diff",
+        "rollout_is_mean",
+        "rollout_is_clipped_frac",
         "grad_norm",
         "lr",
         "generated_tokens_per_s",
@@ -89,50 +90,18 @@ def test_a_run_writes_every_output(tmp_path):
     assert (out / "curves.png").stat().st_size > 10_000
 
 
-def test_packed_logprobs_equal_an_unpacked_padded_forward():
-    tok = build_char_tokenizer()
-    model = build_tiny_model(tok, TinyModelConfig(hidden_size=64, num_hidden_layers=2), seed=1).eval()
-    engine = HFEngine(model, tok, max_new_tokens=40, temperature=1.0, top_p=1.0)
-    batch = engine.generate([build_prompt(tok, p.problem) for p in held_out(3)], 3, seed=0)
-    responses = batch.responses
-    with torch.no_grad():
-        # several sequences per packed row (rows of 64 tokens), one row per sequence, and one long row
-        packed = [
-            response_logprobs(model, batch, temperature=0.7, pack_tokens=n, pad_id=tok.pad_token_id)[0]
-            for n in (64, 1, 4096)
-        ]
-        # the reference: a right-padded batch with an attention mask, logits materialised
-        seqs = [p + r for p, r in zip(batch.prompt_ids, responses, strict=True)]
-        width = max(map(len, seqs))
-        ids = torch.full((len(seqs), width), tok.pad_token_id)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, : len(s)] = torch.tensor(s)
-            mask[i, : len(s)] = 1
-        logits = model(input_ids=ids, attention_mask=mask).logits.double() / 0.7
-        expected = []
-        for i, (p, r) in enumerate(zip(batch.prompt_ids, responses, strict=True)):
-            rows = torch.log_softmax(logits[i, len(p) - 1 : len(p) + len(r) - 1], -1)
-            expected.append(rows.gather(1, torch.tensor(r)[:, None])[:, 0])
-        expected = torch.cat(expected)
-    for got in packed:
-        torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-4)
-
-
 def test_one_update_lowers_the_loss_on_its_batch(tmp_path):
     cfg = load_config(None, small(tmp_path, "optim.lr=1e-2", "optim.warmup_steps=0"))
     trainer = Trainer(cfg, tmp_path / "run")
     batch = trainer.engine.generate([build_prompt(trainer.tokenizer, p.problem) for p in held_out(2)], 4, seed=0)
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5]).repeat(batch.lengths.numel() // 4)  # (S,)
-    with torch.no_grad():
-        old, _ = trainer._logprobs(trainer.model, batch)
+    old = trainer._logprobs(trainer.model, batch, zero3_collectives=False)
 
     def loss_now():
         from fasttnt_kernels import clipped_policy_loss
 
-        with torch.no_grad():
-            logp, _ = trainer._logprobs(trainer.model, batch)
-            return clipped_policy_loss(logp, old, advantages, batch.cu_seqlens)[0].item()
+        logp = trainer._logprobs(trainer.model, batch, zero3_collectives=False)
+        return clipped_policy_loss(logp, old, advantages, batch.cu_seqlens)[0].item()
 
     before = loss_now()
     trainer._update(batch, advantages, old, None)
@@ -223,8 +192,13 @@ def test_cli_train_runs(tmp_path):
 
 
 def test_mini_batches_epochs_and_kl_run(tmp_path):
-    # the real configs' update path: several optimizer steps per rollout, old log-probs, a reference model
-    rows = _run(tmp_path, "run", "loss.mini_batches=2", "loss.ppo_epochs=2", "loss.kl_coef=0.05", "steps=2")
+    # the real configs' update path: several optimizer steps per rollout, old log-probs, a reference model. The
+    # policy must move whatever the sampled rewards (all equal on some machines, and then every advantage is 0):
+    # the entropy bonus has a gradient of its own, and AdamW's first steps move every weight by ~lr
+    rows = _run(
+        tmp_path, "run", "loss.mini_batches=2", "loss.ppo_epochs=2", "loss.kl_coef=0.05", "steps=2",
+        "loss.entropy_coef=0.01", "optim.lr=1e-2", "optim.warmup_steps=0",
+    )  # fmt: skip
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[1]["kl_ref"] > 0  # the policy moved away from the reference
     assert all(r["loss"] == r["loss"] for r in rows)
@@ -255,3 +229,38 @@ def test_bad_data_is_reported_before_the_model_loads(tmp_path, capsys):
     assert cli_main(args) == 2
     assert "bad.jsonl: row 1: missing field 'answer'" in capsys.readouterr().err
     assert not (tmp_path / "cache").exists(), "the model was built before the data was checked"
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batched_update_equals_the_one_forward_update(tmp_path, agg):
+    # the same mini-batch through one forward and through micro-batches of <= 40 tokens (several per mini-batch,
+    # some holding one sequence): loss, gradient norm and the weights after the step agree
+    results = []
+    for budget in (100_000, 64):
+        cfg = load_config(
+            None, small(tmp_path, f"micro_batch_tokens={budget}", f"loss.agg={agg}", "optim.warmup_steps=0",
+                        "loss.entropy_coef=0.01", "loss.rollout_correction=token-truncate"),
+        )  # fmt: skip
+        trainer = Trainer(cfg, tmp_path / f"run-{budget}")
+        prompts = [build_prompt(trainer.tokenizer, p.problem) for p in held_out(2)]
+        batch = trainer.engine.generate(prompts, 4, seed=3)
+        advantages = torch.linspace(-1.5, 1.5, batch.lengths.numel())  # (S,) all different: every token moves
+        n_micro = len(plan_micro_batches(batch, budget))
+        metrics = trainer._update(batch, advantages, None, None)
+        weights = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+        results.append((n_micro, {k: float(v) for k, v in metrics.items()}, weights))
+        trainer.verifier.close()
+    (n_one, one, w_one), (n_many, many, w_many) = results
+    assert n_one == 1 and n_many >= 3
+    for name in ("loss", "grad_norm", "entropy", "clip_frac", "rollout_logp_diff", "rollout_is_mean"):
+        assert one[name] == pytest.approx(many[name], rel=1e-5, abs=1e-7), name
+    torch.testing.assert_close(w_many, w_one, rtol=1e-5, atol=1e-7)
+
+
+def test_rollout_correction_metrics_are_logged(tmp_path):
+    # the hf engine reports what it sampled with; on the CPU the trainer's log-probs differ from it by float noise
+    rows = _run(tmp_path, "run", "loss.rollout_correction=token-truncate", "steps=2")
+    for row in rows:
+        assert 0 <= row["rollout_logp_diff"] < 1e-3, row["rollout_logp_diff"]
+        assert row["rollout_is_mean"] == pytest.approx(1.0, abs=1e-3)
+        assert row["rollout_is_clipped_frac"] == 0.0
