@@ -460,4 +460,3 @@ def _gathered(params):
 
         return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
     return contextlib.nullcontext()
-

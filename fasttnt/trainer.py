@@ -456,6 +456,7 @@ class Trainer:
         if self.ds_engine is None:
             self.optimizer.zero_grad(set_to_none=True)
         sums = torch.zeros(len(_STEP_SUMS), dtype=torch.float32, device=self.device)
+        sums[-1] = len(plan)
         for i in range(n_micro):
             if self.ds_engine is not None:
                 self.ds_engine.set_gradient_accumulation_boundary(i == n_micro - 1)
@@ -484,13 +485,16 @@ class Trainer:
         sums = self._sum(sums)
         n = max(n_tokens, 1.0)
         metrics = {"loss": sums[0], "grad_norm": grad_norm.to(sums.device).float()}
-        metrics.update({name: sums[j] / n for j, name in enumerate(_STEP_SUMS) if j > 0})
+        metrics.update({name: sums[j] / n for j, name in enumerate(_STEP_SUMS[:-1]) if j > 0})
+        metrics["micro_batches"] = sums[-1]  # over the ranks, dummy ones not counted
         if part.rollout_logp is None:  # an engine that does not say what it sampled with
             for name in ("rollout_logp_diff", "rollout_is_mean", "rollout_is_clipped_frac"):
                 metrics.pop(name)
         return metrics
 
-    def _micro_batch_loss(self, part: RolloutBatch, mb: MicroBatch, advantages, old_logp, ref_logp, *, n_tokens, n_seqs):
+    def _micro_batch_loss(
+        self, part: RolloutBatch, mb: MicroBatch, advantages, old_logp, ref_logp, *, n_tokens, n_seqs
+    ):
         """The loss of one micro-batch as its share of the mini-batch's, and its token sums (``_STEP_SUMS``)."""
         loss_cfg = self.cfg.loss
         lo, hi = part.bounds[mb.first], part.bounds[mb.last]
@@ -536,6 +540,7 @@ class Trainer:
                     correction[name] * n if correction is not None else zero
                     for name in ("rollout_logp_diff", "rollout_is_mean", "rollout_is_clipped_frac")
                 ),
+                zero,  # the micro-batch count is added once per step
             ]
         ).float()
         return total, sums
@@ -655,6 +660,7 @@ _STEP_SUMS = (
     "rollout_logp_diff",
     "rollout_is_mean",
     "rollout_is_clipped_frac",
+    "micro_batches",  # not a token sum: the count of micro-batches
 )
 
 

@@ -128,6 +128,7 @@ import torch, deepspeed
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from fasttnt import distributed
 from fasttnt.config import TrainConfig
+from fasttnt.attention import Packing
 from fasttnt.policy import PolicyHead
 
 ctx = distributed.init("cpu")
@@ -145,7 +146,9 @@ for _ in range(2):
     with distributed.zero3_full_model(engine, model):
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
                              min_new_tokens=n, pad_token_id=0, eos_token_id=2)
-    loss = engine(ids, torch.arange(5).expand(2, 5), torch.arange(2), ids[:, 0], 1.0, False)[0].sum()
+    row = ids.reshape(1, 10)  # the two sequences packed back to back
+    positions = torch.arange(5).repeat(2)[None]
+    loss = engine(row, positions, Packing.of([5, 5], "cpu"), torch.tensor([3, 8]), ids[:, 4], 1.0, False)[0].sum()
     engine.backward(loss)
     engine.step()  # training still works with ZeRO's hooks back
 print(f"rank {ctx.rank} generated {out.shape[1] - 5}", flush=True)
@@ -161,3 +164,29 @@ def test_zero3_generation_with_uneven_lengths_does_not_hang(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=180)  # a hang fails here
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rank 0 generated 3" in result.stdout and "rank 1 generated 12" in result.stdout
+
+
+def test_zero3_ranks_with_different_micro_batch_counts_match_one_process(tmp_path):
+    # two problems per step, one per rank: a short prompt whose 4 samples share one micro-batch of 256 tokens, and a
+    # ~170-token prompt whose samples need one each (two never fit 256), so one rank runs 1 micro-batch per pass
+    # and the other 4, by construction; ppo_epochs=2 adds the old-log-prob pass, whose ZeRO-3 forwards gather
+    # parameters collectively too
+    data = tmp_path / "uneven.jsonl"
+    long_problem = "Add these two numbers, reading every digit with care before you begin: " + "1" * 80 + " + 1"
+    data.write_text(
+        json.dumps({"problem": "1+2", "answer": "3"})
+        + "\n"
+        + json.dumps({"problem": long_problem, "answer": "2"})
+        + "\n"
+    )
+    extra = (
+        f"data.train={data}", "data.hack_markers=synthetic", "data.instruction=", "rollout.prompts_per_step=2",
+        "micro_batch_tokens=256", "loss.ppo_epochs=2", "steps=2",
+    )  # fmt: skip
+    single = _launch("single", tmp_path / "single", tmp_path / "cache", *extra)
+    assert single.returncode == 0, single.stderr[-3000:]
+    ranks = _launch("deepspeed", tmp_path / "ranks", tmp_path / "cache", *extra, "distributed.zero_stage=3", port=29517)
+    assert ranks.returncode == 0, ranks.stdout[-2000:] + ranks.stderr[-4000:]
+    expected, got = _metrics(tmp_path / "single"), _metrics(tmp_path / "ranks")
+    _assert_same_run(got, expected)
+    assert all(r["micro_batches"] == 5 for r in got)  # 1 + 4 per pass over the ranks: the construction holds

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fasttnt.attention import Packing, use_packed_attention, varlen_attention
+from fasttnt.attention import Packing, varlen_attention
 from fasttnt.char_tokenizer import build_char_tokenizer
 from fasttnt.data import build_prompt
 from fasttnt.policy import PolicyHead, plan_micro_batches, response_logprobs

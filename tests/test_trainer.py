@@ -13,7 +13,6 @@ import torch
 from small import SMALL
 from transformers import AutoModelForCausalLM
 
-from fasttnt.char_tokenizer import build_char_tokenizer
 from fasttnt.checkpoint import list_checkpoints
 from fasttnt.cli import main as cli_main
 from fasttnt.config import TrainConfig, load_config
