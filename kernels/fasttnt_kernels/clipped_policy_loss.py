@@ -375,8 +375,8 @@ def clipped_policy_loss(
     and ending at N. The loss is a float32 scalar, differentiable w.r.t. ``logp`` only (the others are
     constants of the update). ``is_weights`` (N,) float, optional: a per-token weight of the policy-gradient term
     (not of the KL term), e.g. ``rollout_correction_weights``. ``stats`` maps the names in ``STAT_NAMES`` to
-    float32 scalars on the device (no host sync). ``total_tokens``/``total_seqs`` replace N/S as the normalisers, for a loss split into
-    micro-batches or across ranks whose sum must equal the whole batch's mean.
+    float32 scalars on the device (no host sync). ``total_tokens``/``total_seqs`` replace N/S as the normalisers,
+    for a loss split into micro-batches or across ranks whose sum must equal the whole batch's mean.
     """
     config = PolicyLossConfig(clip_low, clip_high, dual_clip, kl_coef, agg, norm_length)
     _common.check_1d("logp", logp)
