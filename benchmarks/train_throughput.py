@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from fasttnt.policy import response_logprobs
+    from fasttnt.attention import varlen_backend
+    from fasttnt.policy import plan_micro_batches, response_logprobs
     from fasttnt.rollout import RolloutBatch
     from fasttnt_kernels import clipped_policy_loss
 
@@ -54,12 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             vocab_size=151936,
         )
     config = Qwen2Config(**shape, max_position_embeddings=32768, tie_word_embeddings=False)
-    attn = "sdpa"
-    if device.type == "cuda":
-        import importlib.util
-
-        attn = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn).to(device)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device)
     getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     model.train()
 
@@ -70,10 +66,15 @@ def main(argv: list[str] | None = None) -> int:
     cu = torch.arange(n_seq + 1, device=device) * (args.seq_len - prompt_len)
     batch = RolloutBatch(prompts, responses, cu, torch.zeros(n_seq, dtype=torch.bool, device=device), n_seq)
     advantages = torch.randn(n_seq, device=device)
+    plan = plan_micro_batches(batch, args.tokens)  # one packed micro-batch
+    # the kernel the packed attention runs (fasttnt.attention): flash-attn, PyTorch's varlen, or SDPA per sequence
+    attn = varlen_backend(
+        torch.empty(1, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, device=device)
+    )
 
     def step():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logp, _ = response_logprobs(model, batch, temperature=1.0, pack_tokens=args.tokens, pad_id=0)
+            logp, _ = response_logprobs(model, batch, plan, temperature=1.0)
         loss, _ = clipped_policy_loss(logp, logp.detach(), advantages, cu)
         loss.backward()
         model.zero_grad(set_to_none=True)
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     mfu = flops_per_token * tokens_per_s / (H200_BF16_TFLOPS * 1e12)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     print(
-        f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, attention {attn}, "
+        f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, packed attention {attn}, "
         f"gradient checkpointing on"
     )
     print(f"{args.tokens} tokens per micro-batch ({n_seq} sequences of {args.seq_len}), {params / 1e9:.2f}B params")

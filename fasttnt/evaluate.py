@@ -56,28 +56,21 @@ def load_benchmark(name: str, settings: EvalSettings) -> list[Problem]:
     return problems[: settings.limit] if settings.limit else problems
 
 
-def _load_model(name: str, device: torch.device, engine: str):
+def _open_engine(name: str, device: torch.device, settings: EvalSettings):
+    """The rollout engine and tokenizer of one model, built once and used for every benchmark: a vLLM engine
+    holds most of the GPU, and a second one in the same process fails vLLM's memory check until the first is
+    closed."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(name)
-    if engine == "vllm":  # vLLM loads the weights itself
-        return None, tokenizer
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device).eval()
-    return model, tokenizer
-
-
-def evaluate_one(
-    model, tokenizer, model_name: str, name: str, problems: list[Problem], settings: EvalSettings, pool
-) -> tuple[dict, list]:
-    """Metrics of one model on one benchmark, and every response as a record."""
-    synthetic = name == SYNTHETIC
-    instruction = "" if synthetic else MATH_INSTRUCTION
-    markers = MARKER_SETS["synthetic" if synthetic else "math"]
+    model = None
+    if settings.engine != "vllm":  # vLLM loads the weights itself
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device).eval()
     engine = ENGINES.get(settings.engine)(
         model,
         tokenizer,
-        model_path=model_name,
+        model_path=name,
         max_new_tokens=settings.max_new_tokens,
         temperature=settings.temperature,
         top_p=settings.top_p,
@@ -87,7 +80,18 @@ def evaluate_one(
         max_model_len=4096 + settings.max_new_tokens,
         seed=settings.seed,
         dtype="bfloat16",
+        device=device,
     )
+    return engine, tokenizer
+
+
+def evaluate_one(
+    engine, tokenizer, name: str, problems: list[Problem], settings: EvalSettings, pool
+) -> tuple[dict, list]:
+    """Metrics of one model (its rollout engine) on one benchmark, and every response as a record."""
+    synthetic = name == SYNTHETIC
+    instruction = "" if synthetic else MATH_INSTRUCTION
+    markers = MARKER_SETS["synthetic" if synthetic else "math"]
     think_end_id = tokenizer.convert_tokens_to_ids("</think>")
     records: list[dict] = []
     k = settings.samples
@@ -121,7 +125,6 @@ def evaluate_one(
                     "truncated": truncated[i],
                 }
             )
-    engine.close()
     return summarize(records), records
 
 
@@ -175,30 +178,9 @@ def run_eval(
     pool = VerifierPool(workers=2)
     try:
         for model_name in models:
-            slug = _slug(model_name)
-            results[model_name] = {}
-            tokenizer = None
-            for bench in benchmarks:
-                path = output_dir / "results" / slug / f"{_slug(bench)}.json"
-                identity = {"settings": asdict(settings), "model": model_fingerprint(model_name)}
-                if path.is_file():
-                    saved = json.loads(path.read_text())
-                    if {k: saved.get(k) for k in identity} == identity:
-                        results[model_name][bench] = saved["metrics"]
-                        tqdm.write(f"{model_name} / {bench}: done before, skipped ({path})")
-                        continue
-                if tokenizer is None:
-                    model, tokenizer = _load_model(model_name, device, settings.engine)
-                tqdm.write(f"{model_name} / {bench}: {len(problem_sets[bench])} problems x {settings.samples} samples")
-                metrics, records = evaluate_one(
-                    model, tokenizer, model_name, bench, problem_sets[bench], settings, pool
-                )
-                if save_responses:
-                    rpath = output_dir / "responses" / slug / f"{_slug(bench)}.jsonl"
-                    _write_atomic(rpath, "".join(json.dumps(r) + "\n" for r in records))
-                _write_atomic(path, json.dumps({**identity, "metrics": metrics}, indent=1))
-                results[model_name][bench] = metrics
-            model = tokenizer = None  # free this model before loading the next
+            results[model_name] = _eval_model(
+                model_name, benchmarks, problem_sets, settings, output_dir, pool, device, save_responses
+            )
     finally:
         pool.close()
     report = {"settings": asdict(settings), "benchmarks": benchmarks, "results": results, "mean": {}}
@@ -216,6 +198,39 @@ def run_eval(
     _write_atomic(output_dir / "eval.md", markdown_table(report))
     plot_eval(report, output_dir / "eval.png")
     return report
+
+
+def _eval_model(
+    model_name: str, benchmarks, problem_sets, settings: EvalSettings, output_dir: Path, pool, device, save_responses
+) -> dict[str, dict]:
+    """One model on every benchmark not done before: its engine is built at the first one that needs it, reused,
+    and closed (its GPU memory freed) before the next model's."""
+    slug = _slug(model_name)
+    identity = {"settings": asdict(settings), "model": model_fingerprint(model_name)}
+    results: dict[str, dict] = {}
+    engine = tokenizer = None
+    try:
+        for bench in benchmarks:
+            path = output_dir / "results" / slug / f"{_slug(bench)}.json"
+            if path.is_file():
+                saved = json.loads(path.read_text())
+                if {k: saved.get(k) for k in identity} == identity:
+                    results[bench] = saved["metrics"]
+                    tqdm.write(f"{model_name} / {bench}: done before, skipped ({path})")
+                    continue
+            if engine is None:
+                engine, tokenizer = _open_engine(model_name, device, settings)
+            tqdm.write(f"{model_name} / {bench}: {len(problem_sets[bench])} problems x {settings.samples} samples")
+            metrics, records = evaluate_one(engine, tokenizer, bench, problem_sets[bench], settings, pool)
+            if save_responses:
+                rpath = output_dir / "responses" / slug / f"{_slug(bench)}.jsonl"
+                _write_atomic(rpath, "".join(json.dumps(r) + "\n" for r in records))
+            _write_atomic(path, json.dumps({**identity, "metrics": metrics}, indent=1))
+            results[bench] = metrics
+    finally:
+        if engine is not None:
+            engine.close()
+    return results
 
 
 def model_fingerprint(name: str) -> str:

@@ -297,7 +297,9 @@ class VLLMEngine:
             raise RuntimeError("rollout.engine=vllm needs vLLM on a CUDA machine: pip install 'fasttnt[gpu]'") from err
         self._sampling_params = SamplingParams
         self.model, self.tokenizer = model, tokenizer
-        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        if device is None:
+            device = next(model.parameters()).device if model is not None else "cuda"
+        self.device = torch.device(device)
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.sleep_between_rollouts = sleep_between_rollouts
         self.bucket_bytes = weight_sync_bucket_mb * 2**20
@@ -319,8 +321,11 @@ class VLLMEngine:
             torch.cuda.set_device(self.device)  # vLLM made cuda:LOCAL_RANK current; the trainer's device stays so
         self.asleep: set[str] = set()  # the parts of the engine's memory that are unmapped
         # the engine's weights are the checkpoint it loaded, not necessarily the trainer's (a resumed run): the
-        # first rollout pushes the trainer's
-        self.weights_current = False
+        # first rollout pushes the trainer's. Without a model (evaluation) the loaded checkpoint is the model, and
+        # the engine never sleeps
+        self.weights_current = model is None
+        if model is None and sleep_between_rollouts:
+            raise ValueError("sleep_between_rollouts discards the weights: it needs the model to push them back")
         if sleep_between_rollouts:
             self._sleep()
 

@@ -106,10 +106,10 @@ def test_a_crash_in_one_benchmark_keeps_the_others(tmp_path, models, monkeypatch
     bad.write_text('{"problem": "1+1", "answer": "2"}\n')
     real = evaluate.evaluate_one
 
-    def crash_on_second(model, tokenizer, model_name, name, *rest):
+    def crash_on_second(engine, tokenizer, name, *rest):
         if name == str(bad):
             raise RuntimeError("out of memory")
-        return real(model, tokenizer, model_name, name, *rest)
+        return real(engine, tokenizer, name, *rest)
 
     monkeypatch.setattr(evaluate, "evaluate_one", crash_on_second)
     with pytest.raises(RuntimeError):
