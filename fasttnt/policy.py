@@ -117,29 +117,25 @@ def as_head(model):
 def run_dummy(head, device: torch.device, *, temperature: float, with_entropy: bool = False):
     """The forward of ``dummy_micro_batch``: log-probs (1,) whose loss the caller multiplies by 0."""
     mb = dummy_micro_batch(0)
-    return head(
-        mb.input_ids.to(device),
-        mb.position_ids.to(device),
-        Packing.of(mb.lengths, device),
-        mb.hidden_index.to(device),
-        mb.input_ids[0, 1:].to(device),
-        temperature,
-        with_entropy,
-    )
+    return _forward(head, mb, mb.input_ids[0, 1:].to(device), temperature, with_entropy)
 
 
 def micro_batch_logprobs(
     head, batch: RolloutBatch, mb: MicroBatch, *, temperature: float, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (n,) of the response tokens of one micro-batch of ``batch`` (entropies too when asked)."""
-    device = batch.response_ids.device
     lo, hi = batch.bounds[mb.first], batch.bounds[mb.last]
+    return _forward(head, mb, batch.response_ids[lo:hi], temperature, with_entropy)
+
+
+def _forward(head, mb: MicroBatch, targets: torch.Tensor, temperature: float, with_entropy: bool):
+    device = targets.device
     return head(
         mb.input_ids.to(device, non_blocking=True),
         mb.position_ids.to(device, non_blocking=True),
         Packing.of(mb.lengths, device),
         mb.hidden_index.to(device, non_blocking=True),
-        batch.response_ids[lo:hi],
+        targets,
         temperature,
         with_entropy,
     )

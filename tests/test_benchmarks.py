@@ -34,6 +34,11 @@ def test_train_throughput_smoke():
     assert "tokens/s" in out and "MFU" in out
 
 
+def test_packed_attention_check_smoke():
+    out = _run("benchmarks/packed_attention_check.py", "--smoke")
+    assert "packed attention sdpa_per_sequence" in out and out.rstrip().endswith("OK")
+
+
 def test_e2e_against_trl_smoke(tmp_path):
     pytest.importorskip("trl")
     overrides = [*SMALL, "warmup.steps=3", "warmup.batch_size=8"]

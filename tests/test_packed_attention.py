@@ -90,7 +90,9 @@ def test_a_sequence_does_not_see_the_ones_packed_before_it():
     # the same row without the boundaries (one causal sequence) differs: the test can see mixing
     mb = plan_micro_batches(crowded, 10_000)[0]
     with torch.no_grad():
-        mixed = model(input_ids=mb.input_ids, position_ids=mb.position_ids).logits[0].float() / TEMPERATURE
+        mask = torch.ones_like(mb.input_ids)  # a plain causal mask over the whole row
+        mixed = model(input_ids=mb.input_ids, attention_mask=mask, position_ids=mb.position_ids).logits[0]
+        mixed = mixed.float() / TEMPERATURE
     last = mb.hidden_index[-12:]
     mixed_logp = torch.log_softmax(mixed[last], -1).gather(1, torch.tensor(alone.responses[0])[:, None])[:, 0]
     assert (mixed_logp - a).abs().max() > 1e-3

@@ -16,6 +16,7 @@ from small import SMALL
 from fasttnt.checkpoint import list_checkpoints
 from fasttnt.config import load_config
 from fasttnt.evaluate import EvalSettings, run_eval
+from fasttnt.synthetic import held_out
 from fasttnt.trainer import Trainer
 
 LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -72,6 +73,11 @@ def test_resume_pushes_the_checkpoint_and_restores_the_rng(tmp_path, standin):
     # vLLM reseeds the global RNGs when it starts: the checkpoint's state must be the one in force after it
     saved = torch.load(list_checkpoints(tmp_path / "resumed" / "checkpoints")[-1] / "rng.pt", weights_only=True)
     assert torch.equal(torch.get_rng_state(), saved["torch"])
+    # what the engine returns lives on the trainer's device (the old engine put it on "cuda", whatever the rank)
+    batch = trainer.engine.generate([trainer._prompt(p) for p in held_out(2)], 2, seed=0)
+    for t in (batch.response_ids, batch.cu_seqlens, batch.truncated, batch.rollout_logp):
+        assert t.device == trainer.device
+    assert batch.rollout_logp.shape == batch.response_ids.shape and (batch.rollout_logp <= 0).all()
     trainer.run()
     resumed = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
     assert [_deterministic(r) for r in resumed] == [_deterministic(r) for r in straight]
@@ -83,8 +89,9 @@ def test_the_standin_catches_the_old_call_order(standin, tmp_path):
     # maps the weights a second time
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    AutoModelForCausalLM.from_config(Qwen2Config(vocab_size=40, hidden_size=16, intermediate_size=32,
-                                     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path)  # fmt: skip
+    config = Qwen2Config(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     for key, value in zip(LAUNCHER_ENV, ("0", "0", "1", "127.0.0.1", "29500"), strict=True):
         os.environ[key] = value
     llm = standin.LLM(str(tmp_path), enable_sleep_mode=True)
@@ -118,4 +125,3 @@ def test_evaluation_builds_one_engine_per_model_and_frees_it(tmp_path, standin):
     # failed the stand-in's memory check)
     assert [b["model"] for b in standin.LLM.built] == models
     assert set(report["results"][models[1]]) == {"synthetic", str(bench)}
-

@@ -23,6 +23,7 @@ import sys
 import types
 import weakref
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -70,9 +71,9 @@ class _EngineModel:
 
 
 class LLM:
-    live: weakref.WeakSet = weakref.WeakSet()
-    built: list[dict] = []  # the constructor arguments of every engine, in order
-    logs: list[list[str]] = []  # the calls made on every engine, in order (kept after the engine is freed)
+    live: ClassVar[weakref.WeakSet] = weakref.WeakSet()
+    built: ClassVar[list[dict]] = []  # the constructor arguments of every engine, in order
+    logs: ClassVar[list[list[str]]] = []  # the calls made on every engine, in order (kept after it is freed)
 
     def __init__(self, model: str, **kwargs) -> None:
         from transformers import AutoModelForCausalLM
