@@ -33,6 +33,14 @@ _PREFIX = "fasttnt_packed:"
 
 
 @dataclass(frozen=True)
+class PaddedChunk:
+    """Consecutive packed sequences as a padded batch: the packed index of each (sequence, position)."""
+
+    index: torch.Tensor  # (s, L) int64 token index into the row; 0 where padded
+    valid: torch.Tensor  # (s, L) bool
+
+
+@dataclass(frozen=True)
 class Packing:
     """Where the sequences of one flattened row begin and end."""
 
@@ -45,6 +53,27 @@ class Packing:
         bounds = (0, *itertools.accumulate(lengths))
         cu = torch.tensor(bounds, dtype=torch.int32).to(device, non_blocking=True)
         return cls(cu, bounds, max(lengths, default=0))
+
+    @functools.cached_property
+    def padded_chunks(self) -> list[PaddedChunk]:
+        """The sequences in order, in padded batches of at most ``_PADDED_MASK_ELEMENTS`` mask elements (a
+        sequence longer than that is a chunk of its own). Built on the host once per forward, used by every layer."""
+        spans = list(itertools.pairwise(self.bounds))
+        chunks, start = [], 0
+        while start < len(spans):
+            end, longest = start, 0
+            while end < len(spans):
+                longest_next = max(longest, spans[end][1] - spans[end][0])
+                if end > start and (end - start + 1) * longest_next**2 > _PADDED_MASK_ELEMENTS:
+                    break
+                longest, end = longest_next, end + 1
+            positions = torch.arange(max(longest, 1))
+            firsts = torch.tensor([a for a, _ in spans[start:end]])[:, None]  # (s, 1)
+            lengths = torch.tensor([b - a for a, b in spans[start:end]])[:, None]
+            valid = positions[None, :] < lengths  # (s, L)
+            chunks.append(PaddedChunk(torch.where(valid, firsts + positions[None, :], 0), valid))
+            start = end
+        return chunks
 
 
 def use_packed_attention(model) -> str:
@@ -120,27 +149,47 @@ def varlen_attention(
         if dropout:
             raise ValueError("PyTorch's varlen attention has no dropout; install flash-attn or set attention dropout 0")
         return _torch_varlen(q, k, v, packing, scale)
-    # SDPA once per sequence: the same boundaries, no (T, T) mask
-    q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # (H, T, D)
-    outs = [
-        F.scaled_dot_product_attention(
-            q[:, a:b], k[:, a:b], v[:, a:b], is_causal=True, scale=scale, dropout_p=dropout, enable_gqa=True
-        )
-        for a, b in itertools.pairwise(packing.bounds)
-    ]
-    return torch.cat(outs, dim=1).transpose(0, 1)  # (T, Hq, D)
+    return _sdpa_by_sequence(q, k, v, packing, scale=scale, dropout=dropout)
+
+
+# elements of the (sequences, longest, longest) mask one padded SDPA call may take: 256 sequences of 110 tokens
+# (the embedded task's step) is 3M; a chunk of long sequences stays far below a GiB
+_PADDED_MASK_ELEMENTS = 2**24
+
+
+def _sdpa_by_sequence(q, k, v, packing: Packing, *, scale: float | None, dropout: float) -> torch.Tensor:
+    """SDPA over the same boundaries, without FlashAttention (the CPU, float32): the sequences gathered into a
+    padded batch, in chunks whose mask stays small, each sequence attending causally to itself alone."""
+    outs = []
+    for chunk in packing.padded_chunks:
+        index, valid = chunk.index.to(q.device), chunk.valid.to(q.device)  # (s, L) each
+        qp, kp, vp = (t[index].transpose(1, 2) for t in (q, k, v))  # (s, H, L, D): padding reads token 0
+        length = index.shape[1]
+        causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+        # (s, 1, L, L): a sequence's own keys, causally; the diagonal too, so that no row is fully masked (a padded
+        # query of an empty sequence would be NaN, and NaN times a zero gradient is NaN)
+        mask = (causal & valid[:, None, None, :]) | torch.eye(length, dtype=torch.bool, device=q.device)
+        out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, dropout_p=dropout,
+                                             enable_gqa=True)  # fmt: skip
+        outs.append(out.transpose(1, 2)[valid])  # (tokens of the chunk, Hq, D), in packed order
+    return torch.cat(outs)  # (T, Hq, D)
 
 
 def varlen_backend(q: torch.Tensor) -> str:
     """``flash_attn``, ``torch_varlen`` or ``sdpa_per_sequence``: which kernel the packed attention of ``q`` runs."""
     if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
         return "sdpa_per_sequence"  # the CPU; and FlashAttention rejects float32
-    if importlib.util.find_spec("flash_attn") is not None:
+    if _flash_attn_available():
         return "flash_attn"
     if _torch_varlen_available():
         _activate_fa3(q.device)
         return "torch_varlen"
     return "sdpa_per_sequence"
+
+
+@functools.cache
+def _flash_attn_available() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
 
 
 @functools.cache
@@ -186,6 +235,7 @@ def _torch_varlen(q, k, v, packing: Packing, scale: float | None) -> torch.Tenso
             groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     cu = packing.cu_seqlens
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # (T, H, D) from a transposed view
     return varlen_attn(q, k, v, cu, cu, packing.max_len, packing.max_len, **options)
 
 

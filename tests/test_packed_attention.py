@@ -98,12 +98,24 @@ def test_a_sequence_does_not_see_the_ones_packed_before_it():
     assert (mixed_logp - a).abs().max() > 1e-3
 
 
-def test_varlen_attention_on_the_cpu_equals_a_block_diagonal_mask():
-    lengths = [1, 7, 30, 2, 19]
+# the mask budget of one padded SDPA call: the default (one chunk here), and small enough that the sequences go
+# in several chunks (30 tokens alone exceed it: a chunk of its own)
+@pytest.mark.parametrize("mask_elements", [None, 200])
+def test_varlen_attention_on_the_cpu_equals_a_block_diagonal_mask(monkeypatch, mask_elements):
+    import fasttnt.attention as attention
+
+    if mask_elements:
+        monkeypatch.setattr(attention, "_PADDED_MASK_ELEMENTS", mask_elements)
+    lengths = [1, 7, 30, 2, 0, 19]
     t = sum(lengths)
     q = torch.randn(t, 4, 16, dtype=torch.float64)
     k, v = torch.randn(t, 2, 16, dtype=torch.float64), torch.randn(t, 2, 16, dtype=torch.float64)  # GQA: 2 kv heads
-    out = varlen_attention(q, k, v, Packing.of(lengths, "cpu"), scale=0.3)  # (T, 4, 16)
+    packing = Packing.of(lengths, "cpu")
+    assert len(packing.padded_chunks) == (1 if mask_elements is None else 4)
+    q.requires_grad_()
+    out = varlen_attention(q, k, v, packing, scale=0.3)  # (T, 4, 16)
+    out.sum().backward()
+    assert not torch.isnan(q.grad).any()  # the empty sequence's padded row adds no NaN
     seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     pos = torch.arange(t)
     allowed = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])  # same sequence, causal
@@ -111,7 +123,7 @@ def test_varlen_attention_on_the_cpu_equals_a_block_diagonal_mask():
         q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1), v.repeat_interleave(2, 1).transpose(0, 1),
         attn_mask=allowed, scale=0.3,
     ).transpose(0, 1)  # fmt: skip
-    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(out.detach(), expected, rtol=1e-10, atol=1e-10)
 
 
 def test_packing_boundaries_are_host_side():
