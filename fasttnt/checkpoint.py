@@ -21,6 +21,7 @@ _PREFIX = "step-"
 class TrainerState:
     step: int  # steps completed
     data_position: int  # problems consumed from the training stream
+    world: int = 1  # the ranks that wrote it (a distributed checkpoint holds one optimizer shard per rank)
 
 
 def rng_state() -> dict:
@@ -43,23 +44,25 @@ def checkpoint_paths(root: Path, step: int) -> tuple[Path, Path]:
     return final, root / f"{final.name}.tmp"
 
 
-def save_checkpoint(root: Path, state: TrainerState, model, optimizer, *, keep: int) -> Path:
+def save_checkpoint(root: Path, state: TrainerState, model, optimizer, *, keep: int, config_yaml: str) -> Path:
     """Write ``root/step-NNNNNN`` atomically and keep the newest ``keep`` checkpoints (single process)."""
     root.mkdir(parents=True, exist_ok=True)
     final, tmp = checkpoint_paths(root, state.step)
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    write_trainer_files(tmp, state, rank=0)
+    write_trainer_files(tmp, state, rank=0, config_yaml=config_yaml)
     commit_checkpoint(root, tmp, final, keep=keep)
     return final
 
 
-def write_trainer_files(folder: Path, state: TrainerState, *, rank: int) -> None:
-    """This rank's RNG states, and (rank 0) the step and data position."""
+def write_trainer_files(folder: Path, state: TrainerState, *, rank: int, config_yaml: str) -> None:
+    """This rank's RNG states, and (rank 0) the step, data position and ranks, and the resolved config that the
+    checkpoint means something under (a resume compares its own config with it)."""
     torch.save(rng_state(), folder / f"rng{'' if rank == 0 else f'_rank{rank}'}.pt")
     if rank == 0:
         (folder / "trainer_state.json").write_text(json.dumps(state.__dict__))
+        (folder / "config.yaml").write_text(config_yaml)
 
 
 def commit_checkpoint(root: Path, tmp: Path, final: Path, *, keep: int) -> None:
@@ -106,10 +109,16 @@ def remove_partial(root: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+def read_trainer_state(path: Path) -> TrainerState:
+    data = json.loads((path / "trainer_state.json").read_text())
+    data.setdefault("world", 1 + len(list(path.glob("rng_rank*.pt"))))  # written before the count was kept
+    return TrainerState(**data)
+
+
 def load_training_state(path: Path, optimizer=None, *, rank: int = 0) -> TrainerState:
     """Restore the optimizer (single process; DeepSpeed restores its own shards) and this rank's RNG states from
     a checkpoint, and return the step and data position. The model is loaded by the caller."""
     if optimizer is not None:
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
     set_rng_state(torch.load(path / f"rng{'' if rank == 0 else f'_rank{rank}'}.pt", weights_only=True))
-    return TrainerState(**json.loads((path / "trainer_state.json").read_text()))
+    return read_trainer_state(path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -27,6 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--config", help="a YAML config (configs/*.yaml); default: the embedded tiny setup")
     train.add_argument("--output-dir", default="runs/train", help="where config, metrics, checkpoints go")
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
+    train.add_argument(
+        "--resume-with-new-config",
+        action="store_true",
+        help="--resume even when the config changes keys that the checkpoint depends on (model, group size, ...)",
+    )
     train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. steps=10")
     ev = commands.add_parser(
         "eval",
@@ -93,23 +99,47 @@ def _train(args) -> int:
     from .config import ConfigError, load_config
     from .data import DataError
     from .plots import summary_table
-    from .trainer import Trainer
+    from .trainer import EXIT_PREEMPTED, Preempted, ResumeError, Trainer, VerificationError
+    from .verify import VerifierStartupError
 
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
         print(f"fasttnt train: config error: {err}", file=sys.stderr)
         return 2
+    problem = _not_creatable("--output-dir", args.output_dir)
+    if problem:
+        print(f"fasttnt train: {problem}", file=sys.stderr)
+        return 2
     hf_logging.disable_progress_bar()  # our bars say what is happening; its per-file bars only add noise
 
     def run() -> int:
         start = time.perf_counter()
         try:
-            trainer = Trainer(cfg, Path(args.output_dir), resume=args.resume)
-        except (DataError, FileExistsError) as err:
+            resume = args.resume or args.resume_with_new_config
+            trainer = Trainer(cfg, Path(args.output_dir), resume=resume, new_config_ok=args.resume_with_new_config)
+        except (DataError, FileExistsError, ResumeError) as err:
             print(f"fasttnt train: {err}", file=sys.stderr)
             return 2
-        history = trainer.run()
+        try:
+            history = trainer.run()
+        except (VerificationError, VerifierStartupError) as err:
+            print(f"fasttnt train: {err}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:  # the second SIGINT (or SIGTERM): at once, without a checkpoint
+            print("fasttnt train: interrupted; the newest checkpoint is what --resume continues", file=sys.stderr)
+            return 130
+        except Preempted as stop:
+            if trainer.is_main:
+                args_again = [a for a in sys.argv[2:] if a not in ("--resume", "--resume-with-new-config")]
+                again = " ".join(["fasttnt train --resume", *args_again]) if sys.argv[1:2] == ["train"] else ""
+                print(
+                    f"fasttnt train: {stop}; continue with: {again or 'the same command and --resume'}",
+                    file=sys.stderr,
+                )
+            if trainer.dist:
+                distributed.shutdown()
+            return EXIT_PREEMPTED
         if trainer.is_main:
             print()
             print(summary_table(history))
@@ -140,10 +170,14 @@ def _compare(args) -> int:
     unknown = [s for s in schemes if s not in REWARD_SCHEMES]
     problems = [f"--schemes: unknown {', '.join(unknown)}"] if unknown or not schemes else []
     problems += [f"--{name}: must be >= 1" for name in ("seeds", "steps", "samples") if getattr(args, name) < 1]
+    if not args.uniform_limit >= 0:
+        problems.append(f"--uniform-limit: must be >= 0, got {args.uniform_limit}")
     try:
         load_config(None, args.overrides)  # check the overrides before hours of training
     except ConfigError as err:
         problems.append(f"config error: {err}")
+    if not problems:
+        problems = [p for p in [_not_creatable("--output-dir", args.output_dir)] if p]
     if problems:
         print(f"fasttnt compare: {problems[0]}", file=sys.stderr)
         return 2
@@ -174,11 +208,20 @@ def _eval(args) -> int:
     from .evaluate import SYNTHETIC, EvalSettings, run_eval
 
     benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
-    if not benchmarks:
-        print("fasttnt eval: --benchmarks is empty", file=sys.stderr)
-        return 2
-    if args.samples < 1:
-        print("fasttnt eval: --samples must be >= 1", file=sys.stderr)
+    problems = [] if benchmarks else ["--benchmarks is empty"]
+    problems += [f"--model {m}: {p}" for m in args.model if (p := _not_a_model(m))]
+    problems += [
+        f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}"
+        for name in ("samples", "max_new_tokens", "synthetic_per_level", "limit")
+        if getattr(args, name) is not None and getattr(args, name) < 1
+    ]
+    if not args.temperature > 0:
+        problems.append(f"--temperature: must be > 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        problems.append(f"--top-p: must be in (0, 1], got {args.top_p}")
+    problems += [p for p in [_not_creatable("--output-dir", args.output_dir)] if p]
+    if problems:
+        print(f"fasttnt eval: {problems[0]}", file=sys.stderr)
         return 2
     max_new = args.max_new_tokens or (96 if benchmarks == [SYNTHETIC] else 16384)
     settings = replace(
@@ -202,6 +245,34 @@ def _eval(args) -> int:
     print((Path(args.output_dir) / "eval.md").read_text())
     print(f"eval.json, eval.md, eval.png in {args.output_dir}")
     return 0 if report["results"] else 1
+
+
+def _not_creatable(flag: str, folder: str) -> str | None:
+    """Why ``folder`` cannot be made (or used) as an output folder, in one line; None when it can."""
+    from pathlib import Path
+
+    path = Path(folder).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        return f"{flag} {folder}: cannot create it ({err.strerror or err})"
+    if not os.access(path, os.W_OK):
+        return f"{flag} {folder}: not writable"
+    return None
+
+
+def _not_a_model(name: str) -> str | None:
+    """Why ``name`` is certainly no model (a local path that is not a folder); None when it may be one (a folder,
+    or a hub id, which only loading can tell)."""
+    from pathlib import Path
+
+    path = Path(name).expanduser()
+    local = name.startswith(("/", "./", "../", "~")) or path.exists()
+    if local and not path.is_dir():
+        return "no such folder" if not path.exists() else "not a folder (a model is a Hugging Face folder)"
+    if local and not (path / "config.json").is_file():
+        return "no config.json in the folder: not a Hugging Face model folder"
+    return None
 
 
 if __name__ == "__main__":

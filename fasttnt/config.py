@@ -116,9 +116,13 @@ class TrainConfig:
     # Packed attention keeps sequences apart at no O(tokens^2) cost, so on the CPU one micro-batch per step is best
     micro_batch_tokens: int = 16384
     save_every: int = 20
+    save_every_minutes: float | None = None  # also a checkpoint whenever this long has passed since the last one
     keep_checkpoints: int = 2
     verify_timeout: float = 5.0
     verify_workers: int = 2
+    # a step in which more than this share of the answers could not be verified (their worker died) stops the run:
+    # a crashed item counts as wrong, and a reward that turns correct answers into wrong ones must not train
+    verify_max_crash_share: float = 0.05
     cache_dir: str = "~/.cache/fasttnt"  # the tiny model's warm-up is kept here
     model: ModelConfig = field(default_factory=ModelConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
@@ -230,7 +234,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
         try:
             tree = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as err:
-            raise ConfigError(f"--config: {path} is not valid YAML ({err})") from None
+            raise ConfigError(f"--config: {_yaml_error(path, err)}") from None
+        except (OSError, UnicodeDecodeError) as err:
+            raise ConfigError(f"--config: {path}: cannot read ({err.__class__.__name__}: {err})") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"--config: {path} must hold a mapping of sections")
     for item in overrides:
@@ -247,6 +253,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
     return cfg
 
 
+def _yaml_error(path: Path, err: yaml.YAMLError) -> str:
+    """``path:line:column: what`` of a YAML error, on one line (yaml's own message spans several)."""
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    what = " ".join(str(x) for x in (getattr(err, "context", None), getattr(err, "problem", None)) if x) or str(err)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    return f"{where}: not valid YAML: {' '.join(what.split())}"
+
+
 def validate(cfg: TrainConfig) -> None:
     """Combinations that cannot run, each named by its key."""
 
@@ -257,10 +271,12 @@ def validate(cfg: TrainConfig) -> None:
     r, loss, o = cfg.rollout, cfg.loss, cfg.optim
     need(cfg.steps >= 1, "steps", "must be >= 1")
     need(cfg.save_every >= 1, "save_every", "must be >= 1")
+    need(cfg.save_every_minutes is None or cfg.save_every_minutes > 0, "save_every_minutes", "must be > 0")
     need(cfg.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
     need(cfg.micro_batch_tokens >= 64, "micro_batch_tokens", "must be >= 64")
     need(cfg.verify_timeout > 0, "verify_timeout", "must be > 0 seconds")
     need(cfg.verify_workers >= 1, "verify_workers", "must be >= 1")
+    need(0 <= cfg.verify_max_crash_share <= 1, "verify_max_crash_share", "must be in [0, 1]")
     need(r.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1")
     need(r.group_size >= 1, "rollout.group_size", "must be >= 1")
     need(
@@ -327,6 +343,43 @@ def rollout_correction(cfg: TrainConfig) -> str:
     return mode
 
 
+# keys a resumed run may change: how long, how often it saves, how it verifies, and how the same computation is
+# laid out in memory. Every other key changes what the checkpoint's weights, optimizer and data position mean.
+SAFE_ON_RESUME = frozenset(
+    {
+        "steps",
+        "save_every",
+        "save_every_minutes",
+        "keep_checkpoints",
+        "verify_timeout",
+        "verify_workers",
+        "verify_max_crash_share",
+        "micro_batch_tokens",
+        "cache_dir",
+        "rollout.gpu_memory_utilization",
+        "rollout.sleep_between_rollouts",
+        "rollout.weight_sync_bucket_mb",
+        "distributed.bucket_size",
+    }
+)
+
+
+def changed_keys(old: dict, new: dict) -> list[str]:
+    """Dotted keys whose values differ between two configs as plain data (``to_dict``), safe ones left out."""
+
+    def flat(tree: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                out.update(flat(value, f"{prefix}{key}."))
+            else:
+                out[prefix + key] = value
+        return out
+
+    a, b = flat(old), flat(new)
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and k not in SAFE_ON_RESUME)
+
+
 def to_dict(cfg: TrainConfig) -> dict:
     """The resolved config as plain data (tuples as lists), as written to config.yaml."""
 
@@ -341,4 +394,8 @@ def to_dict(cfg: TrainConfig) -> dict:
 
 
 def dump_config(cfg: TrainConfig, path: Path) -> None:
-    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    path.write_text(config_yaml(cfg))
+
+
+def config_yaml(cfg: TrainConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

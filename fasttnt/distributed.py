@@ -86,9 +86,14 @@ def all_sum(t: torch.Tensor) -> torch.Tensor:
 
 def all_max(n: int, device: torch.device) -> int:
     """The largest ``n`` over the ranks."""
-    t = torch.tensor([n], dtype=torch.int64, device=device)
+    return int(all_max_tensor(torch.tensor([n], dtype=torch.int64, device=device)).item())
+
+
+def all_max_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The elementwise largest of ``t`` over the ranks."""
+    t = t.clone()
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+    return t
 
 
 def deepspeed_config(cfg, world: int) -> dict:

@@ -62,11 +62,15 @@ def _open_engine(name: str, device: torch.device, settings: EvalSettings):
     closed."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(name)
     model = None
-    if settings.engine != "vllm":  # vLLM loads the weights itself
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        if settings.engine != "vllm":  # vLLM loads the weights itself
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device).eval()
+    except OSError as err:  # no such folder, no hub access, not a model: one line, not transformers' page
+        first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        raise DataError(f"--model {name}: cannot load it: {first}") from err
     engine = ENGINES.get(settings.engine)(
         model,
         tokenizer,

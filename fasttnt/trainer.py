@@ -14,6 +14,8 @@ import json
 import math
 import random
 import shutil
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -30,11 +32,12 @@ from .checkpoint import (
     commit_checkpoint,
     list_checkpoints,
     load_training_state,
+    read_trainer_state,
     remove_partial,
     save_checkpoint,
     write_trainer_files,
 )
-from .config import TrainConfig, dump_config, rollout_correction
+from .config import TrainConfig, changed_keys, config_yaml, dump_config, rollout_correction, to_dict
 from .data import MATH_INSTRUCTION, DataError, Problem, PromptMode, build_prompt, load_problems
 from .metrics import MARKER_SETS, hack_flags, rollout_metrics, to_floats
 from .policy import MicroBatch, PolicyHead, micro_batch_logprobs, plan_micro_batches, response_logprobs, run_dummy
@@ -43,6 +46,54 @@ from .rollout import ENGINES, RolloutBatch, decode_responses
 from .synthetic import problems as synthetic_problems
 from .tiny import warmed_up_model
 from .verify import VerifierPool, verify_batch
+
+
+class VerificationError(RuntimeError):
+    """A step's rewards cannot be trusted: too many answers could not be verified."""
+
+
+class ResumeError(ValueError):
+    """A checkpoint that the configured run cannot continue."""
+
+
+EXIT_PREEMPTED = 3  # the exit code of a run stopped by SIGTERM or SIGINT after saving: resume it
+
+
+class Preempted(Exception):
+    """The run stopped at a signal, after its step and a checkpoint."""
+
+    def __init__(self, signal_name: str, step: int, checkpoint: Path) -> None:
+        super().__init__(f"stopped by {signal_name} after step {step}; checkpoint {checkpoint}")
+        self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
+
+
+class StopSignals:
+    """SIGTERM and SIGINT ask the run to stop after the current step (clusters give a grace period before they
+    kill a job: SLURM, Kubernetes); a second one stops it at once. The handlers are installed for the duration
+    of ``run`` (main thread only) and the previous ones put back after."""
+
+    def __init__(self) -> None:
+        self.requested: str | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.requested is not None:  # the second: now
+            self.__exit__()
+            raise KeyboardInterrupt(f"{name} again: stopping at once")
+        self.requested = name
+        tqdm.write(f"{name}: stopping after this step, with a checkpoint (again to stop at once)")
 
 
 class ProblemStream:
@@ -111,7 +162,9 @@ def _lr_lambda(cfg: TrainConfig):
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, output_dir: Path, *, resume: bool = False) -> None:
+    def __init__(
+        self, cfg: TrainConfig, output_dir: Path, *, resume: bool = False, new_config_ok: bool = False
+    ) -> None:
         self.cfg = cfg
         self.out = Path(output_dir)
         self.ckpt_root = self.out / "checkpoints"
@@ -136,6 +189,8 @@ class Trainer:
             )
         self.stream = ProblemStream(cfg)  # the data is read and checked before any model is loaded
         resume_from = existing[-1] if resume and existing else None
+        if resume_from is not None:
+            _check_resume(cfg, resume_from, self.world, new_config_ok=new_config_ok)
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             remove_partial(self.ckpt_root)
@@ -150,6 +205,7 @@ class Trainer:
         if self.is_main and self.dist:
             distributed.barrier()
         self.model.to(self.device)
+        self.model.zero_grad(set_to_none=True)  # whatever made the model (a warm-up) leaves no gradient behind
         if cfg.model.gradient_checkpointing:
             # transformers 5 renamed it; 4.x has only the old name
             getattr(self.model, "activation_checkpointing_enable", self.model.gradient_checkpointing_enable)()
@@ -197,7 +253,7 @@ class Trainer:
             trust_remote_code=cfg.model.trust_remote_code,
         )
         self.correction = rollout_correction(cfg)
-        self.state = TrainerState(step=0, data_position=0)
+        self.state = TrainerState(step=0, data_position=0, world=self.world)
         if resume_from is not None:
             if self.ds_engine is not None:
                 if not (resume_from / "deepspeed").is_dir():
@@ -242,9 +298,10 @@ class Trainer:
                 Path(self.cfg.cache_dir).expanduser(), m.tiny, self.cfg.warmup, progress_factory=bar
             )
         else:
-            tokenizer = AutoTokenizer.from_pretrained(m.name, trust_remote_code=m.trust_remote_code)
-            path = m.name
-            model = self._from_pretrained(path)
+            with _loading("model.name", m.name):
+                tokenizer = AutoTokenizer.from_pretrained(m.name, trust_remote_code=m.trust_remote_code)
+                path = m.name
+                model = self._from_pretrained(path)
         if resume_from is not None and not distributed.launched_distributed():
             _load_weights(model, resume_from)  # the checkpoint's weights into the model as configured
         if self.is_main:
@@ -314,6 +371,13 @@ class Trainer:
         # verify: a truncated response is wrong whatever it says
         golds = [p.answer for p in problems for _ in range(r.group_size)]
         verdicts = verify_batch(texts, golds, pool=self.verifier, require_think_end=True)
+        if verdicts.crashes > cfg.verify_max_crash_share * len(texts):
+            # a crashed item counts as wrong: past a few, the rewards would be the verifier's, not the model's
+            raise VerificationError(
+                f"step {step}: the verification of {verdicts.crashes} of {len(texts)} answers crashed (its workers "
+                f"died; above verify_max_crash_share={cfg.verify_max_crash_share}); not training on those rewards. "
+                "Out of memory is the usual cause: lower verify_workers"
+            )
         correct = torch.tensor(list(verdicts), device=self.device) & ~batch.truncated
         lap("verify")
 
@@ -356,23 +420,24 @@ class Trainer:
         metrics = rollout_metrics(**per_response)
         metrics.update(update)
         counts = torch.tensor(
-            [batch.response_ids.numel(), sum(len(p) for p in batch.prompt_ids), verdicts.timeouts],
+            [batch.response_ids.numel(), sum(len(p) for p in batch.prompt_ids), verdicts.timeouts, verdicts.crashes],
             dtype=torch.float64,
             device=self.device,
         )
         metrics["_counts"] = self._sum(counts)
         values = to_floats({k: v for k, v in metrics.items() if k != "_counts"})  # sync: one read per step
-        n_tokens, prompt_tokens, timeouts = metrics["_counts"].tolist()
+        n_tokens, prompt_tokens, timeouts, crashes = metrics["_counts"].tolist()
         values.update(times)
         values.update(
             step=step,
             lr=lr,
             verify_timeouts=int(timeouts),
+            verify_crashes=int(crashes),
             generated_tokens_per_s=n_tokens / max(times["time_generate"], 1e-9),
             trained_tokens_per_s=(n_tokens + prompt_tokens) * cfg.loss.ppo_epochs / max(times["time_update"], 1e-9),
             time_step=sum(times.values()),
         )
-        self.state = TrainerState(step=step, data_position=self.stream.position)
+        self.state = TrainerState(step=step, data_position=self.stream.position, world=self.world)
         return values
 
     def _sum(self, t: torch.Tensor) -> torch.Tensor:
@@ -548,30 +613,40 @@ class Trainer:
     # -- the run ----------------------------------------------------------------------------------------------
 
     def run(self) -> list[dict[str, float]]:
+        """Train to ``steps``; raises ``Preempted`` when a signal stopped the run (after a checkpoint)."""
         cfg = self.cfg
         history = self._read_history() if self.is_main else []
         bar = tqdm(total=cfg.steps, initial=self.state.step, desc="GRPO", unit="step", disable=not self.is_main)
         log = (self.out / "metrics.jsonl").open("a") if self.is_main else None
+        last_save = time.monotonic()
         try:
-            while self.state.step < cfg.steps:
-                values = self.step()
-                history.append(values)
-                if log is not None:
-                    log.write(json.dumps(values) + "\n")
-                    log.flush()
-                if self.tb is not None:
-                    for name, value in values.items():
-                        self.tb.add_scalar(name, value, values["step"])
-                bar.set_postfix(
-                    reward=f"{values['reward']:.2f}",
-                    acc=f"{values['acc']:.2f}",
-                    len=f"{values['len']:.0f}",
-                    nt=f"{values['non_thinking_ratio']:.2f}",
-                    hack=f"{values['hack_rate']:.2f}",
-                )
-                bar.update(1)
-                if self.state.step % cfg.save_every == 0 or self.state.step == cfg.steps:
-                    self._save_checkpoint()
+            with StopSignals() as signals:
+                while self.state.step < cfg.steps:
+                    values = self.step()
+                    history.append(values)
+                    if log is not None:
+                        log.write(json.dumps(values) + "\n")
+                        log.flush()
+                    if self.tb is not None:
+                        for name, value in values.items():
+                            self.tb.add_scalar(name, value, values["step"])
+                    bar.set_postfix(
+                        reward=f"{values['reward']:.2f}",
+                        acc=f"{values['acc']:.2f}",
+                        len=f"{values['len']:.0f}",
+                        nt=f"{values['non_thinking_ratio']:.2f}",
+                        hack=f"{values['hack_rate']:.2f}",
+                    )
+                    bar.update(1)
+                    step = self.state.step
+                    minutes = cfg.save_every_minutes
+                    timed = minutes is not None and time.monotonic() - last_save >= 60 * minutes
+                    stop, timed = self._agree(signals.requested is not None, timed)
+                    if step % cfg.save_every == 0 or step == cfg.steps or timed or stop:
+                        self._save_checkpoint()
+                        last_save = time.monotonic()
+                    if stop:
+                        raise Preempted(signals.requested or "a signal on another rank", step, self._checkpoint(step))
         finally:
             bar.close()
             if log is not None:
@@ -580,10 +655,21 @@ class Trainer:
         self._finish(history)
         return history
 
+    def _agree(self, *flags: bool) -> tuple[bool, ...]:
+        """Each flag true on any rank, so all ranks stop and save at the same step (one collective a step)."""
+        if not self.dist:
+            return flags
+        t = distributed.all_max_tensor(torch.tensor([float(f) for f in flags], device=self.device))
+        return tuple(bool(x) for x in t.tolist())  # sync: one read per step
+
+    def _checkpoint(self, step: int) -> Path:
+        return checkpoint_paths(self.ckpt_root, step)[0]
+
     def _save_checkpoint(self) -> None:
         keep = self.cfg.keep_checkpoints
+        text = config_yaml(self.cfg)
         if self.ds_engine is None:
-            save_checkpoint(self.ckpt_root, self.state, self.model, self.optimizer, keep=keep)
+            save_checkpoint(self.ckpt_root, self.state, self.model, self.optimizer, keep=keep, config_yaml=text)
             return
         # distributed: every rank writes its optimizer shard and RNG state into the temporary folder, rank 0 the
         # Hugging Face weights; once all are done rank 0 renames it into place
@@ -596,7 +682,7 @@ class Trainer:
         with self._full_parameters():
             if self.is_main:
                 self.model.save_pretrained(tmp, safe_serialization=True)
-        write_trainer_files(tmp, self.state, rank=self.rank)
+        write_trainer_files(tmp, self.state, rank=self.rank, config_yaml=text)
         distributed.barrier()
         if self.is_main:
             commit_checkpoint(self.ckpt_root, tmp, final, keep=keep)
@@ -623,6 +709,39 @@ class Trainer:
         self.engine.close()
         if self.tb is not None:
             self.tb.close()
+
+
+@contextlib.contextmanager
+def _loading(key: str, name: str):
+    """A model or tokenizer that cannot be loaded (no such folder, no hub access, not a model) as one line."""
+    try:
+        yield
+    except OSError as err:
+        first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        raise DataError(f"{key}={name}: cannot load it: {first}") from err
+
+
+def _check_resume(cfg: TrainConfig, checkpoint: Path, world: int, *, new_config_ok: bool) -> None:
+    """Refuse to continue a checkpoint under a config that changes what it means (the model, the group size, the
+    reward, ...) or with another number of ranks, naming what differs; keys in ``SAFE_ON_RESUME`` may change."""
+    import yaml
+
+    saved = checkpoint / "config.yaml"
+    if not saved.is_file():  # written by an earlier version: the run's own copy, from before this start
+        saved = checkpoint.parent.parent / "config.yaml"
+    differ = changed_keys(yaml.safe_load(saved.read_text()) or {}, to_dict(cfg)) if saved.is_file() else []
+    if differ and not new_config_ok:
+        shown = ", ".join(differ[:6]) + (f" and {len(differ) - 6} more" if len(differ) > 6 else "")
+        raise ResumeError(
+            f"--resume: the config differs from {checkpoint.name}'s in {shown}; resume with the same config, or "
+            "pass --resume-with-new-config to continue under the new one"
+        )
+    ranks = read_trainer_state(checkpoint).world
+    if ranks != world:
+        raise ResumeError(
+            f"--resume: {checkpoint.name} was written by {ranks} rank(s) and this run has {world}: resume it with "
+            f"{ranks} (each rank restores its own optimizer shard)"
+        )
 
 
 def _read_jsonl(path: Path) -> list[dict]:

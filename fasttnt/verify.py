@@ -229,6 +229,12 @@ class Verdicts(list):
 WORKER_MEMORY_BYTES = 4 * 2**30
 """Address-space cap of a verification worker: a power tower that allocates instead of hanging fails fast."""
 
+_READY = "ready"  # a worker's first message: it started, imported math-verify and can take items
+
+
+class VerifierStartupError(RuntimeError):
+    """Verification workers die before they can judge anything: a broken set-up, never a wrong answer."""
+
 
 def _worker_main(conn: Connection, memory_bytes: int) -> None:
     try:
@@ -238,6 +244,7 @@ def _worker_main(conn: Connection, memory_bytes: int) -> None:
     except (ImportError, ValueError, OSError):  # not on this platform: the timeout still bounds the item
         pass
     symbolic_equivalent("1", "1")  # import math-verify and warm its caches before the first real item
+    conn.send(_READY)
     while True:
         try:
             task = conn.recv()
@@ -259,7 +266,8 @@ class _Worker:
         self.process = ctx.Process(target=_worker_main, args=(child, WORKER_MEMORY_BYTES), daemon=True)
         self.process.start()
         child.close()
-        self.task: tuple[int, float] | None = None  # (index, start time) while busy
+        self.task: tuple[int, str, str, float] | None = None  # (index, pred, gold, start time) while busy
+        self.ready = False  # said it started: a death before that is a set-up failure, not an item's crash
 
     def kill(self) -> None:
         self.process.kill()
@@ -300,9 +308,14 @@ class VerifierPool:
         self._workers = []
 
     def judge(self, items: list[tuple[int, str, str]]) -> tuple[dict[int, bool], int, int]:
-        """Judge (index, pred, gold) items; returns ({index: verdict}, timeouts, crashes)."""
+        """Judge (index, pred, gold) items; returns ({index: verdict}, timeouts, crashes).
+
+        A worker that dies on an item (out of memory, a crash in the parser) counts that item wrong, as a crash. A
+        worker that dies before it could start is not an answer's fault: its item goes back in the queue, and when
+        the replacement dies as well, ``VerifierStartupError`` says why (never a silent wrong answer)."""
         results: dict[int, bool] = {}
         timeouts = crashes = 0
+        startup_deaths = 0  # in a row, without any worker starting in between
         pending = deque(items)
         while len(self._workers) < min(self.size, len(items)):
             self._workers.append(_Worker(self._ctx))
@@ -316,22 +329,37 @@ class VerifierPool:
                         w.kill()
                         w = self._workers[i] = _Worker(self._ctx)
                         w.conn.send((index, pred, gold))
-                    w.task = (index, time.monotonic())
+                    w.task = (index, pred, gold, time.monotonic())
             busy = [w for w in self._workers if w.task]
-            next_deadline = min(w.task[1] for w in busy) + self.timeout
+            next_deadline = min(w.task[3] for w in busy) + self.timeout
             ready = wait([w.conn for w in busy], timeout=max(0.0, next_deadline - time.monotonic()))
             for i, w in enumerate(self._workers):
                 if w.task is None:
                     continue
-                index, started = w.task
+                index, pred, gold, started = w.task
                 if w.conn in ready:
                     try:
-                        got_index, verdict = w.conn.recv()
+                        message = w.conn.recv()
+                    except (EOFError, OSError):
+                        message = None
+                    if message == _READY:
+                        w.ready, startup_deaths = True, 0
+                        w.task = (index, pred, gold, time.monotonic())  # the item's clock starts now
+                        continue
+                    if message is not None:
+                        got_index, verdict = message
                         results[got_index] = verdict
                         w.task = None
                         continue
-                    except (EOFError, OSError):
-                        crashes += 1
+                    if not w.ready:  # died while starting: the set-up, not the item
+                        startup_deaths += 1
+                        w.kill()
+                        if startup_deaths >= 2:
+                            raise VerifierStartupError(_startup_failure(w.process.exitcode))
+                        pending.appendleft((index, pred, gold))
+                        self._workers[i] = _Worker(self._ctx)
+                        continue
+                    crashes += 1
                 elif time.monotonic() - started >= self.timeout:
                     timeouts += 1
                 else:
@@ -340,6 +368,15 @@ class VerifierPool:
                 w.kill()
                 self._workers[i] = _Worker(self._ctx)
         return results, timeouts, crashes
+
+
+def _startup_failure(exitcode: int | None) -> str:
+    return (
+        f"verification workers die as they start (exit code {exitcode}), so no symbolic answer can be judged. "
+        "The usual cause: a script that calls verify_batch (or trains) at module level, without "
+        "`if __name__ == \"__main__\":` - each worker re-imports the script and runs it again. Put the script's "
+        "work under that guard; the workers' own errors are printed above."
+    )
 
 
 def verify_batch(

@@ -1,4 +1,9 @@
-"""Config overrides for a run of seconds: a 1-layer width-32 tiny model, a short warm-up, 4 prompts x 4 samples."""
+"""Config overrides for a run of seconds: a 1-layer width-32 tiny model, a short warm-up, 4 prompts x 4 samples;
+and a free port for the launchers."""
+
+import shutil
+import socket
+import sys
 
 SMALL = [
     "model.tiny.hidden_size=32",
@@ -13,3 +18,24 @@ SMALL = [
     "rollout.max_new_tokens=24",
     "verify_workers=1",
 ]
+
+
+def free_port() -> int:
+    """A port no process listens on now (the OS picks it). A fixed port can still be held by an earlier test's
+    rendezvous store (TIME_WAIT) or by another job on the machine: the likely cause of a distributed test that
+    failed once without explanation."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_command(launcher: str, module: str, *args: str) -> list[str]:
+    """``python -m module args`` in one process (``single``), or in 2 ranks through ``deepspeed`` or ``torchrun``,
+    on a free port."""
+    if launcher == "single":
+        return [sys.executable, "-m", module, *args]
+    if launcher == "deepspeed":
+        return [shutil.which("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "--module", module,
+                *args]  # fmt: skip
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    return [*torchrun, "--master-port", str(free_port()), "-m", module, *args]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from small import SMALL as SMALL_BASE
+from small import free_port, launch_command
 
 pytest.importorskip("deepspeed")
 
@@ -22,18 +23,10 @@ SMALL = [*SMALL_BASE, "steps=3", "save_every=2", "optim.lr=1e-2", "loss.entropy_
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 
 
-def _launch(
-    launcher: str, out: Path, cache: Path, *extra: str, resume: bool = False, port: int = 29511
-) -> subprocess.CompletedProcess:
+def _launch(launcher: str, out: Path, cache: Path, *extra: str, resume: bool = False) -> subprocess.CompletedProcess:
     args = ["train", "--output-dir", str(out), *(["--resume"] if resume else []), f"cache_dir={cache}", *SMALL, *extra]
-    if launcher == "single":
-        cmd = [sys.executable, "-m", "fasttnt", *args]
-    elif launcher == "deepspeed":
-        cmd = [shutil.which("deepspeed"), "--num_gpus", "2", "--master_port", str(port), "--module", "fasttnt", *args]
-    else:
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-        cmd = [*torchrun, "--master-port", str(port + 1), "-m", "fasttnt", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=240)
+    return subprocess.run(launch_command(launcher, "fasttnt", *args), capture_output=True, text=True, env=ENV,
+                          timeout=240)  # fmt: skip
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -81,7 +74,7 @@ def test_resume_with_the_same_ranks(single):
     first = _launch("deepspeed", out, root / "cache", "steps=2")
     assert first.returncode == 0, first.stderr[-3000:]
     assert (out / "checkpoints" / "step-000002" / "deepspeed").is_dir()  # the ranks' optimizer shards
-    again = _launch("deepspeed", out, root / "cache", resume=True, port=29513)
+    again = _launch("deepspeed", out, root / "cache", resume=True)
     assert again.returncode == 0, again.stderr[-3000:]
     _assert_same_run(_metrics(out), expected)
 
@@ -106,18 +99,10 @@ def test_a_failing_rank_ends_the_job(tmp_path, launcher):
     script = tmp_path / "fails.py"
     script.write_text(FAILING)
     if launcher == "deepspeed":
-        cmd = [shutil.which("deepspeed"), "--num_gpus", "2", "--master_port", "29514", str(script)]
+        cmd = [shutil.which("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), str(script)]
     else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            "29515",
-            str(script),
-        ]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+        cmd = [*torchrun, "--master-port", str(free_port()), str(script)]
     result = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=180)  # a hang fails here
     assert result.returncode != 0
     assert "rank 1 cannot read its shard" in result.stdout + result.stderr
@@ -160,7 +145,7 @@ distributed.exit_process(0)  # as the CLI ends a rank: no interpreter teardown o
 def test_zero3_generation_with_uneven_lengths_does_not_hang(tmp_path):
     script = tmp_path / "uneven.py"
     script.write_text(UNEVEN_GENERATION)
-    cmd = [shutil.which("deepspeed"), "--num_gpus", "2", "--master_port", "29516", str(script)]
+    cmd = [shutil.which("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), str(script)]
     result = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=180)  # a hang fails here
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rank 0 generated 3" in result.stdout and "rank 1 generated 12" in result.stdout
@@ -185,7 +170,7 @@ def test_zero3_ranks_with_different_micro_batch_counts_match_one_process(tmp_pat
     )  # fmt: skip
     single = _launch("single", tmp_path / "single", tmp_path / "cache", *extra)
     assert single.returncode == 0, single.stderr[-3000:]
-    ranks = _launch("deepspeed", tmp_path / "ranks", tmp_path / "cache", *extra, "distributed.zero_stage=3", port=29517)
+    ranks = _launch("deepspeed", tmp_path / "ranks", tmp_path / "cache", *extra, "distributed.zero_stage=3")
     assert ranks.returncode == 0, ranks.stdout[-2000:] + ranks.stderr[-4000:]
     expected, got = _metrics(tmp_path / "single"), _metrics(tmp_path / "ranks")
     _assert_same_run(got, expected)

@@ -19,6 +19,7 @@ from fasttnt.config import TrainConfig, load_config
 from fasttnt.data import build_prompt
 from fasttnt.policy import plan_micro_batches
 from fasttnt.synthetic import held_out
+from fasttnt.tiny import TinyModelConfig
 from fasttnt.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -263,3 +264,16 @@ def test_rollout_correction_metrics_are_logged(tmp_path):
         assert 0 <= row["rollout_logp_diff"] < 1e-3, row["rollout_logp_diff"]
         assert row["rollout_is_mean"] == pytest.approx(1.0, abs=1e-3)
         assert row["rollout_is_clipped_frac"] == 0.0
+
+
+def test_the_warm_up_leaves_no_gradients_behind(tmp_path):
+    # a model that carries the warm-up's last gradients adds them to DeepSpeed's first step (it accumulates into
+    # .grad): a 2-rank run whose rank 0 had just warmed up logged a grad norm of 0.50 instead of 0.00024
+    from fasttnt.tiny import WarmupConfig, warmed_up_model
+
+    model, _, _ = warmed_up_model(
+        tmp_path,
+        TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1),
+        WarmupConfig(steps=2, batch_size=4),
+    )
+    assert all(p.grad is None for p in model.parameters())

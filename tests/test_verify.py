@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import time
+import subprocess
+import sys
 
 import pytest
 
@@ -147,12 +148,9 @@ def test_synthetic_batch_is_fast_and_stays_in_process():
     n = 8192
     responses = [f"{i}+{i}={2 * i}\n</think>\\boxed{{{2 * i}}}" for i in range(n)]
     golds = [str(2 * i + (i % 3 == 0)) for i in range(n)]  # every third one wrong
-    start = time.perf_counter()
     verdicts = verify_batch(responses, golds)
-    elapsed = time.perf_counter() - start
     assert list(verdicts) == [i % 3 != 0 for i in range(n)]
-    assert verdicts.symbolic == 0 and verdicts.fast == n
-    assert elapsed < 30, f"{elapsed:.1f}s for {n} integer answers: the fast path is broken"  # a sanity bound
+    assert verdicts.symbolic == 0 and verdicts.fast == n  # (its speed: benchmarks/verify_speed.py)
 
 
 ADVERSARIAL = [
@@ -171,17 +169,14 @@ ADVERSARIAL = [
 def test_adversarial_inputs_return_within_the_timeout(tmp_path):
     marker = tmp_path / "never"
     responses = [r.replace("/tmp/fasttnt_pwned", str(marker)) for r in ADVERSARIAL]
-    timeout = 3.0
-    start = time.perf_counter()
-    with VerifierPool(workers=2, timeout=timeout) as pool:
+    with VerifierPool(workers=2, timeout=3.0) as pool:
         verdicts = verify_batch(responses, ["1"] * len(responses), pool=pool)
-    elapsed = time.perf_counter() - start
     assert len(verdicts) == len(ADVERSARIAL)
     assert verdicts[5] is True  # the answer at the end of 1 MB of text is still found
     assert not any(v for i, v in enumerate(verdicts) if i != 5)
     assert not marker.exists(), "model text was executed"
-    # each symbolic item costs at most the timeout (+ a worker restart); two workers share them
-    assert elapsed < timeout * (verdicts.symbolic / 2 + 2), f"{elapsed:.1f}s for {verdicts.symbolic} symbolic items"
+    # returning at all is the point (a hang fails the suite); that the power tower was cut off by the timeout,
+    # not finished, is what the counts show (how long it took depends on the machine, so it is not asserted)
     assert verdicts.timeouts >= 1, "the power tower should have hit the timeout and been counted"
 
 
@@ -220,11 +215,16 @@ def test_a_response_that_never_closes_its_think_block_has_no_answer():
     ]
 
 
-def test_many_unclosed_boxes_cost_little():
+def test_many_unclosed_boxes_cost_little(monkeypatch):
+    # a rescan of the text for each of 20,000 unclosed boxes would be quadratic: count the scans, not the seconds
+    import fasttnt.verify as verify
+
+    scans = []
+    real = verify._braced
+    monkeypatch.setattr(verify, "_braced", lambda text, at: scans.append(at) or real(text, at))
     text = "\\boxed{" * 20_000 + "\\boxed{3}"
-    start = time.perf_counter()
     assert extract_answer(text) == "3"
-    assert time.perf_counter() - start < 2.0
+    assert len(scans) <= verify._MAX_BOX_CANDIDATES
 
 
 def test_a_worker_that_died_while_idle_is_replaced():
@@ -236,3 +236,36 @@ def test_a_worker_that_died_while_idle_is_replaced():
         assert list(verify_batch(["\\boxed{\\sqrt{9}}"], ["3"], pool=pool)) == [True]
         processes = [w.process for w in pool._workers]
     assert not any(p.is_alive() for p in processes), "close() left a worker running"
+
+
+UNGUARDED = """
+from fasttnt.verify import verify_batch
+
+# no `if __name__ == "__main__":` guard, as many reward scripts are written
+verdicts = verify_batch(["\\\\boxed{\\\\sqrt{4}}", "\\\\boxed{\\\\frac{6}{3}}", "\\\\boxed{\\\\sqrt{9}}"] * 4,
+                        ["2", "2", "3"] * 4, workers=2, timeout=30)
+print("verdicts", list(verdicts), verdicts.crashes)
+"""
+
+
+def test_an_unguarded_script_gets_right_verdicts_or_a_clear_error(tmp_path):
+    # the workers re-import the script they were started from: without the guard they die as they start. Every
+    # answer here is right, so a silent wrong verdict would show as a False
+    script = tmp_path / "reward.py"
+    script.write_text(UNGUARDED)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    if result.returncode == 0:
+        assert "verdicts [True, True, True, True, True, True, True, True, True, True, True, True] 0" in result.stdout
+    else:
+        assert "verification workers die as they start" in result.stderr
+        assert 'if __name__ == "__main__":' in result.stderr
+        assert "verdicts" not in result.stdout
+
+
+def test_a_guarded_script_works(tmp_path):
+    script = tmp_path / "reward.py"
+    body = "\n".join("    " + line for line in UNGUARDED.strip().splitlines()[1:])
+    script.write_text(f"from fasttnt.verify import verify_batch\n\nif __name__ == '__main__':\n{body}\n")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "verdicts [True, True, True, True, True, True, True, True, True, True, True, True] 0" in result.stdout
