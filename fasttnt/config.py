@@ -330,6 +330,9 @@ def validate(cfg: TrainConfig) -> None:
         f"{train} does not exist",
     )
     need(bool(cfg.model.name.strip()), "model.name", "must name a model: tiny, a hub id or a local folder")
+    name = cfg.model.name
+    local = name.startswith(("/", "./", "../", "~"))
+    need(not local or Path(name).expanduser().is_dir(), "model.name", f"{name} is not a folder")
 
 
 def rollout_correction(cfg: TrainConfig) -> str:

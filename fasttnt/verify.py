@@ -374,7 +374,7 @@ def _startup_failure(exitcode: int | None) -> str:
     return (
         f"verification workers die as they start (exit code {exitcode}), so no symbolic answer can be judged. "
         "The usual cause: a script that calls verify_batch (or trains) at module level, without "
-        "`if __name__ == \"__main__\":` - each worker re-imports the script and runs it again. Put the script's "
+        '`if __name__ == "__main__":` - each worker re-imports the script and runs it again. Put the script\'s '
         "work under that guard; the workers' own errors are printed above."
     )
 

@@ -131,3 +131,31 @@ def test_missing_or_malformed_benchmark_fails_before_generation(tmp_path, models
     )
     assert code == 2
     assert "nosuchbench: not a benchmark" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "/nonexistent"], "--model /nonexistent: no such folder"),
+        (["--model", "{empty}"], "no config.json in the folder"),
+        (["--top-p", "2"], "--top-p: must be in (0, 1], got 2.0"),
+        (["--samples", "0"], "--samples: must be >= 1, got 0"),
+        (["--temperature", "0"], "--temperature: must be > 0"),
+    ],
+)
+def test_bad_eval_arguments_are_one_line(tmp_path, models, capsys, args, message):
+    args = [a.replace("{empty}", str(tmp_path)) for a in args]
+    if "--model" not in args:
+        args = ["--model", models[0], *args]
+    code = cli_main(["eval", *args, "--benchmarks", "synthetic", "--output-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_a_model_that_cannot_load_is_one_line(tmp_path, capsys):
+    # a hub id, with no hub to reach (or no such repository): transformers' OSError becomes one line
+    code = cli_main(["eval", "--model", "fasttnt-tests/no-such-model", "--benchmarks", "synthetic",
+                     "--output-dir", str(tmp_path / "out")])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "--model fasttnt-tests/no-such-model: cannot load it" in err
+    assert "Traceback" not in err

@@ -100,6 +100,7 @@ def test_time_based_checkpoints(tmp_path):
 def test_resume_refuses_a_config_that_changes_the_checkpoints_meaning(tmp_path, capsys):
     out = tmp_path / "run"
     assert cli_main(_args(out, tmp_path / "cache", "steps=2")) == 0
+    capsys.readouterr()
     changed = _args(out, tmp_path / "cache", "steps=3", "rollout.group_size=2", "reward.scheme=binary")
     assert cli_main([*changed, "--resume"]) == 2
     err = capsys.readouterr().err

@@ -154,6 +154,9 @@ def test_a_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatc
         (["reward.scheme=adaptive"], "reward.scheme: unknown"),
         (["--config", "/no/such.yaml"], "--config: /no/such.yaml does not exist"),
         (["steps"], "steps: overrides are key=value"),
+        (["pack_tokens=256"], "pack_tokens: replaced by micro_batch_tokens"),
+        (["model.name=/no/such/model"], "model.name: /no/such/model is not a folder"),
+        (["loss.rollout_correction=tokens"], "loss.rollout_correction: 'tokens' is not one of"),
     ],
 )
 def test_config_errors_name_the_key_and_exit_2(capsys, tmp_path, args, message):
@@ -277,3 +280,19 @@ def test_the_warm_up_leaves_no_gradients_behind(tmp_path):
         WarmupConfig(steps=2, batch_size=4),
     )
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_yaml_syntax_error_names_the_file_line_and_column(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("steps: 3\nrollout:\n  group_size: [1, 2\n")
+    assert cli_main(["train", "--config", str(bad), "--output-dir", str(tmp_path / "never")]) == 2
+    err = capsys.readouterr().err
+    assert f"--config: {bad}:4:1: not valid YAML: while parsing a flow sequence" in err and err.count("\n") == 1
+
+
+def test_an_output_dir_that_cannot_be_made_is_one_line(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert cli_main(["train", "--output-dir", str(blocker / "run"), *small(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--output-dir {blocker / 'run'}: cannot create it (Not a directory)" in err and err.count("\n") == 1
