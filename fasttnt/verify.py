@@ -18,8 +18,10 @@ import contextlib
 import multiprocessing as mp
 import os
 import re
+import signal
 import sys
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from fractions import Fraction
@@ -237,6 +239,11 @@ class VerifierStartupError(RuntimeError):
 
 
 def _worker_main(conn: Connection, memory_bytes: int) -> None:
+    # SLURM's scancel and a terminal's Ctrl-C signal every process of the job: a worker that died of it would turn
+    # its item into a wrong answer, while the trainer finishes its step. The pool ends its workers itself (an
+    # item's end, close(), SIGKILL at a timeout or at exit)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         import resource
 
@@ -290,7 +297,9 @@ class VerifierPool:
         self._ctx = mp.get_context(method)
         if method == "forkserver":
             self._ctx.set_forkserver_preload(["math_verify", "fasttnt.verify"])
-        self._workers: list[_Worker] = []
+        self._workers: list[_Worker] = []  # changed in place: the finalizer below holds this list
+        # at exit, before multiprocessing's own clean-up (which would send SIGTERM, ignored, and wait): kill them
+        self._finalizer = weakref.finalize(self, _kill_workers, self._workers)
 
     def __enter__(self) -> VerifierPool:
         return self
@@ -305,7 +314,7 @@ class VerifierPool:
             w.process.join(timeout=1)
             if w.process.is_alive():
                 w.kill()
-        self._workers = []
+        self._workers.clear()
 
     def judge(self, items: list[tuple[int, str, str]]) -> tuple[dict[int, bool], int, int]:
         """Judge (index, pred, gold) items; returns ({index: verdict}, timeouts, crashes).
@@ -368,6 +377,13 @@ class VerifierPool:
                 w.kill()
                 self._workers[i] = _Worker(self._ctx)
         return results, timeouts, crashes
+
+
+def _kill_workers(workers: list[_Worker]) -> None:
+    for w in workers:
+        if w.process.is_alive():
+            w.kill()
+    workers.clear()
 
 
 def _startup_failure(exitcode: int | None) -> str:

@@ -269,3 +269,19 @@ def test_a_guarded_script_works(tmp_path):
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "verdicts [True, True, True, True, True, True, True, True, True, True, True, True] 0" in result.stdout
+
+
+def test_workers_outlive_a_sigterm_to_the_whole_job():
+    # scancel and Ctrl-C signal every process of a job; the trainer finishes its step, so its workers must too
+    import os
+    import signal
+
+    with VerifierPool(workers=1, timeout=10.0) as pool:
+        assert list(verify_batch(["\\boxed{\\sqrt{4}}"], ["2"], pool=pool)) == [True]
+        worker = pool._workers[0].process
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            os.kill(worker.pid, sig)
+        verdicts = verify_batch(["\\boxed{\\sqrt{9}}"], ["3"], pool=pool)
+        assert list(verdicts) == [True] and verdicts.crashes == 0
+        assert pool._workers[0].process is worker and worker.is_alive()
+    assert not worker.is_alive()
