@@ -11,7 +11,8 @@ with transformers' ``AttentionInterface``, which runs, by what the machine has:
 * ``flash-attn``: ``flash_attn_varlen_func`` (CUDA, 16-bit inputs);
 * else PyTorch's own FlashAttention, ``torch.nn.attention.varlen.varlen_attn`` (CUDA, 16-bit inputs), with
   FlashAttention-3 activated on Hopper where PyTorch offers it;
-* else (the CPU, or float32 inputs) SDPA once per sequence over the same boundaries.
+* else (the CPU, or float32 inputs) SDPA over the same boundaries: the sequences gathered into padded batches,
+  each attending causally to itself alone.
 
 A forward without ``packing`` (generation: a left-padded batch with a KV cache) runs the implementation the model
 had before, with its own masks, so one model serves the rollout engine and the update.
@@ -19,10 +20,13 @@ had before, with its own masks, so one model serves the rollout engine and the u
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib.util
 import inspect
 import itertools
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,6 +34,8 @@ import torch
 import torch.nn.functional as F
 
 _PREFIX = "fasttnt_packed:"
+# true while a packed forward runs: its masks are not built, and an attention call without the packing is an error
+_IN_PACKED_FORWARD: contextvars.ContextVar[bool] = contextvars.ContextVar("fasttnt_packed_forward", default=False)
 
 
 @dataclass(frozen=True)
@@ -78,22 +84,56 @@ class Packing:
 
 def use_packed_attention(model) -> str:
     """Route ``model``'s attention through ``packed_attention`` whenever a forward carries ``packing=``; every other
-    forward keeps the implementation the model was loaded with. Returns the implementation's registered name."""
+    forward (generation) keeps the implementation the model was loaded with, except FlashAttention's, which becomes
+    SDPA: transformers recognises a flash implementation by "flash" in its name and would look a name like ours up
+    as a hub kernel. Returns the implementation's registered name."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 
     current = model.config._attn_implementation
     if current.startswith(_PREFIX):
         return current
-    name = _PREFIX + current
+    fallback = "sdpa" if "flash" in current else current
+    name = _PREFIX + fallback
     # one name per fallback implementation, registered once per process (no state kept on the model or its config,
     # which save_pretrained would write)
-    AttentionInterface.register(name, functools.partial(packed_attention, fallback=current))
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(current, sdpa_mask))
+    fallback_mask = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(fallback, sdpa_mask)
+    AttentionInterface.register(name, functools.partial(packed_attention, fallback=fallback))
+    AttentionMaskInterface.register(name, functools.partial(_packed_mask, fallback_mask=fallback_mask))
     model.set_attn_implementation(name)
     if model.config._attn_implementation != name:
         raise RuntimeError(f"{type(model).__name__} does not take a registered attention function ({name})")
     return name
+
+
+@contextlib.contextmanager
+def packed_forward():
+    """For the duration of a packed forward: no attention masks are built (the packing keeps the sequences apart),
+    and an attention call that did not receive the packing raises instead of attending across sequences."""
+    token = _IN_PACKED_FORWARD.set(True)
+    try:
+        yield
+    finally:
+        _IN_PACKED_FORWARD.reset(token)
+
+
+def _packed_mask(*args, fallback_mask, **kwargs):
+    return None if _IN_PACKED_FORWARD.get() else fallback_mask(*args, **kwargs)
+
+
+_MASK_MAPPING = re.compile(r"isinstance\(\s*(?:\w+\s*:=\s*)?attention_mask\s*,\s*dict\s*\)")
+
+
+@functools.cache
+def takes_mask_mapping(model_class: type) -> bool:
+    """Whether a transformers base model's forward takes ``attention_mask`` as a mapping of ready masks per layer
+    type (Qwen2, Qwen3, ... in transformers 5): given ``{..: None}`` it builds none, which skips scanning
+    ``position_ids`` for packed sequences (a device sync). Others (Llama, Mistral, ...) get ``None`` and scan once
+    per forward; their mask is still None (``_packed_mask``)."""
+    try:
+        return bool(_MASK_MAPPING.search(inspect.getsource(model_class.forward)))
+    except (OSError, TypeError):
+        return False
 
 
 def packed_attention(
@@ -112,12 +152,20 @@ def packed_attention(
 ) -> tuple[torch.Tensor, None]:
     """The ``AttentionInterface`` function: query (1, Hq, T, D), key/value (1, Hkv, T, D) in, (1, T, Hq, D) out."""
     if packing is None:
+        if _IN_PACKED_FORWARD.get():
+            raise RuntimeError(
+                f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) was called without the packing: "
+                "this model's layers do not pass keyword arguments on to attention, so packed sequences cannot be "
+                "kept apart in it"
+            )
         return _fallback(module, fallback)(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
             sliding_window=sliding_window, **kwargs,
         )  # fmt: skip
-    if sliding_window is not None:
-        raise ValueError(f"packed attention has no sliding window (layer {getattr(module, 'layer_idx', '?')})")
+    unsupported = [k for k in ("softcap", "s_aux", "sinks") if kwargs.get(k) is not None]
+    if sliding_window is not None or unsupported:
+        what = "a sliding window" if sliding_window is not None else ", ".join(unsupported)
+        raise ValueError(f"packed attention has no {what} (layer {getattr(module, 'layer_idx', '?')})")
     if query.shape[0] != 1 or query.shape[2] != packing.bounds[-1]:
         raise ValueError(
             f"packed attention takes one flattened row of {packing.bounds[-1]} tokens, got query {tuple(query.shape)}"
@@ -176,15 +224,15 @@ def _sdpa_by_sequence(q, k, v, packing: Packing, *, scale: float | None, dropout
 
 
 def varlen_backend(q: torch.Tensor) -> str:
-    """``flash_attn``, ``torch_varlen`` or ``sdpa_per_sequence``: which kernel the packed attention of ``q`` runs."""
+    """``flash_attn``, ``torch_varlen`` or ``sdpa_padded``: which kernel the packed attention of ``q`` runs."""
     if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
-        return "sdpa_per_sequence"  # the CPU; and FlashAttention rejects float32
+        return "sdpa_padded"  # the CPU; and FlashAttention rejects float32
     if _flash_attn_available():
         return "flash_attn"
     if _torch_varlen_available():
         _activate_fa3(q.device)
         return "torch_varlen"
-    return "sdpa_per_sequence"
+    return "sdpa_padded"
 
 
 @functools.cache

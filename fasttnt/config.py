@@ -359,6 +359,9 @@ SAFE_ON_RESUME = frozenset(
         "verify_max_crash_share",
         "micro_batch_tokens",
         "cache_dir",
+        "model.attn_implementation",
+        "model.gradient_checkpointing",
+        "model.liger_kernels",
         "rollout.gpu_memory_utilization",
         "rollout.sleep_between_rollouts",
         "rollout.weight_sync_bucket_mb",
@@ -368,7 +371,9 @@ SAFE_ON_RESUME = frozenset(
 
 
 def changed_keys(old: dict, new: dict) -> list[str]:
-    """Dotted keys whose values differ between two configs as plain data (``to_dict``), safe ones left out."""
+    """Dotted keys whose values differ between two configs as plain data (``to_dict``), safe ones left out. A key
+    the old config lacks (written by an earlier version) counts as its default; a key the new one lacks (removed
+    since, such as ``pack_tokens``) is not compared."""
 
     def flat(tree: dict, prefix: str = "") -> dict:
         out = {}
@@ -379,8 +384,9 @@ def changed_keys(old: dict, new: dict) -> list[str]:
                 out[prefix + key] = value
         return out
 
-    a, b = flat(old), flat(new)
-    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and k not in SAFE_ON_RESUME)
+    b = flat(new)
+    a = {**flat(to_dict(TrainConfig())), **flat(old)}
+    return sorted(k for k in b if a.get(k) != b[k] and k not in SAFE_ON_RESUME)
 
 
 def to_dict(cfg: TrainConfig) -> dict:

@@ -16,7 +16,7 @@ import torch
 
 from fasttnt_kernels import linear_token_logprobs
 
-from .attention import Packing, use_packed_attention
+from .attention import Packing, packed_forward, takes_mask_mapping, use_packed_attention
 from .rollout import RolloutBatch
 
 
@@ -92,16 +92,15 @@ class PolicyHead(torch.nn.Module):
     def forward(self, input_ids, position_ids, packing: Packing, hidden_index, targets, temperature, with_entropy):
         if self.model.config._attn_implementation != self.attention:
             raise RuntimeError(f"the model's attention was changed to {self.model.config._attn_implementation!r}")
-        # attention_mask as a per-layer-type mapping of None: no mask is built (transformers would otherwise scan
-        # position_ids for packed sequences, a device sync); the packing keeps the sequences apart. use_cache=False:
-        # a forward with a cache is taken for generation
-        out = self.model.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask={"full_attention": None, "sliding_attention": None},
-            use_cache=False,
-            packing=packing,
-        )
+        # no mask: the packing keeps the sequences apart. Where the model takes a per-layer-type mapping of masks,
+        # one of None builds none (transformers would otherwise scan position_ids for packed sequences, a device
+        # sync). use_cache=False: a forward with a cache is taken for generation
+        base = self.model.model
+        masks = {"full_attention": None, "sliding_attention": None} if takes_mask_mapping(type(base)) else None
+        with packed_forward():
+            out = base(
+                input_ids=input_ids, position_ids=position_ids, attention_mask=masks, use_cache=False, packing=packing
+            )
         hidden = out.last_hidden_state[0, hidden_index]  # (n, H)
         weight = self.model.get_output_embeddings().weight  # (V, H)
         hidden = hidden.to(weight.dtype)  # under autocast the states are 16-bit; the op casts per autocast itself

@@ -264,13 +264,14 @@ class VLLMEngine:
       ``apply_model`` relies on to hand the engine's model our tensors without a copy.
     * ``logprobs_mode="processed_logprobs"``: the log-prob of each sampled token under the distribution it was
       drawn from (after temperature and top-p; vLLM >= 0.10.2), for the rollout correction.
-    * Asleep at level 2 between rollouts (level 1 would copy every weight to host memory each step; level 2
-      discards them, and they are pushed again anyway). Each rollout: free the trainer's cached blocks
-      (``torch.cuda.empty_cache()``), wake the weights, push them (``LLM.apply_model``, a public call; the weights
-      of a ZeRO-3 model gathered one bucket at a time), reset the prefix cache, wake the KV cache, generate,
-      sleep. vLLM's state machine allows no other order: a ``sleep`` while any part is asleep is ignored (0.22),
-      waking memory that is mapped fails (0.22's allocator maps it twice), and 0.31 schedules nothing until every
-      part is awake.
+    * Asleep at level 2 during the update (level 1 would copy every weight to host memory each step; level 2
+      discards them, and they are pushed again anyway). After each update (``sync_weights``, and before the first
+      rollout): free the trainer's cached blocks (``torch.cuda.empty_cache()``), wake the weights, push them
+      (``LLM.apply_model``, a public call; the weights of a ZeRO-3 model gathered one bucket at a time), reset the
+      prefix cache. The weights then stay mapped through logging and checkpointing. Each rollout: wake the KV
+      cache, generate, sleep. vLLM's state machine allows no other order: a ``sleep`` while any part is asleep is
+      ignored (0.22), waking memory that is mapped fails (0.22's allocator maps it twice), and 0.31 schedules
+      nothing until every part is awake.
     """
 
     def __init__(

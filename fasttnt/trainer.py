@@ -69,8 +69,9 @@ class Preempted(Exception):
 
 class StopSignals:
     """SIGTERM and SIGINT ask the run to stop after the current step (clusters give a grace period before they
-    kill a job: SLURM, Kubernetes); a second one stops it at once. The handlers are installed for the duration
-    of ``run`` (main thread only) and the previous ones put back after."""
+    kill a job: SLURM, Kubernetes); a second SIGINT (a person at the terminal) stops it at once. A repeated SIGTERM
+    changes nothing: under a launcher the ranks get it twice, from the scheduler and from the launcher. The
+    handlers are installed for the duration of ``run`` (main thread only) and the previous ones put back after."""
 
     def __init__(self) -> None:
         self.requested: str | None = None
@@ -89,11 +90,13 @@ class StopSignals:
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
-        if self.requested is not None:  # the second: now
-            self.__exit__()
-            raise KeyboardInterrupt(f"{name} again: stopping at once")
+        if self.requested is not None:
+            if signum == signal.SIGINT:  # a second Ctrl-C: now
+                self.__exit__()
+                raise KeyboardInterrupt("SIGINT again: stopping at once")
+            return
         self.requested = name
-        tqdm.write(f"{name}: stopping after this step, with a checkpoint (again to stop at once)")
+        tqdm.write(f"{name}: stopping after this step, with a checkpoint (Ctrl-C again to stop at once)")
 
 
 class ProblemStream:
@@ -371,11 +374,12 @@ class Trainer:
         # verify: a truncated response is wrong whatever it says
         golds = [p.answer for p in problems for _ in range(r.group_size)]
         verdicts = verify_batch(texts, golds, pool=self.verifier, require_think_end=True)
-        if verdicts.crashes > cfg.verify_max_crash_share * len(texts):
+        if verdicts.crashes >= 2 and verdicts.crashes > cfg.verify_max_crash_share * len(texts):
             # a crashed item counts as wrong: past a few, the rewards would be the verifier's, not the model's
             raise VerificationError(
                 f"step {step}: the verification of {verdicts.crashes} of {len(texts)} answers crashed (its workers "
-                f"died; above verify_max_crash_share={cfg.verify_max_crash_share}); not training on those rewards. "
+                f"died; more than one and above verify_max_crash_share={cfg.verify_max_crash_share}); not training "
+                "on those rewards. "
                 "Out of memory is the usual cause: lower verify_workers"
             )
         correct = torch.tensor(list(verdicts), device=self.device) & ~batch.truncated
@@ -646,6 +650,7 @@ class Trainer:
                         self._save_checkpoint()
                         last_save = time.monotonic()
                     if stop:
+                        self._close_outputs()
                         raise Preempted(signals.requested or "a signal on another rank", step, self._checkpoint(step))
         finally:
             bar.close()
@@ -706,6 +711,11 @@ class Trainer:
                 tmp.rename(final)
         if self.is_main and history:
             plot_curves(history, self.out / "curves.png")
+        self._close_outputs()
+
+    def _close_outputs(self) -> None:
+        """The engine's memory and TensorBoard's buffered events (a launcher's rank ends without interpreter
+        teardown, which would otherwise lose them)."""
         self.engine.close()
         if self.tb is not None:
             self.tb.close()

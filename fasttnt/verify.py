@@ -232,6 +232,9 @@ WORKER_MEMORY_BYTES = 4 * 2**30
 """Address-space cap of a verification worker: a power tower that allocates instead of hanging fails fast."""
 
 _READY = "ready"  # a worker's first message: it started, imported math-verify and can take items
+STARTUP_TIMEOUT = 120.0
+"""Seconds a worker may take to start (math-verify's import) before the pool gives up: an item's own timeout
+counts from its worker's start, so a slow start on a busy machine is not a wrong answer."""
 
 
 class VerifierStartupError(RuntimeError):
@@ -340,7 +343,7 @@ class VerifierPool:
                         w.conn.send((index, pred, gold))
                     w.task = (index, pred, gold, time.monotonic())
             busy = [w for w in self._workers if w.task]
-            next_deadline = min(w.task[3] for w in busy) + self.timeout
+            next_deadline = min(w.task[3] + (self.timeout if w.ready else STARTUP_TIMEOUT) for w in busy)
             ready = wait([w.conn for w in busy], timeout=max(0.0, next_deadline - time.monotonic()))
             for i, w in enumerate(self._workers):
                 if w.task is None:
@@ -364,11 +367,17 @@ class VerifierPool:
                         startup_deaths += 1
                         w.kill()
                         if startup_deaths >= 2:
+                            self._abandon()
                             raise VerifierStartupError(_startup_failure(w.process.exitcode))
                         pending.appendleft((index, pred, gold))
                         self._workers[i] = _Worker(self._ctx)
                         continue
                     crashes += 1
+                elif not w.ready:  # the item's clock starts once its worker has started
+                    if time.monotonic() - started < STARTUP_TIMEOUT:
+                        continue
+                    self._abandon()
+                    raise VerifierStartupError(f"a verification worker did not start within {STARTUP_TIMEOUT:.0f} s")
                 elif time.monotonic() - started >= self.timeout:
                     timeouts += 1
                 else:
@@ -377,6 +386,11 @@ class VerifierPool:
                 w.kill()
                 self._workers[i] = _Worker(self._ctx)
         return results, timeouts, crashes
+
+
+    def _abandon(self) -> None:
+        """Kill every worker (their tasks die with them), so that a pool reused after an error starts clean."""
+        _kill_workers(self._workers)
 
 
 def _kill_workers(workers: list[_Worker]) -> None:

@@ -36,7 +36,7 @@ def test_train_throughput_smoke():
 
 def test_packed_attention_check_smoke():
     out = _run("benchmarks/packed_attention_check.py", "--smoke")
-    assert "packed attention sdpa_per_sequence" in out and out.rstrip().endswith("OK")
+    assert "packed attention sdpa_padded" in out and out.rstrip().endswith("OK")
 
 
 def test_e2e_against_trl_smoke(tmp_path):

@@ -1,7 +1,7 @@
 """Packed attention (fasttnt.attention) and the micro-batched packed forward (fasttnt.policy): sequences never see
 each other, and log-probs and gradients equal one unpadded forward per sequence. On the CPU the same attention
-function and boundaries run as on a GPU; only the final kernel call (SDPA per sequence instead of FlashAttention's
-varlen kernel) differs, and benchmarks/gpu_check.sh compares that one on a GPU."""
+function and boundaries run as on a GPU; only the final kernel call (padded SDPA over the boundaries instead of
+FlashAttention's varlen kernel) differs, and benchmarks/gpu_check.sh compares that one on a GPU."""
 
 from __future__ import annotations
 
@@ -158,3 +158,50 @@ def test_micro_batch_plan_keeps_order_and_budget():
         starts = list(itertools.accumulate(mb.lengths, initial=0))
         assert mb.position_ids[0, starts[:-1]].tolist() == [0] * len(mb.lengths)
         assert mb.input_ids.shape == (1, starts[-1])
+
+
+def test_a_flash_attention_model_packs_and_generates_through_sdpa():
+    # transformers takes any implementation named "*flash*" for FlashAttention and would look ours up as a hub
+    # kernel: a model loaded with flash_attention_2 (the GPU default) must still pack, and generate through SDPA
+    tok, model = _model()
+    engine = HFEngine(model.eval(), tok, max_new_tokens=12, temperature=1.0, top_p=1.0)
+    prompts = [build_prompt(tok, p.problem) for p in held_out(2)]
+    before = engine.generate(prompts, 2, seed=1)
+    model.config._attn_implementation = "flash_attention_2"  # as loaded on a GPU with flash-attn (not run here)
+    head = PolicyHead(model)
+    assert head.attention == "fasttnt_packed:sdpa"
+    assert engine.generate(prompts, 2, seed=1).responses == before.responses
+    batch = _batch(len(tok), [4, 6], [3, 9])
+    with torch.no_grad():
+        logp, _ = response_logprobs(head, batch, plan_micro_batches(batch, 1000), temperature=TEMPERATURE)
+        torch.testing.assert_close(logp, _per_sequence(model, batch), rtol=1e-5, atol=1e-5)
+
+
+def test_models_without_a_mask_mapping_pack_too():
+    # Llama's forward builds its masks itself (no per-layer-type mapping): it gets no mask while packed
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fasttnt.attention import takes_mask_mapping
+
+    config = LlamaConfig(vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    model = LlamaForCausalLM(config).float()
+    assert not takes_mask_mapping(type(model.model)) and takes_mask_mapping(type(_model()[1].model))
+    batch = _batch(120, [5, 2, 8], [7, 1, 12])
+    with torch.no_grad():
+        logp, _ = response_logprobs(model, batch, plan_micro_batches(batch, 1000), temperature=TEMPERATURE)
+        torch.testing.assert_close(logp, _per_sequence(model, batch), rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_that_drops_the_packing_raises():
+    # layers that do not pass keyword arguments on would run their attention without the boundaries: an error,
+    # never attention across sequences
+    tok, model = _model()
+    head = PolicyHead(model)
+    for layer in model.model.layers:
+        attention = layer.self_attn
+        forward = attention.forward
+        attention.forward = lambda *a, _f=forward, packing=None, **kw: _f(*a, **kw)  # drops `packing`
+    batch = _batch(len(tok), [4], [3])
+    with pytest.raises(RuntimeError, match="was called without the packing"):
+        response_logprobs(head, batch, plan_micro_batches(batch, 1000), temperature=TEMPERATURE)

@@ -112,3 +112,15 @@ def test_resume_refuses_a_config_that_changes_the_checkpoints_meaning(tmp_path, 
     # and the user may insist
     assert cli_main([*changed[:-1], "steps=4", "--resume-with-new-config"]) == 0
     assert [r["step"] for r in _metrics(out)] == [1, 2, 3, 4]
+
+
+def test_a_checkpoint_written_before_the_config_was_kept_compares_as_its_defaults():
+    # an earlier version's config: pack_tokens (since removed), no rollout-correction keys (since added)
+    from fasttnt.config import TrainConfig, changed_keys, to_dict
+
+    old = to_dict(TrainConfig())
+    old["pack_tokens"] = 256
+    del old["loss"]["rollout_correction"], old["loss"]["rollout_correction_cap"]
+    assert changed_keys(old, to_dict(TrainConfig())) == []
+    old["rollout"]["group_size"] = 16
+    assert changed_keys(old, to_dict(TrainConfig())) == ["rollout.group_size"]

@@ -285,3 +285,11 @@ def test_workers_outlive_a_sigterm_to_the_whole_job():
         assert list(verdicts) == [True] and verdicts.crashes == 0
         assert pool._workers[0].process is worker and worker.is_alive()
     assert not worker.is_alive()
+
+
+def test_a_slow_worker_start_is_not_an_answers_timeout():
+    # the item's clock starts when its worker has started (math-verify's import takes ~1-2 s here): with a 0.3 s
+    # timeout, a fresh pool still judges a quick item, where it used to count it wrong, as a timeout
+    with VerifierPool(workers=1, timeout=0.3) as pool:
+        verdicts = verify_batch(["\\boxed{\\sqrt{4}}"], ["2"], pool=pool)
+    assert list(verdicts) == [True] and verdicts.timeouts == 0
