@@ -387,7 +387,6 @@ class VerifierPool:
                 self._workers[i] = _Worker(self._ctx)
         return results, timeouts, crashes
 
-
     def _abandon(self) -> None:
         """Kill every worker (their tasks die with them), so that a pool reused after an error starts clean."""
         _kill_workers(self._workers)
