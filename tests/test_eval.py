@@ -152,8 +152,12 @@ def test_bad_eval_arguments_are_one_line(tmp_path, models, capsys, args, message
     assert code == 2 and message in err and err.count("\n") == 1, err
 
 
-def test_a_model_that_cannot_load_is_one_line(tmp_path, capsys):
-    # a hub id, with no hub to reach (or no such repository): transformers' OSError becomes one line
+def test_a_model_that_cannot_load_is_one_line(tmp_path, capsys, monkeypatch):
+    # a hub id, with no hub to reach (or no such repository): transformers' OSError becomes one line. Offline, so
+    # the test does not wait on network retries (47 s here) and says the same on a machine with a network
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     code = cli_main(["eval", "--model", "fasttnt-tests/no-such-model", "--benchmarks", "synthetic",
                      "--output-dir", str(tmp_path / "out")])  # fmt: skip
     err = capsys.readouterr().err
