@@ -649,7 +649,7 @@ class Trainer:
                     if step % cfg.save_every == 0 or step == cfg.steps or timed or stop:
                         self._save_checkpoint()
                         last_save = time.monotonic()
-                    if stop:
+                    if stop and step < cfg.steps:  # a signal during the last step: finish normally
                         self._close_outputs()
                         raise Preempted(signals.requested or "a signal on another rank", step, self._checkpoint(step))
         finally:
