@@ -297,3 +297,24 @@ def test_an_output_dir_that_cannot_be_made_is_one_line(tmp_path, capsys):
     assert cli_main(["train", "--output-dir", str(blocker / "run"), *small(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert f"--output-dir {blocker / 'run'}: cannot create it (Not a directory)" in err and err.count("\n") == 1
+
+
+def test_a_step_whose_verification_crashes_stops_the_run(tmp_path, monkeypatch, capsys):
+    # every answer's verification crashes (a real pool whose workers die on it): the run stops with one line,
+    # exit 1, before training on rewards that the verifier made up
+    from test_verify import _crashing_pool
+
+    import fasttnt.trainer as trainer_module
+
+    pool = _crashing_pool(monkeypatch)
+    real = trainer_module.verify_batch
+    monkeypatch.setattr(
+        trainer_module,
+        "verify_batch",
+        lambda texts, golds, **kw: real(["</think>\\boxed{crash}"] * len(texts), golds, **{**kw, "pool": pool}),
+    )
+    code = cli_main(["train", "--output-dir", str(tmp_path / "run"), *small(tmp_path)])
+    pool.close()
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 1 and "step 1: the verification of 16 of 16 answers crashed" in err
+    assert not (tmp_path / "run" / "metrics.jsonl").read_text()  # no step was logged, none trained

@@ -293,3 +293,27 @@ def test_a_slow_worker_start_is_not_an_answers_timeout():
     with VerifierPool(workers=1, timeout=0.3) as pool:
         verdicts = verify_batch(["\\boxed{\\sqrt{4}}"], ["2"], pool=pool)
     assert list(verdicts) == [True] and verdicts.timeouts == 0
+
+
+def _crashing_pool(monkeypatch, workers: int = 1) -> VerifierPool:
+    """A real pool whose workers die (os._exit) on the answer "crash": forked, so they run the patched judge."""
+    import multiprocessing
+    import os
+
+    import fasttnt.verify as verify
+
+    real = verify.is_equivalent
+    monkeypatch.setattr(
+        verify, "is_equivalent", lambda pred, gold: os._exit(1) if pred == "crash" else real(pred, gold)
+    )
+    pool = VerifierPool(workers=workers, timeout=30)
+    pool._ctx = multiprocessing.get_context("fork")
+    return pool
+
+
+def test_a_worker_that_dies_on_an_item_counts_it_as_a_crash(monkeypatch):
+    with _crashing_pool(monkeypatch) as pool:
+        verdicts = verify_batch(
+            ["\\boxed{\\sqrt{4}}", "\\boxed{crash}", "\\boxed{\\sqrt{9}}"], ["2", "2", "3"], pool=pool
+        )
+    assert list(verdicts) == [True, False, True] and verdicts.crashes == 1 and verdicts.timeouts == 0
