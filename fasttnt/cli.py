@@ -266,8 +266,10 @@ def _not_a_model(name: str) -> str | None:
     or a hub id, which only loading can tell)."""
     from pathlib import Path
 
+    from .data import names_a_path
+
     path = Path(name).expanduser()
-    local = name.startswith(("/", "./", "../", "~")) or path.exists()
+    local = names_a_path(name) or path.exists()
     if local and not path.is_dir():
         return "no such folder" if not path.exists() else "not a folder (a model is a Hugging Face folder)"
     if local and not (path / "config.json").is_file():

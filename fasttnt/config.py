@@ -17,7 +17,7 @@ import yaml
 
 from fasttnt_kernels import ROLLOUT_CORRECTIONS
 
-from .data import DATASETS
+from .data import DATASETS, names_a_path
 from .metrics import MARKER_SETS
 from .rewards import REWARD_SCHEMES, RewardConfig
 from .tiny import TinyModelConfig, WarmupConfig
@@ -331,8 +331,7 @@ def validate(cfg: TrainConfig) -> None:
     )
     need(bool(cfg.model.name.strip()), "model.name", "must name a model: tiny, a hub id or a local folder")
     name = cfg.model.name
-    local = name.startswith(("/", "./", "../", "~"))
-    need(not local or Path(name).expanduser().is_dir(), "model.name", f"{name} is not a folder")
+    need(not names_a_path(name) or Path(name).expanduser().is_dir(), "model.name", f"{name} is not a folder")
 
 
 def rollout_correction(cfg: TrainConfig) -> str:

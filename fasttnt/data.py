@@ -3,6 +3,7 @@ in the three modes (free, forced thinking, forced non-thinking)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass, replace
@@ -16,6 +17,22 @@ from .registry import Registry
 
 class DataError(ValueError):
     """A data source that cannot be used, with the file (or hub id), the row and the field at fault."""
+
+
+@contextlib.contextmanager
+def loading_model(what: str):
+    """A model or tokenizer that cannot be loaded (no such folder, no hub access, not a model) as a one-line
+    ``DataError`` naming ``what`` (``--model X``, ``model.name=X``), not transformers' page of advice."""
+    try:
+        yield
+    except OSError as err:
+        first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        raise DataError(f"{what}: cannot load it: {first}") from err
+
+
+def names_a_path(name: str) -> bool:
+    """Whether a model name is written as a path (and so must be a folder), not a hub id."""
+    return name.startswith(("/", "./", "../", "~"))
 
 
 @dataclass(frozen=True)

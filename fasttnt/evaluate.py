@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .data import DATASETS, MATH_INSTRUCTION, DataError, Problem, PromptMode, build_prompt, load_problems
+from .data import DATASETS, MATH_INSTRUCTION, DataError, Problem, PromptMode, build_prompt, load_problems, loading_model
 from .metrics import MARKER_SETS, hack_flags, rollout_metrics, to_floats, token_efficiency
 from .rewards import PackedResponses, RewardConfig, compute_rewards
 from .rollout import ENGINES, decode_responses
@@ -63,14 +63,11 @@ def _open_engine(name: str, device: torch.device, settings: EvalSettings):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = None
-    try:
+    with loading_model(f"--model {name}"):
         tokenizer = AutoTokenizer.from_pretrained(name)
         if settings.engine != "vllm":  # vLLM loads the weights itself
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
             model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device).eval()
-    except OSError as err:  # no such folder, no hub access, not a model: one line, not transformers' page
-        first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
-        raise DataError(f"--model {name}: cannot load it: {first}") from err
     engine = ENGINES.get(settings.engine)(
         model,
         tokenizer,

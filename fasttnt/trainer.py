@@ -38,7 +38,7 @@ from .checkpoint import (
     write_trainer_files,
 )
 from .config import TrainConfig, changed_keys, config_yaml, dump_config, rollout_correction, to_dict
-from .data import MATH_INSTRUCTION, DataError, Problem, PromptMode, build_prompt, load_problems
+from .data import MATH_INSTRUCTION, DataError, Problem, PromptMode, build_prompt, load_problems, loading_model
 from .metrics import MARKER_SETS, hack_flags, rollout_metrics, to_floats
 from .policy import MicroBatch, PolicyHead, micro_batch_logprobs, plan_micro_batches, response_logprobs, run_dummy
 from .rewards import PackedResponses, compute_rewards
@@ -301,7 +301,7 @@ class Trainer:
                 Path(self.cfg.cache_dir).expanduser(), m.tiny, self.cfg.warmup, progress_factory=bar
             )
         else:
-            with _loading("model.name", m.name):
+            with loading_model(f"model.name={m.name}"):
                 tokenizer = AutoTokenizer.from_pretrained(m.name, trust_remote_code=m.trust_remote_code)
                 path = m.name
                 model = self._from_pretrained(path)
@@ -719,16 +719,6 @@ class Trainer:
         self.engine.close()
         if self.tb is not None:
             self.tb.close()
-
-
-@contextlib.contextmanager
-def _loading(key: str, name: str):
-    """A model or tokenizer that cannot be loaded (no such folder, no hub access, not a model) as one line."""
-    try:
-        yield
-    except OSError as err:
-        first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
-        raise DataError(f"{key}={name}: cannot load it: {first}") from err
 
 
 def _check_resume(cfg: TrainConfig, checkpoint: Path, world: int, *, new_config_ok: bool) -> None:
