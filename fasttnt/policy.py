@@ -73,13 +73,6 @@ def _pack(prompts: list[list[int]], responses: list[list[int]], first: int) -> M
     )
 
 
-def dummy_micro_batch(pad_id: int) -> MicroBatch:
-    """A one-sequence micro-batch (one prompt and one response token, both padding) for a rank with fewer
-    micro-batches than another: under ZeRO-3 every forward and backward gathers parameters collectively, so all
-    ranks must run as many. Its loss is multiplied by 0."""
-    return _pack([[pad_id]], [[pad_id]], 0)
-
-
 class PolicyHead(torch.nn.Module):
     """The policy as the update uses it: a packed micro-batch in, response-token log-probs out, in one module
     forward (so that under ZeRO-3 the lm_head weight is gathered for the fused op, as an external parameter)."""
@@ -114,8 +107,10 @@ def as_head(model):
 
 
 def run_dummy(head, device: torch.device, *, temperature: float, with_entropy: bool = False):
-    """The forward of ``dummy_micro_batch``: log-probs (1,) whose loss the caller multiplies by 0."""
-    mb = dummy_micro_batch(0)
+    """The forward of a one-sequence micro-batch (one prompt and one response token, both id 0), for a rank with
+    fewer micro-batches than another: under ZeRO-3 every forward and backward gathers parameters collectively, so
+    all ranks must run as many. Returns log-probs (1,) whose loss the caller multiplies by 0."""
+    mb = _pack([[0]], [[0]], 0)
     return _forward(head, mb, mb.input_ids[0, 1:].to(device), temperature, with_entropy)
 
 

@@ -219,7 +219,6 @@ class Trainer:
         self.think_end_id = self.tokenizer.convert_tokens_to_ids("</think>")
         if self.think_end_id is None or self.think_end_id == self.tokenizer.unk_token_id:
             raise ValueError(f"{cfg.model.name}: the tokenizer has no single </think> token")
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
         o = cfg.optim
         self.head = PolicyHead(self.model)
@@ -525,7 +524,6 @@ class Trainer:
         if self.ds_engine is None:
             self.optimizer.zero_grad(set_to_none=True)
         sums = torch.zeros(len(_STEP_SUMS), dtype=torch.float32, device=self.device)
-        sums[-1] = len(plan)
         for i in range(n_micro):
             if self.ds_engine is not None:
                 self.ds_engine.set_gradient_accumulation_boundary(i == n_micro - 1)
@@ -551,11 +549,11 @@ class Trainer:
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
             self.optimizer.step()
-        sums = self._sum(sums)
+        totals = self._sum(torch.cat([sums, sums.new_tensor([len(plan)])]))  # the count: dummy ones not counted
         n = max(n_tokens, 1.0)
-        metrics = {"loss": sums[0], "grad_norm": grad_norm.to(sums.device).float()}
-        metrics.update({name: sums[j] / n for j, name in enumerate(_STEP_SUMS[:-1]) if j > 0})
-        metrics["micro_batches"] = sums[-1]  # over the ranks, dummy ones not counted
+        metrics = {"loss": totals[0], "grad_norm": grad_norm.to(totals.device).float()}
+        metrics.update({name: totals[j] / n for j, name in enumerate(_STEP_SUMS) if j > 0})
+        metrics["micro_batches"] = totals[-1]
         if part.rollout_logp is None:  # an engine that does not say what it sampled with
             for name in ("rollout_logp_diff", "rollout_is_mean", "rollout_is_clipped_frac"):
                 metrics.pop(name)
@@ -609,7 +607,6 @@ class Trainer:
                     correction[name] * n if correction is not None else zero
                     for name in ("rollout_logp_diff", "rollout_is_mean", "rollout_is_clipped_frac")
                 ),
-                zero,  # the micro-batch count is added once per step
             ]
         ).float()
         return total, sums
@@ -779,7 +776,6 @@ _STEP_SUMS = (
     "rollout_logp_diff",
     "rollout_is_mean",
     "rollout_is_clipped_frac",
-    "micro_batches",  # not a token sum: the count of micro-batches
 )
 
 
