@@ -85,6 +85,9 @@ class LossConfig:
         "auto", "none", "token-truncate", "token-mask", "sequence-truncate", "sequence-mask"
     ] = "auto"
     rollout_correction_cap: float = 2.0  # TRL's default is 3.0
+    # leave sequences whose advantage is exactly 0 out of the update's forward and backward when they add nothing
+    # to the gradient (entropy_coef and KL off); the normalisers still count them, so the gradient is the same
+    skip_zero_advantage: bool = True
 
 
 @dataclass(frozen=True)
@@ -357,6 +360,7 @@ SAFE_ON_RESUME = frozenset(
         "verify_workers",
         "verify_max_crash_share",
         "micro_batch_tokens",
+        "loss.skip_zero_advantage",
         "cache_dir",
         "model.attn_implementation",
         "model.gradient_checkpointing",

@@ -4,8 +4,8 @@ Prompt + response sequences are laid back to back in one flattened row per micro
 ``micro_batch_tokens`` tokens each (a longer sequence gets a micro-batch of its own), with position ids restarting
 at 0 for each sequence. The boundaries go to the model's attention as a ``Packing`` computed here on the host
 (``fasttnt.attention``): sequences never attend to each other, whatever attention kernel runs. The last hidden
-states of the response positions go to ``linear_token_logprobs`` with the lm_head weight, so the logits are never
-materialised.
+states of the response positions go to ``linear_token_logprobs`` (log-probs) or ``linear_policy_loss`` (the update's
+loss, its gradient formed in the same pass) with the lm_head weight, so the logits are never materialised.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fasttnt_kernels import linear_token_logprobs
+from fasttnt_kernels import linear_policy_loss, linear_token_logprobs
 
 from .attention import Packing, packed_forward, takes_mask_mapping, use_packed_attention
 from .rollout import RolloutBatch
@@ -74,15 +74,18 @@ def _pack(prompts: list[list[int]], responses: list[list[int]], first: int) -> M
 
 
 class PolicyHead(torch.nn.Module):
-    """The policy as the update uses it: a packed micro-batch in, response-token log-probs out, in one module
-    forward (so that under ZeRO-3 the lm_head weight is gathered for the fused op, as an external parameter)."""
+    """The policy as the update uses it: a packed micro-batch in, response-token log-probs (or, given the loss's
+    inputs, the policy loss) out, in one module forward (so that under ZeRO-3 the lm_head weight is gathered for
+    the fused op, as an external parameter)."""
 
     def __init__(self, model) -> None:
         super().__init__()
         self.model = model
         self.attention = use_packed_attention(model)  # without it, `packing` would be ignored: sequences would mix
 
-    def forward(self, input_ids, position_ids, packing: Packing, hidden_index, targets, temperature, with_entropy):
+    def forward(
+        self, input_ids, position_ids, packing: Packing, hidden_index, targets, temperature, with_entropy, loss=None
+    ):
         if self.model.config._attn_implementation != self.attention:
             raise RuntimeError(f"the model's attention was changed to {self.model.config._attn_implementation!r}")
         # no mask: the packing keeps the sequences apart. Where the model takes a per-layer-type mapping of masks,
@@ -97,6 +100,8 @@ class PolicyHead(torch.nn.Module):
         hidden = out.last_hidden_state[0, hidden_index]  # (n, H)
         weight = self.model.get_output_embeddings().weight  # (V, H)
         hidden = hidden.to(weight.dtype)  # under autocast the states are 16-bit; the op casts per autocast itself
+        if loss is not None:  # (loss, stats, logp): linear_policy_loss's keyword arguments for this micro-batch
+            return linear_policy_loss(hidden, weight, targets, temperature=temperature, return_logp=True, **loss)
         result = linear_token_logprobs(hidden, weight, targets, temperature=temperature, with_entropy=with_entropy)
         return result if with_entropy else (result, None)
 
@@ -122,7 +127,14 @@ def micro_batch_logprobs(
     return _forward(head, mb, batch.response_ids[lo:hi], temperature, with_entropy)
 
 
-def _forward(head, mb: MicroBatch, targets: torch.Tensor, temperature: float, with_entropy: bool):
+def micro_batch_loss(head, batch: RolloutBatch, mb: MicroBatch, *, temperature: float, loss: dict):
+    """``linear_policy_loss`` of one micro-batch of ``batch``: ``(loss, stats, logp)``. ``loss``: its keyword
+    arguments (old_logp, advantages, cu_seqlens and the rest), sliced to the micro-batch's sequences."""
+    lo, hi = batch.bounds[mb.first], batch.bounds[mb.last]
+    return _forward(head, mb, batch.response_ids[lo:hi], temperature, False, loss)
+
+
+def _forward(head, mb: MicroBatch, targets: torch.Tensor, temperature: float, with_entropy: bool, loss=None):
     device = targets.device
     return head(
         mb.input_ids.to(device, non_blocking=True),
@@ -132,6 +144,7 @@ def _forward(head, mb: MicroBatch, targets: torch.Tensor, temperature: float, wi
         targets,
         temperature,
         with_entropy,
+        loss,
     )
 
 

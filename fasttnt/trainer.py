@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fasttnt_kernels import clipped_policy_loss, group_advantages, rollout_correction_weights
+from fasttnt_kernels import group_advantages, rollout_correction_weights
 
 from . import distributed
 from .checkpoint import (
@@ -40,7 +40,7 @@ from .checkpoint import (
 from .config import TrainConfig, changed_keys, config_yaml, dump_config, rollout_correction, to_dict
 from .data import MATH_INSTRUCTION, DataError, Problem, PromptMode, build_prompt, load_problems, loading_model
 from .metrics import MARKER_SETS, hack_flags, rollout_metrics, to_floats
-from .policy import MicroBatch, PolicyHead, micro_batch_logprobs, plan_micro_batches, response_logprobs, run_dummy
+from .policy import MicroBatch, PolicyHead, micro_batch_loss, plan_micro_batches, response_logprobs, run_dummy
 from .rewards import PackedResponses, compute_rewards
 from .rollout import ENGINES, RolloutBatch, decode_responses
 from .synthetic import problems as synthetic_problems
@@ -394,7 +394,11 @@ class Trainer:
 
         # old and reference log-probs
         old_logp = ref_logp = None
-        if cfg.loss.ppo_epochs > 1 or cfg.loss.mini_batches > 1:
+        # off-policy after the first optimizer step, or importance-weighted against the engine's log-probs (which
+        # the weights need before the fused loss forms its gradient; TRL computes them likewise for its vLLM
+        # correction, grpo_trainer.py, trl 1.16)
+        corrected = self.correction != "none" and batch.rollout_logp is not None
+        if cfg.loss.ppo_epochs > 1 or cfg.loss.mini_batches > 1 or corrected:
             old_logp = self._logprobs(self._policy(), batch, zero3_collectives=self._zero3())
         if self.ref_model is not None:  # a plain module on every rank: no collectives
             ref_logp = self._logprobs(self.ref_model, batch, zero3_collectives=False)
@@ -429,6 +433,9 @@ class Trainer:
         )
         metrics["_counts"] = self._sum(counts)
         values = to_floats({k: v for k, v in metrics.items() if k != "_counts"})  # sync: one read per step
+        for name in TOKEN_METRICS:  # measured on no token (every sequence skipped): not written, rather than NaN
+            if name in values and math.isnan(values[name]):
+                del values[name]
         n_tokens, prompt_tokens, timeouts, crashes = metrics["_counts"].tolist()
         values.update(times)
         values.update(
@@ -488,48 +495,82 @@ class Trainer:
         return distributed.all_max(n, self.device) if self.dist else n  # sync: one read
 
     def _update(self, batch: RolloutBatch, advantages, old_logp, ref_logp) -> dict[str, torch.Tensor]:
-        """``ppo_epochs`` passes over the batch, each ``mini_batches`` optimizer steps; metrics are their means."""
+        """``ppo_epochs`` passes over the batch, each ``mini_batches`` optimizer steps. Loss, grad norm and counts
+        are means over the optimizer steps; the token metrics (``TOKEN_METRICS``) are means over every token they
+        were measured on, NaN where that is none (every sequence skipped)."""
         loss_cfg = self.cfg.loss
         k = batch.group_size
         per_mb = batch.lengths.numel() // k // loss_cfg.mini_batches  # prompts per mini-batch
         self.model.train()
         sums: dict[str, torch.Tensor] = {}
+        token_sums = torch.zeros(len(TOKEN_METRICS) + 2, device=self.device)
         count = 0
         for _epoch in range(loss_cfg.ppo_epochs):
             for mb in range(loss_cfg.mini_batches):
                 part = _select_groups(batch, mb * per_mb, (mb + 1) * per_mb)
                 lo, hi = batch.bounds[mb * per_mb * k], batch.bounds[(mb + 1) * per_mb * k]
                 seqs = slice(mb * per_mb * k, (mb + 1) * per_mb * k)
-                metrics = self._optimizer_step(
+                metrics, step_sums = self._optimizer_step(
                     part,
                     advantages[seqs],
                     old_logp[lo:hi] if old_logp is not None else None,
                     ref_logp[lo:hi] if ref_logp is not None else None,
                 )
+                token_sums += step_sums
                 for name, value in metrics.items():
                     sums[name] = sums.get(name, 0) + value
                 count += 1
-        return {name: value / count for name, value in sums.items()}
+        means = {name: value / count for name, value in sums.items()}
+        trained, rollout_counted = token_sums[-2], token_sums[-1]
+        for j, name in enumerate(TOKEN_METRICS):
+            means[name] = token_sums[j] / (rollout_counted if name in _ROLLOUT_METRICS else trained)
+        if batch.rollout_logp is None:  # an engine that does not say what it sampled with
+            for name in _ROLLOUT_METRICS:
+                means.pop(name)
+        return means
 
-    def _optimizer_step(self, part: RolloutBatch, advantages, old_logp, ref_logp) -> dict[str, torch.Tensor]:
+    def _optimizer_step(self, part: RolloutBatch, advantages, old_logp, ref_logp):
         """One optimizer step on a mini-batch, its forward and backward in micro-batches of at most
         ``micro_batch_tokens``, gradients accumulated. The loss's normalisers are the whole mini-batch's over all
         ranks, so the micro-batches' (and ranks') losses add up to the mini-batch's loss and the accumulated
-        gradient is the one-forward gradient. Under DeepSpeed every rank runs as many micro-batches (dummy ones
-        with a zero loss pad the ranks that have fewer), since each backward reduces gradients collectively."""
-        plan = plan_micro_batches(part, self.cfg.micro_batch_tokens)
-        n_micro = self._max_over_ranks(len(plan)) if self.ds_engine is not None else len(plan)
+        gradient is the one-forward gradient. Sequences that cannot move the weights are left out first
+        (``_drop_zero_advantage``); the normalisers still count them. Under DeepSpeed every rank runs as many
+        micro-batches (dummy ones with a zero loss pad the ranks that have fewer), since each backward reduces
+        gradients collectively. Returns the step's metrics and the sums (over ranks) of ``TOKEN_METRICS`` followed
+        by the tokens trained on and the tokens the rollout diagnostics cover."""
         local = torch.tensor([float(part.bounds[-1]), float(part.lengths.numel())], device=self.device)
         n_tokens, n_seqs = self._sum(local).tolist()  # sync: one read per mini-batch
+        sums = torch.zeros(len(_STEP_SUMS), dtype=torch.float32, device=self.device)
+        # the rollout correction over the whole mini-batch when the old log-probs are known; else (on-policy, no
+        # correction) its diagnostics come from each micro-batch's log-probs, of the sequences trained on
+        weights, rollout_tokens = None, 0.0
+        if part.rollout_logp is not None and old_logp is None and self.correction != "none":
+            raise ValueError("the rollout correction needs the old log-probs (step() computes them first)")
+        if part.rollout_logp is not None and old_logp is not None:
+            weights, correction = rollout_correction_weights(
+                old_logp,
+                part.rollout_logp,
+                part.cu_seqlens,
+                mode=self.correction,
+                cap=self.cfg.loss.rollout_correction_cap,
+            )
+            rollout_tokens = float(part.bounds[-1])
+            sums[_ROLLOUT_SUMS] = torch.stack([correction[name] for name in _ROLLOUT_METRICS]) * rollout_tokens
+        per_token = (old_logp, ref_logp, weights)
+        part, advantages, per_token, skipped = self._drop_zero_advantage(part, advantages, per_token)
+        plan = plan_micro_batches(part, self.cfg.micro_batch_tokens)
+        n_micro = self._max_over_ranks(len(plan)) if self.ds_engine is not None else len(plan)
+        # at least one backward, so a step with every sequence skipped still steps on (zero) gradients, as the
+        # unskipped update would
+        n_micro = max(n_micro, 1)
         if self.ds_engine is None:
             self.optimizer.zero_grad(set_to_none=True)
-        sums = torch.zeros(len(_STEP_SUMS), dtype=torch.float32, device=self.device)
         for i in range(n_micro):
             if self.ds_engine is not None:
                 self.ds_engine.set_gradient_accumulation_boundary(i == n_micro - 1)
             if i < len(plan):
                 total, micro_sums = self._micro_batch_loss(
-                    part, plan[i], advantages, old_logp, ref_logp, n_tokens=n_tokens, n_seqs=n_seqs
+                    part, plan[i], advantages, *per_token, n_tokens=n_tokens, n_seqs=n_seqs
                 )
                 sums += micro_sums
             else:
@@ -549,67 +590,78 @@ class Trainer:
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
             self.optimizer.step()
-        totals = self._sum(torch.cat([sums, sums.new_tensor([len(plan)])]))  # the count: dummy ones not counted
-        n = max(n_tokens, 1.0)
-        metrics = {"loss": totals[0], "grad_norm": grad_norm.to(totals.device).float()}
-        metrics.update({name: totals[j] / n for j, name in enumerate(_STEP_SUMS) if j > 0})
-        metrics["micro_batches"] = totals[-1]
-        if part.rollout_logp is None:  # an engine that does not say what it sampled with
-            for name in ("rollout_logp_diff", "rollout_is_mean", "rollout_is_clipped_frac"):
-                metrics.pop(name)
-        return metrics
+        trained_tokens = float(part.bounds[-1])
+        if weights is None:
+            rollout_tokens = trained_tokens
+        # micro-batches run (dummy ones not counted), sequences skipped, tokens trained on, tokens of the rollout
+        # diagnostics: one sum over the ranks
+        counts = sums.new_tensor([len(plan), skipped, trained_tokens, rollout_tokens])
+        totals = self._sum(torch.cat([sums, counts]))
+        metrics = {
+            "loss": totals[0],
+            "grad_norm": grad_norm.to(totals.device).float(),
+            "micro_batches": totals[len(_STEP_SUMS)],
+            "skipped_seq_frac": totals[len(_STEP_SUMS) + 1] / max(n_seqs, 1.0),
+        }
+        return metrics, torch.cat([totals[1 : len(_STEP_SUMS)], totals[-2:]])  # TOKEN_METRICS' sums and counts
+
+    def _drop_zero_advantage(self, part: RolloutBatch, advantages, per_token: tuple):
+        """``part`` without its sequences whose advantage is exactly 0, the advantages and per-token tensors
+        (None or (N,) each) to match, and how many were dropped. Such a sequence's policy-gradient term is
+        -ratio * 0 = 0 for every token, whatever the ratio, clip, dual clip or importance weight, so it adds nothing
+        to the gradient unless the entropy bonus or the KL term is on (with TNT, a solved prompt's K responses all
+        score alike)."""
+        loss_cfg = self.cfg.loss
+        kl_on = self.ref_model is not None and loss_cfg.kl_coef > 0
+        if not loss_cfg.skip_zero_advantage or loss_cfg.entropy_coef > 0 or kl_on:
+            return part, advantages, per_token, 0
+        keep = [i for i, a in enumerate(advantages.tolist()) if a != 0.0]  # sync: one read per mini-batch
+        skipped = advantages.numel() - len(keep)
+        if skipped == 0:
+            return part, advantages, per_token, 0
+        kept, index = _select_sequences(part, keep)
+        keep_t = torch.tensor(keep, dtype=torch.long, device=advantages.device)
+        return kept, advantages[keep_t], tuple(t[index] if t is not None else None for t in per_token), skipped
 
     def _micro_batch_loss(
-        self, part: RolloutBatch, mb: MicroBatch, advantages, old_logp, ref_logp, *, n_tokens, n_seqs
+        self, part: RolloutBatch, mb: MicroBatch, advantages, old_logp, ref_logp, weights, *, n_tokens, n_seqs
     ):
-        """The loss of one micro-batch as its share of the mini-batch's, and its token sums (``_STEP_SUMS``)."""
+        """The loss of one micro-batch as its share of the mini-batch's (``linear_policy_loss``, the gradient formed
+        in its forward), and its token sums (``_STEP_SUMS``; the rollout diagnostics only when on-policy)."""
         loss_cfg = self.cfg.loss
         lo, hi = part.bounds[mb.first], part.bounds[mb.last]
-        with self._autocast():
-            logp, entropy = micro_batch_logprobs(
-                self._policy(), part, mb, temperature=self.cfg.rollout.temperature, with_entropy=True
-            )
-        old = old_logp[lo:hi] if old_logp is not None else logp.detach()  # one pass over the batch: on-policy
         cu = part.cu_seqlens[mb.first : mb.last + 1] - lo  # (s+1,)
-        weights, correction = None, None
-        if part.rollout_logp is not None:
-            weights, correction = rollout_correction_weights(
-                old, part.rollout_logp[lo:hi], cu, mode=self.correction, cap=loss_cfg.rollout_correction_cap
-            )
-        loss, stats = clipped_policy_loss(
-            logp,
-            old,
-            advantages[mb.first : mb.last],
-            cu,
+        loss_args = dict(
+            old_logp=old_logp[lo:hi] if old_logp is not None else None,  # None: one pass over the batch, on-policy
+            advantages=advantages[mb.first : mb.last],
+            cu_seqlens=cu,
+            entropy_coef=loss_cfg.entropy_coef,
             clip_low=loss_cfg.clip_low,
             clip_high=loss_cfg.clip_high,
             dual_clip=loss_cfg.dual_clip,
             ref_logp=ref_logp[lo:hi] if ref_logp is not None else None,
             kl_coef=loss_cfg.kl_coef,
-            is_weights=weights,
+            is_weights=weights[lo:hi] if weights is not None else None,
             agg=loss_cfg.agg,
             norm_length=loss_cfg.norm_length,
             total_tokens=n_tokens,
             total_seqs=n_seqs,
         )
-        entropy_sum = entropy.sum()
-        total = loss - loss_cfg.entropy_coef * entropy_sum / max(n_tokens, 1.0)  # token-mean entropy
+        with self._autocast():
+            loss, stats, logp = micro_batch_loss(
+                self._policy(), part, mb, temperature=self.cfg.rollout.temperature, loss=loss_args
+            )
         n = float(hi - lo)
-        zero = loss.new_zeros(())
-        sums = torch.stack(
-            [
-                loss.detach(),
-                entropy_sum.detach(),
-                (stats["clip_frac_low"] + stats["clip_frac_high"]) * n,
-                stats["approx_kl"] * n,
-                stats["kl_ref"] * n,
-                *(
-                    correction[name] * n if correction is not None else zero
-                    for name in ("rollout_logp_diff", "rollout_is_mean", "rollout_is_clipped_frac")
-                ),
-            ]
-        ).float()
-        return total, sums
+        rollout = torch.zeros(3, device=loss.device)
+        if part.rollout_logp is not None and old_logp is None:  # on-policy: the mismatch against these log-probs
+            _, correction = rollout_correction_weights(
+                logp, part.rollout_logp[lo:hi], cu, mode="none", cap=loss_cfg.rollout_correction_cap
+            )
+            rollout = torch.stack([correction[name] for name in _ROLLOUT_METRICS]) * n
+        token_means = torch.stack(
+            [stats["entropy"], stats["clip_frac_low"] + stats["clip_frac_high"], stats["approx_kl"], stats["kl_ref"]]
+        )
+        return loss, torch.cat([loss.detach()[None], token_means * n, rollout]).float()
 
     # -- the run ----------------------------------------------------------------------------------------------
 
@@ -777,6 +829,10 @@ _STEP_SUMS = (
     "rollout_is_mean",
     "rollout_is_clipped_frac",
 )
+_ROLLOUT_SUMS = slice(5, 8)  # the rollout correction's diagnostics among _STEP_SUMS
+TOKEN_METRICS = _STEP_SUMS[1:]
+"""Metrics that are means over the tokens the update ran on: absent from a step whose every sequence was skipped."""
+_ROLLOUT_METRICS = _STEP_SUMS[_ROLLOUT_SUMS]
 
 
 def _select_groups(batch: RolloutBatch, first: int, last: int) -> RolloutBatch:
@@ -795,6 +851,33 @@ def _select_groups(batch: RolloutBatch, first: int, last: int) -> RolloutBatch:
     part.responses = batch.responses[a:b]  # already on the host: no second read from the device
     part.bounds = [x - lo for x in batch.bounds[a : b + 1]]
     return part
+
+
+def _select_sequences(batch: RolloutBatch, keep: list[int]) -> tuple[RolloutBatch, torch.Tensor]:
+    """Sequences ``keep`` (ascending) of a batch, repacked from 0, and the index (n,) of their tokens in the batch's
+    packed tensors (to take the per-token inputs that go with them)."""
+    device = batch.cu_seqlens.device
+    bounds = batch.bounds
+    lengths = [bounds[i + 1] - bounds[i] for i in keep]
+    new_bounds = [0, *itertools.accumulate(lengths)]
+    keep_t = torch.tensor(keep, dtype=torch.long, device=device)
+    cu = torch.tensor(new_bounds, dtype=batch.cu_seqlens.dtype, device=device)  # (s+1,)
+    # token j of the repacked batch comes from start(seq) + (j - new_start(seq))
+    shift = batch.cu_seqlens[keep_t] - cu[:-1]  # (s,)
+    index = torch.arange(new_bounds[-1], device=device) + torch.repeat_interleave(
+        shift, batch.lengths[keep_t], output_size=new_bounds[-1]
+    )  # (n,)
+    kept = RolloutBatch(
+        [batch.prompt_ids[i] for i in keep],
+        batch.response_ids[index],
+        cu,
+        batch.truncated[keep_t],
+        batch.group_size,
+        rollout_logp=batch.rollout_logp[index] if batch.rollout_logp is not None else None,
+    )
+    kept.responses = [batch.responses[i] for i in keep]  # already on the host: no second read from the device
+    kept.bounds = new_bounds
+    return kept, index
 
 
 def _bar_callback(bar):

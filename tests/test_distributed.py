@@ -166,7 +166,7 @@ def test_zero3_ranks_with_different_micro_batch_counts_match_one_process(tmp_pat
     )
     extra = (
         f"data.train={data}", "data.hack_markers=synthetic", "data.instruction=", "rollout.prompts_per_step=2",
-        "micro_batch_tokens=256", "loss.ppo_epochs=2", "steps=2",
+        "micro_batch_tokens=256", "loss.ppo_epochs=2", "steps=2", "loss.skip_zero_advantage=false",
     )  # fmt: skip
     single = _launch("single", tmp_path / "single", tmp_path / "cache", *extra)
     assert single.returncode == 0, single.stderr[-3000:]

@@ -20,7 +20,7 @@ from fasttnt.data import build_prompt
 from fasttnt.policy import plan_micro_batches
 from fasttnt.synthetic import held_out
 from fasttnt.tiny import TinyModelConfig
-from fasttnt.trainer import Trainer
+from fasttnt.trainer import TOKEN_METRICS, Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,13 +64,9 @@ def test_a_run_writes_every_output(tmp_path):
         "limit_mean",
         "hack_rate",
         "loss",
-        "clip_frac",
-        "kl",
-        "entropy",
-        "rollout_logp_diff",
-        "rollout_is_mean",
-        "rollout_is_clipped_frac",
         "grad_norm",
+        "skipped_seq_frac",
+        "micro_batches",
         "lr",
         "generated_tokens_per_s",
         "trained_tokens_per_s",
@@ -80,7 +76,10 @@ def test_a_run_writes_every_output(tmp_path):
         "time_logprobs",
         "time_update",
     }
-    assert needed <= set(rows[0]), needed - set(rows[0])
+    for row in rows:
+        assert needed <= set(row), needed - set(row)
+        # the token means are measured on the sequences trained on: absent (never NaN) when all were skipped
+        assert (set(TOKEN_METRICS) <= set(row)) == (row["skipped_seq_frac"] < 1), row
     assert all(v == v for r in rows for v in r.values()), "NaN in the metrics"
     assert load_config(out / "config.yaml") == load_config(None, small(tmp_path))  # the resolved config, reloadable
     assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step-000002", "step-000004"]
@@ -250,7 +249,8 @@ def test_micro_batched_update_equals_the_one_forward_update(tmp_path, agg):
         batch = trainer.engine.generate(prompts, 4, seed=3)
         advantages = torch.linspace(-1.5, 1.5, batch.lengths.numel())  # (S,) all different: every token moves
         n_micro = len(plan_micro_batches(batch, budget))
-        metrics = trainer._update(batch, advantages, None, None)
+        old_logp = trainer._logprobs(trainer._policy(), batch, zero3_collectives=False)  # the correction needs them
+        metrics = trainer._update(batch, advantages, old_logp, None)
         weights = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
         results.append((n_micro, {k: float(v) for k, v in metrics.items()}, weights))
         trainer.verifier.close()
@@ -259,6 +259,65 @@ def test_micro_batched_update_equals_the_one_forward_update(tmp_path, agg):
     for name in ("loss", "grad_norm", "entropy", "clip_frac", "rollout_logp_diff", "rollout_is_mean"):
         assert one[name] == pytest.approx(many[name], rel=1e-5, abs=1e-7), name
     torch.testing.assert_close(w_many, w_one, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "agg, extra",
+    [
+        ("token-mean", ()),
+        ("seq-mean-token-mean", ("loss.rollout_correction=token-truncate",)),
+        ("seq-mean-token-sum-norm", ("loss.norm_length=64", "loss.ppo_epochs=2", "loss.dual_clip=3")),
+    ],
+)
+def test_skipping_zero_advantage_sequences_leaves_the_update_unchanged(tmp_path, agg, extra):
+    # the same batch through the update with and without the skip: half the sequences (whole groups and single
+    # ones) have an advantage of exactly 0; the normalisers count them either way, so the loss, the gradient and
+    # the weights after the step agree
+    results = []
+    for skip in (False, True):
+        cfg = load_config(
+            None, small(tmp_path, f"loss.agg={agg}", "optim.warmup_steps=0", "micro_batch_tokens=64",
+                        f"loss.skip_zero_advantage={skip}", *extra),
+        )  # fmt: skip
+        trainer = Trainer(cfg, tmp_path / f"run-{skip}")
+        prompts = [build_prompt(trainer.tokenizer, p.problem) for p in held_out(3)]
+        batch = trainer.engine.generate(prompts, 4, seed=3)
+        advantages = torch.linspace(-1.5, 1.5, batch.lengths.numel())  # (S,)
+        advantages[4:8] = 0.0  # a whole group
+        advantages[[0, 9, 11]] = 0.0  # single sequences
+        old_logp = None
+        if trainer.correction != "none" or cfg.loss.ppo_epochs > 1:
+            old_logp = trainer._logprobs(trainer._policy(), batch, zero3_collectives=False)
+        metrics = {k: float(v) for k, v in trainer._update(batch, advantages, old_logp, None).items()}
+        grads = torch.cat([p.grad.flatten() for p in trainer.model.parameters()])  # the last optimizer step's
+        results.append((metrics, grads))
+        trainer.verifier.close()
+    (straight, g_straight), (skipped, g_skipped) = results
+    assert straight["skipped_seq_frac"] == 0.0
+    assert skipped["skipped_seq_frac"] == pytest.approx(7 / batch.lengths.numel())
+    assert skipped["micro_batches"] < straight["micro_batches"]
+    for name in ("loss", "grad_norm"):
+        assert skipped[name] == pytest.approx(straight[name], rel=1e-5, abs=1e-7), name
+    # the same sums in another order (fewer, differently packed micro-batches): float32 rounding apart
+    torch.testing.assert_close(g_skipped, g_straight, rtol=1e-6, atol=1e-6 * float(g_straight.abs().max()))
+
+
+def test_a_step_with_every_sequence_skipped_still_steps(tmp_path):
+    # all advantages 0: nothing runs but one dummy forward, and the optimizer steps on zero gradients exactly as
+    # the unskipped update does (AdamW's weight decay still applies)
+    results = []
+    for skip in (False, True):
+        cfg = load_config(None, small(tmp_path, f"loss.skip_zero_advantage={skip}", "optim.weight_decay=0.1"))
+        trainer = Trainer(cfg, tmp_path / f"run-{skip}")
+        batch = trainer.engine.generate([build_prompt(trainer.tokenizer, p.problem) for p in held_out(2)], 4, seed=1)
+        metrics = trainer._update(batch, torch.zeros(batch.lengths.numel()), None, None)
+        results.append((metrics, torch.cat([p.detach().flatten() for p in trainer.model.parameters()])))
+        trainer.verifier.close()
+    (straight, w_straight), (skipped, w_skipped) = results
+    assert float(skipped["skipped_seq_frac"]) == 1.0 and float(skipped["micro_batches"]) == 0
+    assert float(skipped["grad_norm"]) == float(straight["grad_norm"]) == 0.0
+    assert torch.isnan(skipped["entropy"])  # measured on no token
+    torch.testing.assert_close(w_skipped, w_straight, rtol=0, atol=0)
 
 
 def test_rollout_correction_metrics_are_logged(tmp_path):

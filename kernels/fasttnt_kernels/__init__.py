@@ -14,6 +14,7 @@ from .clipped_policy_loss import (
     rollout_correction_weights,
 )
 from .group_advantages import group_advantages, group_advantages_reference
+from .linear_policy_loss import LINEAR_STAT_NAMES, linear_policy_loss, linear_policy_loss_reference
 from .linear_token_logprobs import linear_token_logprobs, linear_token_logprobs_reference
 from .tnt_rewards import SCHEMES, RewardValues, TntRewards, tnt_rewards, tnt_rewards_reference
 from .token_logprobs import token_logprobs, token_logprobs_reference
@@ -21,6 +22,7 @@ from .token_logprobs import token_logprobs, token_logprobs_reference
 __version__ = "0.1.0"
 
 __all__ = [
+    "LINEAR_STAT_NAMES",
     "ROLLOUT_CORRECTIONS",
     "SCHEMES",
     "STAT_NAMES",
@@ -31,6 +33,8 @@ __all__ = [
     "clipped_policy_loss_reference",
     "group_advantages",
     "group_advantages_reference",
+    "linear_policy_loss",
+    "linear_policy_loss_reference",
     "linear_token_logprobs",
     "linear_token_logprobs_reference",
     "rollout_correction_weights",

@@ -91,6 +91,7 @@ def _clipped_policy_loss_kernel(
     N,
     S,
     n_search_steps,
+    token_offset,  # the batch index of this launch's token 0 (a chunk of a longer batch; 0 otherwise)
     # scalars
     clip_low,
     clip_high,
@@ -113,12 +114,13 @@ def _clipped_policy_loss_kernel(
     mask = t < N
 
     # the sequence owning token t: the largest s in [0, S) with cu_seqlens[s] <= t (empty sequences skip)
+    t_batch = t + token_offset
     lo = tl.zeros([BLOCK], dtype=tl.int32)
     hi = tl.zeros([BLOCK], dtype=tl.int32) + (S - 1)
     for _ in range(n_search_steps):
         mid = (lo + hi + 1) // 2
         start = tl.load(cu_seqlens_ptr + mid, mask=mask, other=0)
-        go_right = start <= t
+        go_right = start <= t_batch
         lo = tl.where(go_right, mid, lo)
         hi = tl.where(go_right, hi, mid - 1)
     seq = lo
@@ -201,11 +203,42 @@ def clipped_policy_loss_reference(
     total_seqs: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The semantics in plain differentiable PyTorch (float32, or float64 for float64 ``logp``)."""
-    dtype = _common.compute_dtype(logp.dtype)
     N, S = logp.shape[0], advantages.shape[0]
+    a, seq_len = per_token_advantages(advantages, cu_seqlens, N)
+    w_const, w_per_len = _token_weights(config, N, S, total_tokens, total_seqs)
+    loss_t, indicators = token_terms_reference(
+        logp, old_logp, a, seq_len, config=config, ref_logp=ref_logp, is_weights=is_weights
+    )
+    loss = (loss_t * (w_const + w_per_len / seq_len.to(loss_t.dtype))).sum()
+    n = max(N, 1)
+    stats = {name: value.sum() / n for name, value in indicators.items()}
+    return loss, stats
+
+
+def per_token_advantages(advantages: torch.Tensor, cu_seqlens: torch.Tensor, N: int):
+    """Each token's sequence advantage (N,) and its sequence's length (N,), from the packed layout."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # (S,)
-    a = torch.repeat_interleave(advantages.to(dtype), lengths, output_size=N)  # (N,)
-    seq_len = torch.repeat_interleave(lengths, lengths, output_size=N).to(dtype)  # (N,)
+    a = torch.repeat_interleave(advantages, lengths, output_size=N)  # (N,)
+    seq_len = torch.repeat_interleave(lengths, lengths, output_size=N)  # (N,)
+    return a, seq_len
+
+
+def token_terms_reference(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    a: torch.Tensor,
+    seq_len: torch.Tensor,
+    *,
+    config: PolicyLossConfig,
+    ref_logp: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per token: the unweighted loss l_t (differentiable w.r.t. ``logp``) and each statistic's summand, for
+    tokens given with their sequence's advantage ``a`` (N,) (``per_token_advantages``). ``seq_len`` is unused
+    here but keeps the signature of a chunk's view of the batch."""
+    del seq_len
+    dtype = _common.compute_dtype(logp.dtype)
+    a = a.to(dtype)
     logp = logp.to(dtype)
     log_ratio = torch.clamp(logp - old_logp.to(dtype), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
@@ -225,19 +258,16 @@ def clipped_policy_loss_reference(
         d = torch.clamp(ref_logp.to(dtype) - logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         kl_ref = torch.exp(d) - d - 1.0
         loss_t = loss_t + config.kl_coef * kl_ref
-    w_const, w_per_len = _token_weights(config, N, S, total_tokens, total_seqs)
-    loss = (loss_t * (w_const + w_per_len / seq_len)).sum()
-    n = max(N, 1)
     with torch.no_grad():
-        stats = {
-            "clip_frac_low": (clip_binds & (a < 0)).sum().to(dtype) / n,
-            "clip_frac_high": (clip_binds & (a > 0)).sum().to(dtype) / n,
-            "dual_clip_frac": dual_binds.sum().to(dtype) / n,
-            "approx_kl": (ratio - 1.0 - log_ratio).sum() / n,
-            "ratio_mean": ratio.sum() / n,
-            "kl_ref": kl_ref.sum() / n,
+        indicators = {
+            "clip_frac_low": (clip_binds & (a < 0)).to(dtype),
+            "clip_frac_high": (clip_binds & (a > 0)).to(dtype),
+            "dual_clip_frac": dual_binds.to(dtype),
+            "approx_kl": ratio - 1.0 - log_ratio,
+            "ratio_mean": ratio,
+            "kl_ref": kl_ref,
         }
-    return loss, stats
+    return loss_t, indicators
 
 
 def rollout_correction_weights(
@@ -297,48 +327,70 @@ def rollout_correction_weights(
     return weights, stats
 
 
+def launch_token_terms(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    is_weights: torch.Tensor | None,
+    advantages: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    config: PolicyLossConfig,
+    w_const: float,
+    w_per_len: float,
+    *,
+    grad: torch.Tensor | None,
+    token_offset: int = 0,
+) -> torch.Tensor:
+    """Run the kernel over tokens ``token_offset .. token_offset + n - 1`` of a packed batch (``advantages`` and
+    ``cu_seqlens`` are the whole batch's; the per-token inputs are the n tokens'). Writes dloss/dlogp into
+    ``grad`` (n,) when given; returns the sums (N_PARTIALS,): the weighted loss, then one per statistic."""
+    n, S = logp.shape[0], advantages.shape[0]
+    num_blocks = max(1, triton.cdiv(n, _BLOCK))
+    partials = _common.new_empty((num_blocks, _N_PARTIALS), dtype=torch.float32, device=logp.device)
+    if n == 0 or S == 0:
+        partials.zero_()
+        if grad is not None:
+            grad.zero_()
+    else:
+        _clipped_policy_loss_kernel[(num_blocks,)](
+            logp,
+            old_logp,
+            ref_logp if ref_logp is not None else logp,
+            is_weights if is_weights is not None else logp,
+            advantages,
+            cu_seqlens,
+            grad if grad is not None else partials,
+            partials,
+            n,
+            S,
+            max(1, math.ceil(math.log2(S)) + 1),
+            token_offset,
+            config.clip_low,
+            config.clip_high,
+            config.dual_clip if config.dual_clip is not None else 0.0,
+            config.kl_coef,
+            w_const,
+            w_per_len,
+            LOG_RATIO_CLAMP,
+            HAS_DUAL_CLIP=config.dual_clip is not None,
+            HAS_REF=ref_logp is not None,
+            HAS_IS_WEIGHT=is_weights is not None,
+            COMPUTE_GRAD=grad is not None,
+            N_PARTIALS=_N_PARTIALS,
+            BLOCK=_BLOCK,
+        )
+    return partials.sum(dim=0)  # (N_PARTIALS,): a fixed-order reduction, so the loss is deterministic
+
+
 class ClippedPolicyLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logp, old_logp, ref_logp, is_weights, advantages, cu_seqlens, config, total_tokens, total_seqs):
         N, S = logp.shape[0], advantages.shape[0]
-        device = logp.device
-        compute_grad = logp.requires_grad
-        num_blocks = max(1, triton.cdiv(N, _BLOCK))
-        partials = _common.new_empty((num_blocks, _N_PARTIALS), dtype=torch.float32, device=device)
-        grad = _common.new_empty(N, dtype=torch.float32, device=device) if compute_grad else None  # (N,)
+        grad = _common.new_empty(N, dtype=torch.float32, device=logp.device) if logp.requires_grad else None  # (N,)
         w_const, w_per_len = _token_weights(config, N, S, total_tokens, total_seqs)
-        if N == 0 or S == 0:
-            partials.zero_()
-            if grad is not None:
-                grad.zero_()
-        else:
-            _clipped_policy_loss_kernel[(num_blocks,)](
-                logp,
-                old_logp,
-                ref_logp if ref_logp is not None else logp,
-                is_weights if is_weights is not None else logp,
-                advantages,
-                cu_seqlens,
-                grad if grad is not None else partials,
-                partials,
-                N,
-                S,
-                max(1, math.ceil(math.log2(S)) + 1),
-                config.clip_low,
-                config.clip_high,
-                config.dual_clip if config.dual_clip is not None else 0.0,
-                config.kl_coef,
-                w_const,
-                w_per_len,
-                LOG_RATIO_CLAMP,
-                HAS_DUAL_CLIP=config.dual_clip is not None,
-                HAS_REF=ref_logp is not None,
-                HAS_IS_WEIGHT=is_weights is not None,
-                COMPUTE_GRAD=compute_grad,
-                N_PARTIALS=_N_PARTIALS,
-                BLOCK=_BLOCK,
-            )
-        sums = partials.sum(dim=0)  # (N_PARTIALS,): a fixed-order reduction, so the loss is deterministic
+        sums = launch_token_terms(
+            logp, old_logp, ref_logp, is_weights, advantages, cu_seqlens, config, w_const, w_per_len, grad=grad
+        )
         ctx.save_for_backward(grad)
         ctx.logp_dtype = logp.dtype
         stats = sums[1:] / max(N, 1)
@@ -350,6 +402,37 @@ class ClippedPolicyLossFunction(torch.autograd.Function):
         (grad,) = ctx.saved_tensors
         grad_logp = (grad * grad_loss).to(ctx.logp_dtype) if grad is not None else None
         return grad_logp, None, None, None, None, None, None, None, None
+
+
+def check_policy_loss_inputs(
+    N: int,
+    old_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    ref_logp: torch.Tensor | None,
+    kl_coef: float,
+    is_weights: torch.Tensor | None,
+    total_tokens: float | None,
+    total_seqs: float | None,
+) -> dict[str, torch.Tensor]:
+    """Check the loss's inputs for N tokens (shapes, dtypes, normalisers); returns the tensors given, by name."""
+    tensors = {"advantages": advantages, "cu_seqlens": cu_seqlens}
+    _common.check_1d("advantages", advantages)
+    _common.check_1d("cu_seqlens", cu_seqlens, advantages.shape[0] + 1)
+    _common.check_dtype("advantages", advantages, _common.FLOAT_DTYPES)
+    _common.check_dtype("cu_seqlens", cu_seqlens, _common.INDEX_DTYPES)
+    if ref_logp is None and kl_coef > 0:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logp")
+    for name, t in (("old_logp", old_logp), ("ref_logp", ref_logp), ("is_weights", is_weights)):
+        if t is not None:
+            _common.check_1d(name, t, N)
+            _common.check_dtype(name, t, _common.FLOAT_DTYPES)
+            tensors[name] = t
+    for name, value in (("total_tokens", total_tokens), ("total_seqs", total_seqs)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be > 0 when given, got {value}")
+    return tensors
 
 
 def clipped_policy_loss(
@@ -380,27 +463,19 @@ def clipped_policy_loss(
     """
     config = PolicyLossConfig(clip_low, clip_high, dual_clip, kl_coef, agg, norm_length)
     _common.check_1d("logp", logp)
-    N = logp.shape[0]
-    _common.check_1d("old_logp", old_logp, N)
-    _common.check_1d("advantages", advantages)
-    _common.check_1d("cu_seqlens", cu_seqlens, advantages.shape[0] + 1)
-    for name, t in (("logp", logp), ("old_logp", old_logp), ("advantages", advantages)):
-        _common.check_dtype(name, t, _common.FLOAT_DTYPES)
-    _common.check_dtype("cu_seqlens", cu_seqlens, _common.INDEX_DTYPES)
-    tensors = {"logp": logp, "old_logp": old_logp, "advantages": advantages, "cu_seqlens": cu_seqlens}
-    if ref_logp is not None:
-        _common.check_1d("ref_logp", ref_logp, N)
-        _common.check_dtype("ref_logp", ref_logp, _common.FLOAT_DTYPES)
-        tensors["ref_logp"] = ref_logp
-    elif kl_coef > 0:
-        raise ValueError(f"kl_coef={kl_coef} needs ref_logp")
-    if is_weights is not None:
-        _common.check_1d("is_weights", is_weights, N)
-        _common.check_dtype("is_weights", is_weights, _common.FLOAT_DTYPES)
-        tensors["is_weights"] = is_weights
-    for name, value in (("total_tokens", total_tokens), ("total_seqs", total_seqs)):
-        if value is not None and not value > 0:
-            raise ValueError(f"{name} must be > 0 when given, got {value}")
+    _common.check_dtype("logp", logp, _common.FLOAT_DTYPES)
+    tensors = check_policy_loss_inputs(
+        logp.shape[0],
+        old_logp,
+        advantages,
+        cu_seqlens,
+        ref_logp=ref_logp,
+        kl_coef=kl_coef,
+        is_weights=is_weights,
+        total_tokens=total_tokens,
+        total_seqs=total_seqs,
+    )
+    tensors["logp"] = logp
     _common.check_same_device(**tensors)
 
     if not _common.use_triton(*tensors.values()):

@@ -43,10 +43,11 @@ def linear_token_logprobs_reference(
 
 
 def chunk_rows_for(n_rows: int, vocab: int, itemsize: int, chunk_bytes: int) -> int:
-    """Rows per chunk so that one chunk of logits fits ``chunk_bytes``; a multiple of 64 rows once above 64."""
+    """Rows per chunk so that one chunk of logits fits ``chunk_bytes``; a multiple of 128 rows once above 128 (the
+    matmul's tile height on tensor cores, so no chunk but the last runs a ragged tile)."""
     rows = max(1, chunk_bytes // max(1, vocab * itemsize))
-    if rows >= 64:
-        rows -= rows % 64
+    if rows >= 128:
+        rows -= rows % 128
     return min(rows, max(1, n_rows))
 
 

@@ -1,0 +1,218 @@
+"""linear_policy_loss: the fused lm_head + clipped loss against the composition of the two ops it fuses, and
+against the materialised reference in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fasttnt_kernels import (
+    LINEAR_STAT_NAMES,
+    PolicyLossConfig,
+    clipped_policy_loss,
+    linear_policy_loss,
+    linear_policy_loss_reference,
+    linear_token_logprobs,
+)
+
+from checks import DEVICE, assert_close, assert_no_worse_than
+
+V, H = 300, 24
+ROWS_PER_CHUNK = 16
+# sequences crossing chunk boundaries, an empty one, a one-token one: 61 tokens in 4 chunks, the last ragged
+LENGTHS = [9, 20, 0, 1, 17, 14]
+
+
+def _batch(dtype=torch.float32, *, spread=0.5):
+    lengths = torch.tensor(LENGTHS, device=DEVICE)
+    cu = torch.zeros(len(LENGTHS) + 1, dtype=torch.int64, device=DEVICE)
+    cu[1:] = lengths.cumsum(0)
+    n = int(cu[-1])
+    hidden = torch.randn(n, H, device=DEVICE).to(dtype)
+    weight = (torch.randn(V, H, device=DEVICE) / H**0.5 * 3).to(dtype)
+    ids = torch.randint(0, V, (n,), device=DEVICE)
+    with torch.no_grad():
+        logp = torch.log_softmax(hidden.double() @ weight.double().T, -1).gather(-1, ids[:, None])[:, 0].float()
+    # old and reference policies ~spread away in log space: ratios on both sides of both clip bounds
+    old = logp + torch.randn(n, device=DEVICE) * spread
+    ref = logp + torch.randn(n, device=DEVICE) * spread
+    is_w = torch.rand(n, device=DEVICE) * 1.5
+    adv = torch.randn(len(LENGTHS), device=DEVICE)
+    adv[1] = 0.0  # a zero advantage: no policy-gradient term
+    return hidden, weight, ids, old, ref, is_w, adv, cu
+
+
+def _chunk_bytes(dtype):
+    return ROWS_PER_CHUNK * V * torch.empty((), dtype=dtype).element_size()
+
+
+def _fused(hidden, weight, ids, old, adv, cu, **kw):
+    h = hidden.detach().clone().requires_grad_()
+    w = weight.detach().clone().requires_grad_()
+    loss, stats = linear_policy_loss(h, w, ids, old, adv, cu, chunk_bytes=_chunk_bytes(hidden.dtype), **kw)
+    (loss * 0.75).backward()  # an upstream gradient other than 1
+    return loss.detach(), stats, h.grad, w.grad
+
+
+def _composed(hidden, weight, ids, old, adv, cu, *, temperature=1.0, entropy_coef=0.0, total_tokens=None, **kw):
+    """What the trainer ran before the fusion: linear_token_logprobs, then clipped_policy_loss and the bonus."""
+    h = hidden.detach().clone().requires_grad_()
+    w = weight.detach().clone().requires_grad_()
+    logp, entropy = linear_token_logprobs(
+        h, w, ids, temperature=temperature, with_entropy=True, chunk_bytes=_chunk_bytes(hidden.dtype)
+    )
+    loss, stats = clipped_policy_loss(
+        logp, logp.detach() if old is None else old, adv, cu, total_tokens=total_tokens, **kw
+    )
+    tokens = hidden.shape[0] if total_tokens is None else total_tokens
+    loss = loss - entropy_coef * entropy.sum() / tokens
+    (loss * 0.75).backward()
+    stats["entropy"] = entropy.detach().mean()
+    return loss.detach(), stats, h.grad, w.grad
+
+
+def _truth(hidden, weight, ids, old, adv, cu, *, ref_logp=None, is_weights=None, dtype=torch.float64, **kw):
+    """The materialised reference, in float64 unless told (float32 under autocast: bf16 logits)."""
+    cfg_keys = ("clip_low", "clip_high", "dual_clip", "kl_coef", "agg", "norm_length")
+    config = PolicyLossConfig(**{k: kw.pop(k) for k in cfg_keys if k in kw})
+    h = hidden.detach().to(dtype).requires_grad_()
+    w = weight.detach().to(dtype).requires_grad_()
+    loss, stats = linear_policy_loss_reference(
+        h,
+        w,
+        ids,
+        None if old is None else old.to(dtype),
+        adv.to(dtype),
+        cu,
+        config=config,
+        ref_logp=None if ref_logp is None else ref_logp.to(dtype),
+        is_weights=None if is_weights is None else is_weights.to(dtype),
+        **kw,
+    )
+    (loss * 0.75).backward()
+    return loss.detach(), stats, h.grad, w.grad
+
+
+VARIANTS = {
+    "token-mean": dict(agg="token-mean"),
+    "seq-mean-token-mean": dict(agg="seq-mean-token-mean", total_seqs=9.0),
+    "dr-grpo": dict(agg="seq-mean-token-sum-norm", norm_length=24.0),
+    "entropy": dict(entropy_coef=0.05, total_tokens=80.0),
+    "kl+dual-clip": dict(kl_coef=0.1, use_ref=True, dual_clip=3.0, clip_high=0.28),
+    "on-policy": dict(on_policy=True, entropy_coef=0.01, temperature=0.7),
+    "is-weights+everything": dict(
+        use_is=True, use_ref=True, kl_coef=0.05, dual_clip=2.5, entropy_coef=0.02, agg="seq-mean-token-mean"
+    ),
+}
+
+
+def _args(variant, old, ref, is_w):
+    kw = dict(VARIANTS[variant])
+    old = None if kw.pop("on_policy", False) else old
+    if kw.pop("use_ref", False):
+        kw["ref_logp"] = ref
+    if kw.pop("use_is", False):
+        kw["is_weights"] = is_w
+    return old, kw
+
+
+def _assert_same(got, want, *, rtol, atol, names=("loss", "stats", "grad hidden", "grad weight")):
+    for name, a, b in zip(names, got, want, strict=True):
+        if name == "stats":
+            assert set(a) == set(LINEAR_STAT_NAMES)
+            for stat in LINEAR_STAT_NAMES:
+                assert not torch.isnan(a[stat]), stat
+                torch.testing.assert_close(a[stat].double(), b[stat].double(), rtol=rtol, atol=atol, msg=stat)
+        else:
+            assert not torch.isnan(a).any(), name
+            torch.testing.assert_close(a.double(), b.double(), rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("path", ["triton", "torch"])
+def test_equals_the_composition_in_float32(monkeypatch, variant, path):
+    # the same chunked logits as linear_token_logprobs, the same per-token terms as clipped_policy_loss: equal up
+    # to the order of float32 sums
+    monkeypatch.setenv("FASTTNT_KERNELS", path)
+    hidden, weight, ids, old, ref, is_w, adv, cu = _batch()
+    old, kw = _args(variant, old, ref, is_w)
+    got = _fused(hidden, weight, ids, old, adv, cu, **kw)
+    want = _composed(hidden, weight, ids, old, adv, cu, **kw)
+    _assert_same(got, want, rtol=1e-6, atol=1e-6)
+    assert got[2].dtype == torch.float32 and got[3].dtype == torch.float32
+
+
+@pytest.mark.parametrize("variant", ["token-mean", "is-weights+everything", "on-policy"])
+@pytest.mark.parametrize("path", ["triton", "torch"])
+def test_matches_the_float64_reference(monkeypatch, variant, path):
+    monkeypatch.setenv("FASTTNT_KERNELS", path)
+    hidden, weight, ids, old, ref, is_w, adv, cu = _batch()
+    old, kw = _args(variant, old, ref, is_w)
+    got = _fused(hidden, weight, ids, old, adv, cu, **kw)
+    truth = _truth(hidden, weight, ids, old, adv, cu, **kw)
+    assert_close(got[0], truth[0], tol="fp32-matmul", name="loss")
+    for stat in LINEAR_STAT_NAMES:
+        assert_close(got[1][stat], truth[1][stat], tol="fp32-matmul", name=stat)
+    assert_close(got[2], truth[2], tol="fp32-matmul", name="grad hidden")
+    assert_close(got[3], truth[3], tol="fp32-matmul", name="grad weight")
+
+
+@pytest.mark.parametrize("path", ["triton", "torch"])
+def test_autocast_accumulates_the_weight_gradient_in_float32(monkeypatch, path):
+    # float32 master weights under bf16 autocast: bf16 logits and gradient matmuls, the weight's gradient summed
+    # over chunks in float32, so it is no worse than the materialised bf16 reference's
+    monkeypatch.setenv("FASTTNT_KERNELS", path)
+    hidden, weight, ids, old, _ref, _is_w, adv, cu = _batch()
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        got = _fused(hidden, weight, ids, old, adv, cu, entropy_coef=0.05)
+        lowp = _truth(hidden, weight, ids, old, adv, cu, entropy_coef=0.05, dtype=torch.float32)
+    truth = _truth(hidden.bfloat16(), weight.bfloat16(), ids, old, adv, cu, entropy_coef=0.05)
+    assert got[2].dtype == torch.float32 and got[3].dtype == torch.float32
+    for name, a, r, t in zip(("grad hidden", "grad weight"), got[2:], lowp[2:], truth[2:], strict=True):
+        assert_no_worse_than(a, r, t, slack=4.0, atol=1e-4, name=name)
+
+
+@pytest.mark.parametrize("path", ["triton", "torch"])
+def test_bfloat16_weights_get_a_bfloat16_gradient_rounded_once(monkeypatch, path):
+    # bf16 logits set the precision; the weight's gradient, summed over the chunks in float32 and rounded once,
+    # is as close to the truth as the materialised bf16 reference's single matmul
+    monkeypatch.setenv("FASTTNT_KERNELS", path)
+    hidden, weight, ids, old, _ref, _is_w, adv, cu = _batch(torch.bfloat16)
+    got = _fused(hidden, weight, ids, old, adv, cu)
+    lowp = _truth(hidden, weight, ids, old, adv, cu, dtype=torch.bfloat16)
+    truth = _truth(hidden, weight, ids, old, adv, cu)
+    assert got[2].dtype == torch.bfloat16 and got[3].dtype == torch.bfloat16
+    for name, a, r, t in zip(("grad hidden", "grad weight"), got[2:], lowp[2:], truth[2:], strict=True):
+        assert_no_worse_than(a, r, t, name=name)
+
+
+def test_no_grad_computes_the_loss_only(triton_path):
+    hidden, weight, ids, old, _ref, _is_w, adv, cu = _batch()
+    with torch.no_grad():
+        loss, _stats = linear_policy_loss(hidden, weight, ids, old, adv, cu, chunk_bytes=_chunk_bytes(torch.float32))
+    want = _composed(hidden, weight, ids, old, adv, cu)
+    torch.testing.assert_close(loss, want[0], rtol=1e-6, atol=1e-6)
+    assert not loss.requires_grad
+
+
+def test_far_off_policy_tokens_stay_finite(triton_path):
+    # log-ratios of +-200 would overflow exp in float32 without the clamp: no NaN, no inf, in value or gradient
+    hidden, weight, ids, old, ref, _is_w, adv, cu = _batch()
+    old = old + torch.where(torch.arange(old.numel(), device=DEVICE) % 2 == 0, 200.0, -200.0)
+    loss, stats, gh, gw = _fused(hidden, weight, ids, old, adv, cu, kl_coef=0.1, ref_logp=ref - 300.0)
+    for name, t in (("loss", loss), ("grad hidden", gh), ("grad weight", gw), *stats.items()):
+        assert torch.isfinite(t).all(), name
+
+
+def test_bad_inputs_name_what_is_wrong():
+    hidden, weight, ids, old, _ref, _is_w, adv, cu = _batch()
+    with pytest.raises(ValueError, match="old_logp must have"):
+        linear_policy_loss(hidden, weight, ids, old[:-1], adv, cu)
+    with pytest.raises(ValueError, match="cu_seqlens must have"):
+        linear_policy_loss(hidden, weight, ids, old, adv, cu[:-1])
+    with pytest.raises(ValueError, match="needs ref_logp"):
+        linear_policy_loss(hidden, weight, ids, old, adv, cu, kl_coef=0.1)
+    with pytest.raises(ValueError, match="weight \\(V, H\\)"):
+        linear_policy_loss(hidden, weight[:, :-1], ids, old, adv, cu)
+    with pytest.raises(ValueError, match="entropy_coef"):
+        linear_policy_loss(hidden, weight, ids, old, adv, cu, entropy_coef=-1.0)
