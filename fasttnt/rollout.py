@@ -1,23 +1,26 @@
 """Rollout engines: K sampled responses per prompt, returned packed.
 
-``hf`` generates with transformers (CPU or GPU, KV cache, batched). ``vllm`` runs a colocated vLLM ``LLM`` on
-each rank's GPU, asleep between rollouts, with weights pushed from the trained model in buckets. vLLM does not
-install on CPU-only machines: the ``vllm`` engine follows TRL's tested colocate code and is tested here against a
-stand-in that enforces vLLM's rules, never against vLLM itself. Both engines return the log-prob each token was
-sampled with, for the rollout correction (``loss.rollout_correction``).
+``hf`` generates with fasttnt's own decode loop over the transformers model (CPU or GPU, KV cache, batched),
+which prefills each prompt once for its K samples and drops finished rows from the batch (``generate`` can do
+neither). ``vllm`` runs a colocated vLLM ``LLM`` on each rank's GPU, asleep between rollouts, with weights pushed
+from the trained model in buckets. vLLM does not install on CPU-only machines: the ``vllm`` engine follows TRL's
+tested colocate code and is tested here against a stand-in that enforces vLLM's rules, never against vLLM itself.
+Both engines return the log-prob each token was sampled with, for the rollout correction
+(``loss.rollout_correction``).
 """
 
 from __future__ import annotations
 
 import functools
 import gc
+import inspect
 import itertools
 import os
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import DynamicCache
 
 from .data import Prompt
 from .registry import Registry
@@ -104,34 +107,26 @@ def _hash_uniform(row_seeds: torch.Tensor, position: int, vocab: int) -> torch.T
     return (((x >> 12) & ((1 << 52) - 1)).double() + 0.5) / float(1 << 52)
 
 
-class SeededSampler(LogitsProcessor):
-    """Sampling by the Gumbel-max trick with per-row counter-based noise, for greedy decoding to apply.
+def seeded_sample(
+    scores: torch.Tensor, row_seeds: torch.Tensor, position: int, *, temperature: float, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row (B,), and its log-prob (B,) under the distribution it was drawn from (after temperature
+    and top-p), which the rollout correction compares with. ``position``: the tokens the rows generated before.
 
-    ``argmax(logits / T + Gumbel)`` is a draw from ``softmax(logits / T)`` (after the top-p cut); drawing the
-    noise from each row's own seed makes a response depend only on its prompt, its seed and the model, not on
-    the batch: a prompt's samples are the same whether one process generates the step's batch or N ranks
-    generate a share each.
+    Sampling by the Gumbel-max trick with per-row counter-based noise: ``argmax(logits / T + Gumbel)`` is a draw
+    from ``softmax(logits / T)`` (after the top-p cut). Drawing the noise from each row's own seed makes a response
+    depend only on its prompt, its seed and the model, not on the batch: a prompt's samples are the same whether
+    one process generates the step's batch or N ranks generate a share each, and whichever rows are still decoding.
     """
-
-    def __init__(self, row_seeds: torch.Tensor, prompt_width: int, temperature: float, top_p: float) -> None:
-        self.row_seeds, self.prompt_width = row_seeds, prompt_width
-        self.temperature, self.top_p = temperature, top_p
-        self.logprobs: list[torch.Tensor] = []  # (B,) per generated position: the sampled tokens' log-probs
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        z = scores.float() / self.temperature
-        if self.top_p < 1.0:  # keep the smallest set of tokens whose probability reaches top_p
-            sorted_z, order = z.sort(dim=-1, descending=True)
-            cum = sorted_z.softmax(-1).cumsum(-1)
-            drop_sorted = cum - sorted_z.softmax(-1) >= self.top_p
-            z = z.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -float("inf"))
-        u = _hash_uniform(self.row_seeds.to(z.device), input_ids.shape[1] - self.prompt_width, z.shape[-1])
-        perturbed = z + (-torch.log(-torch.log(u))).to(z.dtype)
-        # generate takes the argmax of what this returns (greedy decoding): the same token, whose log-prob under the
-        # distribution it was drawn from (after temperature and top-p) the rollout correction compares with
-        chosen = perturbed.argmax(-1, keepdim=True)  # (B, 1)
-        self.logprobs.append(torch.log_softmax(z, -1).gather(-1, chosen)[:, 0])
-        return perturbed
+    z = scores.float() / temperature  # (B, V)
+    if top_p < 1.0:  # keep the smallest set of tokens whose probability reaches top_p
+        sorted_z, order = z.sort(dim=-1, descending=True)
+        cum = sorted_z.softmax(-1).cumsum(-1)
+        drop_sorted = cum - sorted_z.softmax(-1) >= top_p
+        z = z.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -float("inf"))
+    u = _hash_uniform(row_seeds.to(z.device), position, z.shape[-1])  # (B, V) float64
+    chosen = (z + (-torch.log(-torch.log(u))).to(z.dtype)).argmax(-1, keepdim=True)  # (B, 1)
+    return chosen[:, 0], torch.log_softmax(z, -1).gather(-1, chosen)[:, 0]
 
 
 def row_seeds(seed: int, first_row: int, rows: int) -> torch.Tensor:
@@ -144,21 +139,44 @@ def row_seeds(seed: int, first_row: int, rows: int) -> torch.Tensor:
     return x
 
 
-class _ForbidFirst(LogitsProcessor):
-    """Forced thinking: the first generated token may not be ``</think>``."""
+# compact once this share of the decode batch has finished: a compaction copies the KV cache once, and rows left in
+# cost a wasted row each per step. At 1/8 a step wastes less than 1/8 of its rows, and the copies add up to at
+# most 8 first batches' worth of rows (the batch shrinks to 7/8 or less each time: a geometric series)
+_COMPACT_SHARE = 8
 
-    def __init__(self, prompt_width: int, token_id: int) -> None:
-        self.prompt_width, self.token_id = prompt_width, token_id
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if input_ids.shape[1] == self.prompt_width:
-            scores[:, self.token_id] = -float("inf")
-        return scores
+@dataclass
+class _DecodeRows:
+    """The rows of the decode batch (B of them, on the model's device): the S responses after the prefill, the
+    unfinished ones after each compaction."""
+
+    cache: DynamicCache  # per layer: keys and values (B, kv heads, W + t, head dim)
+    mask: torch.Tensor  # (B, W + t) int64: 0 on the prompts' left padding
+    positions: torch.Tensor  # (B,) int64: the position of each row's last token
+    seeds: torch.Tensor  # (B,) int64
+    index: torch.Tensor  # (B,) int64: each row's index among the S responses
+    tokens: torch.Tensor  # (B,) int64: each row's last sampled token, fed next
+    done: torch.Tensor  # (B,) bool: sampled EOS; fed the pad token, its outputs ignored, until the next compaction
+
+    def compact(self) -> None:
+        """Drop the finished rows from the batch and the KV cache (one copy of the cache)."""
+        keep = (~self.done).nonzero()[:, 0]  # (B',) sync: the number of rows kept
+        self.cache.batch_select_indices(keep)  # transformers 5.24: every layer's keys and values indexed on dim 0
+        self.mask, self.positions, self.seeds, self.index, self.tokens, self.done = (
+            t[keep] for t in (self.mask, self.positions, self.seeds, self.index, self.tokens, self.done)
+        )
 
 
 @ENGINES.register("hf")
 class HFEngine:
-    """transformers ``generate`` on the training model itself (no weight copy, so syncing is free)."""
+    """fasttnt's own decode loop over the training model itself (no weight copy, so syncing is free).
+
+    Not transformers ``generate``: it prefills a prompt once per sample and computes every row until the longest
+    finishes (a step whose responses run 11 to 60 tokens computes 60 positions for each), and it cannot drop rows.
+    Here each distinct prompt is prefilled once and its KV cache repeated K times, and finished rows leave the batch
+    and the cache (``_DecodeRows.compact``). The model's ``generation_config`` (repetition penalty, n-gram bans,
+    ...) is never read: it would bend the distribution the loss's log-probs assume.
+    """
 
     def __init__(
         self, model, tokenizer, *, max_new_tokens: int, temperature: float, top_p: float, dtype: str = "float32", **_
@@ -169,6 +187,11 @@ class HFEngine:
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
         self.think_end_id = tokenizer.convert_tokens_to_ids("</think>")
+        forward = inspect.signature(model.forward).parameters
+        # transformers 5 renamed the forward's past_key_values to cache (5.24 takes both, warning on the old name)
+        self.cache_keyword = "cache" if "cache" in forward else "past_key_values"
+        # the prefill needs the last position's logits only, not (P, W, V): generate asks the same where it can
+        self.last_logits_only = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
 
     @torch.no_grad()
     def generate(self, prompts: list[Prompt], group_size: int, *, seed: int, first_row: int = 0) -> RolloutBatch:
@@ -179,58 +202,26 @@ class HFEngine:
             self.tokenizer(p.response_prefix, add_special_tokens=False)["input_ids"] if p.response_prefix else []
             for p in prompts
         ]
-        rows = [ids for ids in encoded for _ in range(group_size)]  # (S,) prompts, each K times
-        width = max(len(r) for r in rows)
-        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):  # left padding: every row's next token is generated at the same column
-            input_ids[i, width - len(r) :] = torch.tensor(r)
-            attention[i, width - len(r) :] = 1
-        processors = LogitsProcessorList()
-        if any(p.forbid_think_end_first for p in prompts):
-            processors.append(_ForbidFirst(width, self.think_end_id))
-        # sampling is ours (seeded per row), so generate decodes greedily over the perturbed scores
-        sampler = SeededSampler(row_seeds(seed, first_row, len(rows)), width, self.temperature, self.top_p)
-        processors.append(sampler)
+        seeds = row_seeds(seed, first_row, len(prompts) * group_size).to(device)  # (S,): row i answers prompt i // K
+        forbid = torch.tensor([p.forbid_think_end_first for p in prompts], device=device)  # (P,)
         was_training = self.model.training
         self.model.eval()
-        # the model's own generation_config (repetition penalty, n-gram bans, ...) would bend the distribution the
-        # loss's log-probs assume: sample from the policy and nothing else (restored in the finally below)
-        saved_config, self.model.generation_config = self.model.generation_config, GenerationConfig()
         # on CUDA, the same bf16 autocast as the training forwards (FlashAttention rejects float32 inputs)
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and self.bf16_autocast)
         try:
             with autocast:
-                out = self.model.generate(
-                    input_ids=input_ids.to(device),
-                    attention_mask=attention.to(device),
-                    do_sample=False,
-                    temperature=None,
-                    top_p=None,
-                    top_k=None,
-                    max_new_tokens=self.max_new_tokens,
-                    eos_token_id=self.eos_id,
-                    pad_token_id=self.pad_id,
-                    logits_processor=processors,
-                )
+                sampled, sampled_logp = self._decode(encoded, group_size, seeds, forbid.repeat_interleave(group_size))
         finally:
-            self.model.generation_config = saved_config
-        self.model.train(was_training)
-        generated = out[:, width:].tolist()  # sync: one per rollout
-        sampled_logp = torch.stack(sampler.logprobs, 1).tolist()  # (B, steps)
+            self.model.train(was_training)
         responses, truncated, logprobs = [], [], []
-        for i, tokens in enumerate(generated):
-            if self.eos_id in tokens:
-                tokens = tokens[: tokens.index(self.eos_id) + 1]  # keep EOS: the policy learns to stop
-                truncated.append(False)
-            else:
-                truncated.append(True)
+        for i, (tokens, logp) in enumerate(zip(sampled, sampled_logp, strict=True)):
+            truncated.append(not tokens or tokens[-1] != self.eos_id)  # EOS is kept: the policy learns to stop
             prefix = prefixes[i // group_size]
             responses.append(prefix + tokens)
-            logprobs.extend([0.0] * len(prefix) + sampled_logp[i][: len(tokens)])
-        prompt_ids = [
-            ids[: len(ids) - len(prefixes[i // group_size])] for i, ids in enumerate(rows)
-        ]  # the prompt proper: a pre-filled prefix belongs to the response
+            logprobs.extend([0.0] * len(prefix) + logp)
+        # the prompt proper, K times: a pre-filled prefix belongs to the response
+        prompt_ids = [ids[: len(ids) - len(pre)] for ids, pre in zip(encoded, prefixes, strict=True)]
+        prompt_ids = [ids for ids in prompt_ids for _ in range(group_size)]  # (S,)
         ids, cu = pack(responses, device)
         return RolloutBatch(
             prompt_ids,
@@ -240,6 +231,91 @@ class HFEngine:
             group_size,
             rollout_logp=torch.tensor(logprobs, dtype=torch.float32, device=device),
         )
+
+    def _decode(
+        self, encoded: list[list[int]], group_size: int, seeds: torch.Tensor, forbid: torch.Tensor
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """Each row's sampled tokens (EOS last when it was sampled) and their log-probs, on the host. ``forbid``
+        (S,): rows whose first token may not be ``</think>`` (forced thinking), row by row, so that a free prompt
+        batched with a forced one samples as it would alone (``generate``'s logits processor forbade it for every row
+        of a batch in which any prompt asked)."""
+        steps, device = self.max_new_tokens, seeds.device
+        rows, logits = self._prefill(encoded, group_size, seeds)
+        sampled = torch.full((len(seeds), steps), self.pad_id, dtype=torch.int64, device=device)  # (S, T)
+        sampled_logp = torch.zeros((len(seeds), steps), dtype=torch.float32, device=device)  # (S, T)
+        lengths = torch.full((len(seeds),), steps, dtype=torch.int64, device=device)  # (S,) the budget, unless EOS
+        for t in range(steps):
+            if t > 0:
+                logits = self._step(rows)
+            elif self.think_end_id is not None:
+                logits[:, self.think_end_id].masked_fill_(forbid, -float("inf"))
+            tokens, logp = seeded_sample(logits, rows.seeds, t, temperature=self.temperature, top_p=self.top_p)
+            # a row kept after finishing writes past its length, where nothing reads
+            sampled[rows.index, t], sampled_logp[rows.index, t] = tokens, logp
+            stops = (tokens == self.eos_id) & ~rows.done  # (B,)
+            lengths[rows.index] = torch.where(stops, t + 1, lengths[rows.index])
+            rows.tokens, rows.done = tokens, rows.done | stops
+            finished = int(rows.done.sum())  # sync: one per decode step, for the stop and compaction decisions
+            if finished == len(rows.done):
+                break
+            if finished * _COMPACT_SHARE >= len(rows.done) and t + 1 < steps:  # none after the last step
+                rows.compact()
+        lengths_host = lengths.tolist()  # sync: once per rollout, with the two below
+        return (
+            [r[:n] for r, n in zip(sampled.tolist(), lengths_host, strict=True)],
+            [r[:n] for r, n in zip(sampled_logp.tolist(), lengths_host, strict=True)],
+        )
+
+    def _prefill(
+        self, encoded: list[list[int]], group_size: int, seeds: torch.Tensor
+    ) -> tuple[_DecodeRows, torch.Tensor]:
+        """Each distinct prompt through the model once (P rows, left-padded to the widest, W), then its KV cache,
+        mask, position and last logits repeated for its K samples. Returns the S rows and their logits (S, V)."""
+        device = seeds.device
+        width = max(len(ids) for ids in encoded)
+        input_ids = torch.full((len(encoded), width), self.pad_id, dtype=torch.int64)  # (P, W)
+        mask = torch.zeros((len(encoded), width), dtype=torch.int64)  # (P, W)
+        for i, ids in enumerate(encoded):  # left padding: every row's next token is generated at the same column
+            input_ids[i, width - len(ids) :] = torch.tensor(ids)
+            mask[i, width - len(ids) :] = 1
+        input_ids, mask = input_ids.to(device), mask.to(device)
+        # positions count each prompt's own tokens; padding gets 0, as generate gives it (transformers 5.24,
+        # _prepare_position_ids_for_generation), which no real token sees (it is masked)
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # (P, W)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            **{self.cache_keyword: cache},
+            **self.last_logits_only,
+        )
+        logits = out.logits[:, -1].float().repeat_interleave(group_size, 0)  # (S, V)
+        cache.batch_repeat_interleave(group_size)  # transformers 5.24: every layer's keys and values, on dim 0
+        rows = _DecodeRows(
+            cache=cache,
+            mask=mask.repeat_interleave(group_size, 0),  # (S, W)
+            positions=positions[:, -1].repeat_interleave(group_size),  # (S,)
+            seeds=seeds,
+            index=torch.arange(len(seeds), device=device),
+            tokens=torch.full((len(seeds),), self.pad_id, dtype=torch.int64, device=device),  # none sampled yet
+            done=torch.zeros(len(seeds), dtype=torch.bool, device=device),
+        )
+        return rows, logits
+
+    def _step(self, rows: _DecodeRows) -> torch.Tensor:
+        """Feed each row its last token (the pad token once finished) and return the next logits (B, V)."""
+        rows.mask = torch.cat([rows.mask, rows.mask.new_ones((len(rows.mask), 1))], 1)  # (B, W + t)
+        rows.positions = rows.positions + 1  # (B,)
+        out = self.model(
+            input_ids=rows.tokens.masked_fill(rows.done, self.pad_id)[:, None],  # (B, 1)
+            attention_mask=rows.mask,
+            position_ids=rows.positions[:, None],
+            use_cache=True,
+            **{self.cache_keyword: rows.cache},
+        )
+        return out.logits[:, -1].float()  # (B, V)
 
     def sync_weights(self, model) -> None:
         pass  # generates with the trained model itself

@@ -1,0 +1,282 @@
+"""The hf engine's own decode loop (fasttnt.rollout.HFEngine) returns exactly what transformers ``generate`` with
+the engine's seeded sampler returned before the loop was ours: the same tokens, truncation flags and log-probs,
+while each prompt is prefilled once and finished rows are compacted out of the batch. A row's response does not
+depend on the rows it is generated with.
+
+The models are tiny, randomly initialised and float64, so that no floating-point near-tie between two ways of
+batching the same computation can flip a token on any machine; their seeds are fixed, so every run samples the
+same responses and the coverage checks below (rows truncated, rows finished, compactions) hold by construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from transformers import DynamicCache, GenerationConfig, LlamaConfig, LlamaForCausalLM, LogitsProcessor
+
+from fasttnt.char_tokenizer import build_char_tokenizer
+from fasttnt.data import Prompt, PromptMode, build_prompt
+from fasttnt.policy import PolicyHead
+from fasttnt.rollout import _COMPACT_SHARE, HFEngine, RolloutBatch, _hash_uniform, pack, row_seeds
+from fasttnt.synthetic import held_out
+from fasttnt.tiny import TinyModelConfig, build_tiny_model
+
+# -- the reference: HFEngine.generate as it was before its own loop (fasttnt/rollout.py at a8b0f68) ---------------
+
+
+class _ReferenceSampler(LogitsProcessor):
+    """The engine's former ``SeededSampler``: Gumbel-max over per-row counter-based noise, for greedy decoding."""
+
+    def __init__(self, row_seeds: torch.Tensor, prompt_width: int, temperature: float, top_p: float) -> None:
+        self.row_seeds, self.prompt_width = row_seeds, prompt_width
+        self.temperature, self.top_p = temperature, top_p
+        self.logprobs: list[torch.Tensor] = []  # (B,) per generated position: the sampled tokens' log-probs
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        z = scores.float() / self.temperature
+        if self.top_p < 1.0:
+            sorted_z, order = z.sort(dim=-1, descending=True)
+            cum = sorted_z.softmax(-1).cumsum(-1)
+            drop_sorted = cum - sorted_z.softmax(-1) >= self.top_p
+            z = z.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -float("inf"))
+        u = _hash_uniform(self.row_seeds.to(z.device), input_ids.shape[1] - self.prompt_width, z.shape[-1])
+        perturbed = z + (-torch.log(-torch.log(u))).to(z.dtype)
+        chosen = perturbed.argmax(-1, keepdim=True)  # (B, 1)
+        self.logprobs.append(torch.log_softmax(z, -1).gather(-1, chosen)[:, 0])
+        return perturbed
+
+
+class _ReferenceForbidFirst(LogitsProcessor):
+    def __init__(self, prompt_width: int, token_id: int) -> None:
+        self.prompt_width, self.token_id = prompt_width, token_id
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if input_ids.shape[1] == self.prompt_width:
+            scores[:, self.token_id] = -float("inf")
+        return scores
+
+
+@torch.no_grad()
+def _reference(engine: HFEngine, prompts: list[Prompt], group_size: int, *, seed: int, first_row: int = 0):
+    """transformers ``generate`` over S = prompts x K left-padded rows, greedy over the seeded sampler's scores."""
+    tok, model = engine.tokenizer, engine.model
+    encoded = [tok(p.text + p.response_prefix, add_special_tokens=False)["input_ids"] for p in prompts]
+    prefixes = [
+        tok(p.response_prefix, add_special_tokens=False)["input_ids"] if p.response_prefix else [] for p in prompts
+    ]
+    rows = [ids for ids in encoded for _ in range(group_size)]
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), engine.pad_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        input_ids[i, width - len(r) :] = torch.tensor(r)
+        attention[i, width - len(r) :] = 1
+    processors = []
+    if any(p.forbid_think_end_first for p in prompts):
+        processors.append(_ReferenceForbidFirst(width, engine.think_end_id))
+    sampler = _ReferenceSampler(row_seeds(seed, first_row, len(rows)), width, engine.temperature, engine.top_p)
+    processors.append(sampler)
+    was_training = model.training
+    model.eval()
+    saved_config, model.generation_config = model.generation_config, GenerationConfig()
+    try:
+        out = model.generate(
+            input_ids=input_ids, attention_mask=attention, do_sample=False, temperature=None, top_p=None, top_k=None,
+            max_new_tokens=engine.max_new_tokens, eos_token_id=engine.eos_id, pad_token_id=engine.pad_id,
+            logits_processor=processors,
+        )  # fmt: skip
+    finally:
+        model.generation_config = saved_config
+    model.train(was_training)
+    generated = out[:, width:].tolist()
+    sampled_logp = torch.stack(sampler.logprobs, 1).tolist()
+    responses, truncated, logprobs = [], [], []
+    for i, tokens in enumerate(generated):
+        if engine.eos_id in tokens:
+            tokens = tokens[: tokens.index(engine.eos_id) + 1]
+            truncated.append(False)
+        else:
+            truncated.append(True)
+        prefix = prefixes[i // group_size]
+        responses.append(prefix + tokens)
+        logprobs.extend([0.0] * len(prefix) + sampled_logp[i][: len(tokens)])
+    prompt_ids = [ids[: len(ids) - len(prefixes[i // group_size])] for i, ids in enumerate(rows)]
+    ids, cu = pack(responses)
+    return RolloutBatch(prompt_ids, ids, cu, torch.tensor(truncated), group_size, torch.tensor(logprobs))
+
+
+# -- models -------------------------------------------------------------------------------------------------------
+
+EOS_BIAS = 1.2  # a random model gives EOS ~1/V per step (V = 103): +1.2 ends responses after ~30 tokens on average
+
+
+def _model(arch: str, *, think_end_bias: float = 0.0, seed: int = 3):
+    """A float64 Qwen2 (grouped-query attention, tied embeddings) or Llama over the char tokenizer, with logit
+    biases on EOS (responses of very different lengths) and on ``</think>``."""
+    tok = build_char_tokenizer()
+    if arch == "qwen2":
+        cfg = TinyModelConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2)  # fmt: skip
+        model = build_tiny_model(tok, cfg, seed=seed)
+    else:
+        torch.manual_seed(seed)
+        config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, pad_token_id=tok.pad_token_id,
+                             eos_token_id=tok.eos_token_id, bos_token_id=None)  # fmt: skip
+        model = LlamaForCausalLM(config)
+    model = model.double().eval()
+    bias = torch.zeros(len(tok), dtype=torch.float64)  # (V,)
+    bias[tok.eos_token_id] = EOS_BIAS
+    bias[tok.convert_tokens_to_ids("</think>")] = think_end_bias
+    model.lm_head.register_forward_hook(lambda _module, _args, logits: logits + bias)
+    return tok, model
+
+
+def _forward_shapes(model) -> tuple[list[tuple[int, ...]], object]:
+    """The input_ids shape of every forward of ``model``, and the hook's handle."""
+    shapes = []
+    handle = model.register_forward_pre_hook(
+        lambda _module, _args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    return shapes, handle
+
+
+def _expected_compactions(batch: RolloutBatch, prefix_lengths: list[int], max_new_tokens: int) -> list[int]:
+    """The batch sizes each compaction keeps, by the engine's rule (compact once 1/_COMPACT_SHARE of the present rows
+    have finished), from the reference's responses: row i sampled EOS at step lengths[i] - 1 unless truncated."""
+    generated = [n - prefix_lengths[i // batch.group_size] for i, n in enumerate(batch.lengths.tolist())]
+    finished = (~batch.truncated).tolist()
+    present, kept = list(range(len(generated))), []
+    for t in range(max_new_tokens):
+        done = {i for i in present if finished[i] and generated[i] <= t + 1}
+        if len(done) == len(present):
+            break
+        if len(done) * _COMPACT_SHARE >= len(present) and t + 1 < max_new_tokens:
+            present = [i for i in present if i not in done]
+            kept.append(len(present))
+    return kept
+
+
+# -- equality with the reference ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    arch: str
+    group_size: int
+    temperature: float
+    top_p: float
+    mode: PromptMode
+    per_level: int  # synthetic problems per level (4 levels: prompts of 4 lengths, left-padded to the longest)
+    first_row: int = 0
+    packed: bool = False  # fasttnt's packed attention installed (generation runs its fallback)
+
+
+# K=4 (one prefill per prompt for four rows) in free mode; K=1 with top-p and a low temperature under forced thinking
+# (the first token may not be </think>, which is biased up here); Llama, K=3 with a pre-filled </think> (forced
+# non-thinking), a high temperature and a rank's later share of the rows; and the model with packed attention
+CASES = [
+    Case("qwen2", 4, 1.0, 1.0, PromptMode.FREE, per_level=2),
+    Case("qwen2", 1, 0.7, 0.9, PromptMode.THINKING, per_level=6),
+    Case("llama", 3, 1.3, 0.8, PromptMode.NON_THINKING, per_level=3, first_row=7),
+    Case("qwen2", 2, 1.0, 0.95, PromptMode.FREE, per_level=3, packed=True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.arch}-K{c.group_size}-{c.mode.value}-packed{c.packed}")
+def test_generation_equals_the_generate_reference(monkeypatch, case):
+    tok, model = _model(case.arch, think_end_bias=2.0)
+    if case.packed:
+        PolicyHead(model)  # installs fasttnt's packed attention
+    # the model's own generation settings must not bend sampling (the reference swaps them out, as the engine did)
+    model.generation_config = GenerationConfig(repetition_penalty=3.0, no_repeat_ngram_size=2)
+    max_new_tokens = 48
+    engine = HFEngine(model, tok, max_new_tokens=max_new_tokens, temperature=case.temperature, top_p=case.top_p)
+    prompts = [build_prompt(tok, p.problem, case.mode) for p in held_out(case.per_level)]
+    expected = _reference(engine, prompts, case.group_size, seed=11, first_row=case.first_row)
+
+    kept_sizes = []
+    select = DynamicCache.batch_select_indices
+
+    def recording_select(cache, indices):
+        kept_sizes.append(len(indices))
+        select(cache, indices)
+
+    monkeypatch.setattr(DynamicCache, "batch_select_indices", recording_select)
+    shapes, handle = _forward_shapes(model)
+    model.train()  # as the trainer hands it over
+    got = engine.generate(prompts, case.group_size, seed=11, first_row=case.first_row)
+    handle.remove()
+
+    assert model.training  # restored after generating in eval mode
+    assert got.prompt_ids == expected.prompt_ids
+    assert got.responses == expected.responses
+    assert got.truncated.tolist() == expected.truncated.tolist()
+    assert got.cu_seqlens.tolist() == expected.cu_seqlens.tolist()
+    torch.testing.assert_close(got.rollout_logp, expected.rollout_logp.float(), rtol=0, atol=1e-9)
+
+    # prefilled once per prompt (P rows, not S), then one token per present row and step, never more rows
+    encoded = [tok(p.text + p.response_prefix, add_special_tokens=False)["input_ids"] for p in prompts]
+    assert shapes[0] == (len(prompts), max(len(ids) for ids in encoded))
+    decode_rows = [rows for rows, width in shapes[1:] if width == 1]
+    assert len(decode_rows) == len(shapes) - 1 <= max_new_tokens - 1
+    assert decode_rows[0] == len(prompts) * case.group_size
+    assert decode_rows == sorted(decode_rows, reverse=True)
+    # finished rows left the batch and the cache where the rule says, and stopped costing rows
+    prefix_lengths = [len(tok(p.response_prefix, add_special_tokens=False)["input_ids"]) for p in prompts]
+    assert kept_sizes == _expected_compactions(expected, prefix_lengths, max_new_tokens)
+    assert sorted(set(decode_rows), reverse=True)[1:] == sorted(set(kept_sizes), reverse=True)
+
+    # the construction covers what it claims (fixed seeds, float64: the same on every machine)
+    assert len(kept_sizes) >= 2, "fewer than two compactions: the case does not test compaction"
+    assert expected.truncated.any() and not expected.truncated.all(), "want both truncated and finished rows"
+    assert len({len(ids) for ids in encoded}) > 1, "want prompts of different lengths (left padding)"
+    if case.mode is PromptMode.THINKING:
+        assert all(r[0] != engine.think_end_id for r in got.responses)
+    if case.mode is PromptMode.NON_THINKING:
+        assert all(r[0] == engine.think_end_id for r in got.responses)
+        assert (got.rollout_logp[got.cu_seqlens[:-1]] == 0).all()  # the pre-filled prefix was not sampled
+
+
+# -- row independence -------------------------------------------------------------------------------------------------
+
+
+def test_a_row_is_the_same_alone_and_in_a_batch():
+    # </think> strongly biased (~80% of a free row's first tokens), and a batch mixing free and forced-thinking
+    # prompts: forbidding </think> first is per row, so the free rows' responses are the ones they get alone
+    tok, model = _model("qwen2", think_end_bias=6.0)
+    engine = HFEngine(model, tok, max_new_tokens=24, temperature=1.0, top_p=1.0)
+    problems = held_out(1)
+    modes = [PromptMode.FREE, PromptMode.THINKING, PromptMode.FREE, PromptMode.NON_THINKING]
+    prompts = [build_prompt(tok, p.problem, m) for p, m in zip(problems, modes, strict=True)]
+    k = 3
+    batch = engine.generate(prompts, k, seed=5)
+    for i, prompt in enumerate(prompts):
+        alone = engine.generate([prompt], k, seed=5, first_row=i * k)  # the same global rows, hence the same seeds
+        a, b = batch.bounds[i * k], batch.bounds[(i + 1) * k]
+        assert alone.responses == batch.responses[i * k : (i + 1) * k]
+        assert alone.truncated.tolist() == batch.truncated[i * k : (i + 1) * k].tolist()
+        torch.testing.assert_close(alone.rollout_logp, batch.rollout_logp[a:b], rtol=0, atol=1e-9)
+    thinking = batch.responses[k : 2 * k]
+    assert all(r[0] != engine.think_end_id for r in thinking)
+    free = batch.responses[:k] + batch.responses[2 * k : 3 * k]
+    assert any(r[0] == engine.think_end_id for r in free), "the bias should make a free row start with </think>"
+
+
+def test_training_mode_is_restored_when_generation_fails():
+    tok, model = _model("qwen2")
+    engine = HFEngine(model, tok, max_new_tokens=8, temperature=1.0, top_p=1.0)
+    calls = []
+
+    def fail_on_the_third_forward(_module, _args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("out of memory (simulated)")
+
+    model.register_forward_pre_hook(fail_on_the_third_forward)
+    model.train()
+    with pytest.raises(RuntimeError, match="simulated"):
+        engine.generate([build_prompt(tok, p.problem) for p in held_out(1)], 2, seed=0)
+    assert model.training
