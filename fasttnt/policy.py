@@ -111,12 +111,19 @@ def as_head(model):
     return model if isinstance(model, PolicyHead) or hasattr(model, "module") else PolicyHead(model)
 
 
-def run_dummy(head, device: torch.device, *, temperature: float, with_entropy: bool = False):
+def run_dummy(head, device: torch.device, *, temperature: float, with_loss: bool = False):
     """The forward of a one-sequence micro-batch (one prompt and one response token, both id 0), for a rank with
     fewer micro-batches than another: under ZeRO-3 every forward and backward gathers parameters collectively, so
-    all ranks must run as many. Returns log-probs (1,) whose loss the caller multiplies by 0."""
+    all ranks must run as many, down the same path (ZeRO-3 checks that the ranks traced the same modules).
+    Returns log-probs (1,), or with ``with_loss`` the ``linear_policy_loss`` of a zero advantage (the update's
+    path): the caller multiplies either by 0."""
     mb = _pack([[0]], [[0]], 0)
-    return _forward(head, mb, mb.input_ids[0, 1:].to(device), temperature, with_entropy)
+    loss = None
+    if with_loss:
+        loss = dict(
+            old_logp=None, advantages=torch.zeros(1, device=device), cu_seqlens=torch.tensor([0, 1], device=device)
+        )
+    return _forward(head, mb, mb.input_ids[0, 1:].to(device), temperature, False, loss)
 
 
 def micro_batch_logprobs(

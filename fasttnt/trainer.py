@@ -575,10 +575,10 @@ class Trainer:
                 sums += micro_sums
             else:
                 with self._autocast():
-                    logp, entropy = run_dummy(
-                        self._policy(), self.device, temperature=self.cfg.rollout.temperature, with_entropy=True
+                    loss, _, _ = run_dummy(
+                        self._policy(), self.device, temperature=self.cfg.rollout.temperature, with_loss=True
                     )
-                total = (logp.sum() + entropy.sum()) * 0.0  # the collectives of a forward and backward, no gradient
+                total = loss * 0.0  # the collectives of a forward and backward, no gradient
             if self.ds_engine is not None:
                 # DeepSpeed averages gradients over ranks; each rank's loss is its part of a global sum
                 self.ds_engine.backward(total * self.world)
