@@ -1,13 +1,44 @@
-"""Kernel speed and memory against the PyTorch formulations GRPO trainers use, torch.compile, and Liger-Kernel.
+"""Kernel speed, memory and correctness against TRL 1.16's kernels, eager PyTorch, torch.compile and Liger-Kernel.
 
     python benchmarks/bench_kernels.py                      # CUDA: every op at the shapes that matter
+    python benchmarks/bench_kernels.py --max-seconds 140    # starts nothing new after 140 s; the rest is listed
     python benchmarks/bench_kernels.py --memory-only        # any device: peak memory of the fused lm_head path
     python benchmarks/bench_kernels.py --smoke              # tiny shapes, every code path (CPU: interpreter)
 
-Times are medians (and 20th/80th percentiles) of ``triton.testing.do_bench`` on CUDA, reported with achieved GB/s
-against the measured copy bandwidth and, for the fused linear op, TFLOP/s against the measured bf16 matmul rate.
+What each op is compared with, one CSV row per provider (``--providers`` picks the baselines):
+
+    token_logprobs          (N, V) logits -> log-prob of the chosen token
+      fasttnt                         fasttnt_kernels.token_logprobs
+      trl                             trl.trainer.utils.selective_log_softmax: on CUDA it dispatches to its Triton
+                                      kernel (trl/kernels/logprob_entropy.py); elsewhere it loops over rows in eager
+      torch                           eager, one sequence at a time: log_softmax -> gather (TRL before its kernels)
+      torch.compile                   that formula compiled
+    linear_token_logprobs   (N, H) hidden states and the (V, H) lm_head -> log-probs
+      fasttnt                         fasttnt_kernels.linear_token_logprobs
+      trl                             trl.kernels.ChunkedLogProbFunction: token x vocab tiles, float32 gradients
+      torch (materialised)            eager, one sequence at a time: logits -> log_softmax -> gather
+      torch.compile (materialised)    that formula compiled
+      liger                           Liger-Kernel's fused linear cross-entropy, reduction="none", negated
+    linear_policy_loss      the lm_head through the clipped GRPO loss (token-mean), to the lm_head's gradients
+      fasttnt                         fasttnt_kernels.linear_policy_loss: gradients made in the forward's chunk loop
+      fasttnt (unfused)               linear_token_logprobs -> clipped_policy_loss
+      trl                             ChunkedLogProbFunction -> TRL's token-level GRPO loss in torch
+      torch (materialised)            eager per sequence -> the same torch loss
+      liger (fused linear CE)         the nearest fused-lm_head peer: its loss is cross-entropy, not the policy loss
+    clipped_policy_loss, group_advantages, tnt_rewards: fasttnt against its plain-PyTorch reference (and compiled)
+
+Before a provider is timed, its output and input gradients on that case are checked against a float64 truth (a
+random upstream gradient for per-token outputs); a row that misses the dtype's tolerance, or holds a NaN, is
+``FAIL``. Times are medians (and 20th/80th percentiles) of ``triton.testing.do_bench`` on CUDA, with achieved GB/s
+against the measured copy bandwidth and, for the lm_head ops, TFLOP/s against the measured bf16 matmul rate. For
+the ops that make their gradients in the forward (fasttnt's and Liger's fused losses) only fwd+bwd compares.
 On the CPU only memory is reported: it is algorithmic and holds on any device; CPU times are not kernel speed.
-Rows are appended to ``benchmarks/results.csv`` with the device, date, versions and command.
+
+A case's tensors are made when it runs and freed after it. A case or provider whose estimated memory exceeds what
+is free (``torch.cuda.mem_get_info``; ``--memory-limit-gib`` caps it) is skipped with the reason. Every row (measured,
+failed, skipped, or not run before the ``--max-seconds`` deadline) is appended to the CSV and flushed as it is made,
+so a run that is killed keeps what it measured; the CSV also records the device, date, versions and command.
+The exit status is 1 when a row is ``FAIL``.
 """
 
 from __future__ import annotations
@@ -15,10 +46,14 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime as dt
+import gc
+import importlib.metadata
+import math
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,262 +63,669 @@ HERE = Path(__file__).resolve().parent
 # Ceilings measured on an H200 (../shared/DESIGN.md): device copy and dense bf16 matmul.
 H200_COPY_GBPS = 4300.0
 H200_BF16_TFLOPS = 790.0
+# TRL's GRPO trainer calls ChunkedLogProbFunction with vocabulary tiles of this width (_CHUNKED_LOGPROB_CHUNK_SIZE
+# in trl/trainer/utils.py, TRL 1.16)
+TRL_VOCAB_CHUNK = 32768
+# Largest error against the float64 truth, as ||actual - truth|| / ||truth||, by the dtype of the case's inputs.
+TOLERANCE = {
+    # float32 accumulation over a 152K vocabulary errs by ~1e-4 relative at worst (tests/kernels/checks.py)
+    torch.float32: 1e-4,
+    # bf16 logits and gradients carry 2^-8 each, and log-probs kept in bf16 (TRL's eager path) err by up to 0.03
+    # at |logp| ~ 12, which the policy loss's exp(logp - old) turns into a gradient error of 0.025 (measured at
+    # V = 151936; 0.003 for float32 log-probs): 2^-4 passes those, while a wrong formula errs by O(1)
+    torch.bfloat16: 2**-4,
+}
+# Fraction of the free memory a case may plan to use: the rest is headroom for the allocator's fragmentation.
+MEMORY_HEADROOM = 0.9
+# Bytes of one float64 chunk of logits in the truth computations, so the truth fits beside the largest case.
+TRUTH_CHUNK_BYTES = 256 * 2**20
+GIB = 2**30
 
 
 # -- the formulations we compare against ----------------------------------------------------------------------
 
 
-def selective_log_softmax(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The eager pattern GRPO trainers use (TRL's ``selective_log_softmax``): the chosen logit minus the row's
-    log-sum-exp for 32-bit logits; row-wise log_softmax for 16-bit ones, to keep memory at one row."""
-    if logits.dtype in (torch.float32, torch.float64):
-        chosen = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-        return chosen - torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
-    return torch.stack(
-        [
-            torch.log_softmax(row.float(), dim=-1).gather(-1, i.unsqueeze(-1)).squeeze(-1)
-            for row, i in zip(logits, ids, strict=True)
-        ]
+def eager_token_logprobs(logits: torch.Tensor, ids: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
+    """What TRL ran before its kernels (selective_log_softmax's eager loop over the rows of (B, T, V) logits): per
+    sequence, log_softmax over the vocabulary in the logits' own dtype, then gather. One sequence at a time keeps
+    one sequence's log-softmax alive in the forward, not the batch's."""
+    return torch.cat([torch.log_softmax(logits[s:e], dim=-1).gather(-1, ids[s:e, None])[:, 0] for s, e in bounds])
+
+
+def flat_token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The same formula over the whole batch: what torch.compile is given. The loop over sequences exists only to
+    bound eager memory; compiled, log_softmax and gather fuse into reductions, and unrolling S sequences would
+    compile S copies of the graph."""
+    return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, None])[:, 0]
+
+
+def eager_linear_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, bounds: list[tuple[int, int]]
+) -> torch.Tensor:
+    """Per sequence: the sequence's logits, then eager_token_logprobs's formula (a trainer without a fused
+    lm_head)."""
+    return torch.cat(
+        [torch.log_softmax(hidden[s:e] @ weight.T, dim=-1).gather(-1, ids[s:e, None])[:, 0] for s, e in bounds]
     )
 
 
-def materialised_linear_logprobs(hidden, weight, ids):
-    """Materialise the logits, then gather: what a trainer without a fused lm_head does."""
-    return selective_log_softmax(hidden @ weight.T, ids)
+def materialised_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """All N x V logits at once, then log_softmax and gather (torch.compile's input, and the memory rows')."""
+    return flat_token_logprobs(hidden @ weight.T, ids)
+
+
+def torch_policy_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor, adv_t: torch.Tensor, n_tokens: int, clip: float = 0.2
+) -> torch.Tensor:
+    """TRL's GRPO loss per token in torch (GRPOTrainer._compute_loss, trl/trainer/grpo_trainer.py: token-level
+    importance ratio, two-sided clip, loss_type="dapo", i.e. the sum over tokens / the number of tokens, no KL)."""
+    coef_1 = torch.exp(logp - old_logp)
+    coef_2 = torch.clamp(coef_1, 1 - clip, 1 + clip)
+    per_token_loss = -torch.min(coef_1 * adv_t, coef_2 * adv_t)
+    return per_token_loss.sum() / n_tokens
+
+
+def _version(dist: str) -> str:
+    try:
+        return f"{dist} {importlib.metadata.version(dist)}"
+    except importlib.metadata.PackageNotFoundError:
+        return dist
+
+
+def _trl_selective_log_softmax(device):
+    from trl.trainer.utils import selective_log_softmax
+
+    how = "Triton kernel" if device.type == "cuda" else "eager loop over rows (no CUDA)"
+    return (lambda x: selective_log_softmax(x["logits"], x["ids"])), f"{_version('trl')}: {how}"
+
+
+def _trl_chunked_logprobs():
+    """TRL's fused lm_head log-probs as its trainer calls them: (hidden, weight, bias, targets, temperature,
+    vocab chunk, softcapping, logit scale, extra outputs); only the log-probs are asked for. trl.kernels imports
+    neither datasets nor the trainer."""
+    from trl.kernels import ChunkedLogProbFunction
+
+    def logprobs(hidden, weight, ids):
+        return ChunkedLogProbFunction.apply(hidden, weight, None, ids, 1.0, TRL_VOCAB_CHUNK, None, 1.0, ())[0]
+
+    return logprobs, f"{_version('trl')}: vocab chunk {TRL_VOCAB_CHUNK}"
+
+
+def _liger_flce():
+    """Liger's fused linear cross-entropy: bf16 gradient matmuls (accum_dtype None). Its chunked PPO/GRPO loss
+    (liger_kernel.chunked_loss) is not a like-for-like baseline and is not used: it upcasts every chunk's gradient
+    matmuls to float32 (grad_logits @ weight_chunk.float() in fused_linear_ppo.py), a different precision and cost."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    return liger_fused_linear_cross_entropy, _version("liger-kernel")
+
+
+# -- cases: what one op at one shape needs, made only when it runs ---------------------------------------------
+
+
+@dataclass
+class Provider:
+    name: str
+    # () -> (call(inputs) -> output, note): imports what it needs, so a missing library is a skipped row
+    setup: Callable[[], tuple[Callable[[dict], torch.Tensor], str]]
+    truth: str = "main"  # which float64 truth its output and gradients are checked against
+    extra_bytes: float = 0.0  # working memory beyond the case's inputs (an estimate, for the skip decision)
 
 
 @dataclass
 class Case:
     op: str
     shape: str
-    provider: str
-    fn: Callable[[], torch.Tensor]  # runs the forward, returns the output to backprop
-    inputs: list[torch.Tensor]  # what needs .grad reset between runs
-    bytes_fwd: float  # DRAM bytes the forward must move at least
+    dtype: torch.dtype  # the inputs' dtype, which sets the tolerance
+    make: Callable[[], dict]  # allocates the inputs (tensors named by key) when the case runs
+    # (inputs, output, truth name, cache) -> (output error, gradient error): against float64, cached per case
+    check: Callable[[dict, torch.Tensor, str, dict], tuple[float, float]]
+    providers: list[Provider]
+    grads: tuple[str, ...] = ()  # the inputs that get gradients
+    input_bytes: float = 0.0  # the inputs and their gradients
+    truth_bytes: float = 0.0  # the float64 truth and what it caches
+    bytes_fwd: float = 0.0  # DRAM bytes the forward must move at least
     flops_fwd: float = 0.0
 
 
-def _providers(args) -> list[str]:
-    chosen = args.providers.split(",")
-    if "liger" in chosen:
-        try:
-            import liger_kernel  # noqa: F401
-        except ImportError:
-            print("liger-kernel not installed: skipping its rows", file=sys.stderr)
-            chosen.remove("liger")
-    return chosen
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
-def token_logprob_cases(n: int, v: int, dtype, device, providers) -> list[Case]:
-    from fasttnt_kernels import token_logprobs
-
-    logits = torch.randn(n, v, device=device, dtype=dtype, requires_grad=True)
-    ids = torch.randint(0, v, (n,), device=device)
-    bytes_fwd = n * v * logits.element_size()
-    shape = f"N={n} V={v} {str(dtype).removeprefix('torch.')}"
-    cases = [Case("token_logprobs", shape, "fasttnt", lambda: token_logprobs(logits, ids), [logits], bytes_fwd)]
-    if "torch" in providers:
-        cases.append(
-            Case("token_logprobs", shape, "torch", lambda: selective_log_softmax(logits, ids), [logits], bytes_fwd)
-        )
-    if "compile" in providers:
-        compiled = torch.compile(selective_log_softmax, dynamic=False)
-        cases.append(Case("token_logprobs", shape, "torch.compile", lambda: compiled(logits, ids), [logits], bytes_fwd))
-    return cases
+def _packed_layout(n: int, mean_len: int, seed: int) -> list[tuple[int, int]]:
+    """Sequence boundaries filling n tokens: lengths uniform in [1, 2 mean_len), the last one cut to fit."""
+    gen = torch.Generator().manual_seed(seed)
+    bounds, start = [], 0
+    while start < n:
+        end = min(n, start + int(torch.randint(1, 2 * mean_len, (1,), generator=gen)))
+        bounds.append((start, end))
+        start = end
+    return bounds
 
 
-def linear_cases(n: int, h: int, v: int, dtype, device, providers) -> list[Case]:
-    from fasttnt_kernels import linear_token_logprobs
+def _cu_seqlens(bounds: list[tuple[int, int]], device) -> torch.Tensor:
+    return torch.tensor([0] + [e for _, e in bounds], dtype=torch.int64, device=device)  # (S+1,)
 
+
+def _truth_rows(vocab: int) -> int:
+    return max(1, TRUTH_CHUNK_BYTES // (8 * vocab))
+
+
+def _truth_chunk_bytes(n: int, vocab: int) -> float:
+    return 8.0 * min(n, _truth_rows(vocab)) * vocab
+
+
+def rel_err(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], floor: float = 0.0) -> float:
+    """||actual - truth|| / max(||truth||, floor) over (actual, truth) pieces, in float64. A NaN or an infinity in
+    ``actual`` is an infinite error: it never passes. ``floor`` is the output's natural scale where the truth can be
+    near zero (a loss whose terms cancel)."""
+    diff2 = truth2 = 0.0
+    for actual, truth in pairs:
+        a = actual.double()
+        if not bool(torch.isfinite(a).all()):
+            return math.inf
+        diff2 += float(((a - truth) ** 2).sum())
+        truth2 += float((truth.double() ** 2).sum())
+    return math.sqrt(diff2) / max(math.sqrt(truth2), floor, 1e-30)
+
+
+def _pieces(actual: torch.Tensor, truth: torch.Tensor, step: int = 1 << 25) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Flat slices of two tensors, so comparing two large gradients never makes full float64 copies."""
+    a, t = actual.reshape(-1), truth.reshape(-1)
+    for s in range(0, a.numel(), step):
+        yield a[s : s + step], t[s : s + step]
+
+
+def _logits_logp64(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    rows = _truth_rows(logits.shape[1])
+    out = torch.empty(logits.shape[0], dtype=torch.float64, device=logits.device)  # (N,)
+    for s in range(0, logits.shape[0], rows):
+        z = logits[s : s + rows].double()  # (C, V)
+        out[s : s + rows] = torch.log_softmax(z, -1).gather(-1, ids[s : s + rows, None])[:, 0]
+    return out
+
+
+def _dlogits64(z: torch.Tensor, ids: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """d(sum_t g_t logp_t)/dz for a chunk of float64 logits: g_t (onehot(ids_t) - softmax(z_t))."""
+    dz = torch.softmax(z, dim=-1).mul_(-g[:, None])
+    dz[torch.arange(z.shape[0], device=z.device), ids] += g
+    return dz
+
+
+def _lm_head_logp64(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    w = weight.double()
+    rows = _truth_rows(weight.shape[0])
+    out = torch.empty(hidden.shape[0], dtype=torch.float64, device=hidden.device)  # (N,)
+    for s in range(0, hidden.shape[0], rows):
+        z = hidden[s : s + rows].double() @ w.T  # (C, V)
+        out[s : s + rows] = torch.log_softmax(z, -1).gather(-1, ids[s : s + rows, None])[:, 0]
+    return out
+
+
+def _lm_head_grads64(hidden, weight, ids, g) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of sum_t g_t logp_t w.r.t. hidden and weight, in float64 row chunks, kept in float32 (far finer
+    than any tolerance) so that the truth of a 7B lm_head fits beside the case."""
+    w = weight.double()
+    grad_w = torch.zeros_like(w)  # (V, H)
+    grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)  # (N, H)
+    rows = _truth_rows(weight.shape[0])
+    for s in range(0, hidden.shape[0], rows):
+        h = hidden[s : s + rows].double()
+        dz = _dlogits64(h @ w.T, ids[s : s + rows], g[s : s + rows])
+        grad_h[s : s + rows] = dz @ w
+        grad_w += dz.T @ h
+    return grad_h, grad_w.float()
+
+
+def _lm_head_truth_bytes(n: int, h: int, v: int, n_truths: int) -> float:
+    # the float64 weight and its gradient, three chunk-sized temporaries, and per truth the cached float32 grads
+    return 16.0 * v * h + 3 * _truth_chunk_bytes(n, v) + n_truths * 4.0 * (n * h + v * h) + 16.0 * n
+
+
+def token_logprob_case(n: int, v: int, dtype, device, mean_len: int) -> Case:
+    e = torch.empty((), dtype=dtype).element_size()
+    bounds = _packed_layout(n, mean_len, seed=n)
+
+    def make():
+        logits = torch.randn(n, v, device=device, dtype=dtype, requires_grad=True)
+        ids = torch.randint(0, v, (n,), device=device)
+        return {"logits": logits, "ids": ids, "upstream": torch.randn(n, device=device)}
+
+    def check(x, out, truth, cache):
+        if "logp" not in cache:
+            cache["logp"] = _logits_logp64(x["logits"].detach(), x["ids"])
+        rows = _truth_rows(v)
+        logits, ids, u = x["logits"].detach(), x["ids"], x["upstream"].double()
+
+        def grad_pieces():
+            for s in range(0, n, rows):
+                yield (
+                    x["logits"].grad[s : s + rows],
+                    _dlogits64(logits[s : s + rows].double(), ids[s : s + rows], u[s : s + rows]),
+                )
+
+        return rel_err([(out, cache["logp"])]), rel_err(grad_pieces())
+
+    def fasttnt():
+        from fasttnt_kernels import token_logprobs
+
+        return (lambda x: token_logprobs(x["logits"], x["ids"])), ""
+
+    def compiled():
+        fn = torch.compile(flat_token_logprobs, dynamic=False)
+        return (lambda x: fn(x["logits"], x["ids"])), ""
+
+    nv = n * v
+    providers = [
+        Provider("fasttnt", fasttnt),
+        Provider("trl", lambda: _trl_selective_log_softmax(device), extra_bytes=nv * e),
+        # every sequence's log-softmax is saved for the backward (N x V in all), and one float32 row block while
+        # its gradient is made: N x V float32 bounds both
+        Provider(
+            "torch",
+            lambda: ((lambda x: eager_token_logprobs(x["logits"], x["ids"], bounds)), ""),
+            extra_bytes=nv * 4.0,
+        ),
+        Provider("torch.compile", compiled, extra_bytes=nv * 4.0),
+    ]
+    return Case(
+        "token_logprobs",
+        f"N={n} V={v} S={len(bounds)} {_dtype_name(dtype)}",
+        dtype,
+        make,
+        check,
+        providers,
+        grads=("logits",),
+        input_bytes=2.0 * nv * e,
+        truth_bytes=3 * _truth_chunk_bytes(n, v) + 8.0 * n,
+        bytes_fwd=nv * e,
+    )
+
+
+def _lm_head_inputs(n: int, h: int, v: int, dtype, device) -> dict:
     hidden = torch.randn(n, h, device=device, dtype=dtype, requires_grad=True)
+    # scaled so the logits have unit variance, as a trained lm_head's roughly do
     weight = (torch.randn(v, h, device=device, dtype=dtype) / h**0.5).requires_grad_()
     ids = torch.randint(0, v, (n,), device=device)
-    shape = f"N={n} H={h} V={v} {str(dtype).removeprefix('torch.')}"
-    bytes_fwd = (n * h + v * h) * hidden.element_size()
-    flops = 2.0 * n * h * v
-    inputs = [hidden, weight]
-    cases = [
-        Case(
-            "linear_token_logprobs",
-            shape,
-            "fasttnt",
-            lambda: linear_token_logprobs(hidden, weight, ids),
-            inputs,
-            bytes_fwd,
-            flops,
-        )
+    return {"hidden": hidden, "weight": weight, "ids": ids}
+
+
+def _lm_head_check(value_and_grad: dict[str, Callable[[dict, torch.Tensor], tuple]], floor: dict[str, Callable]):
+    """A check for the lm_head ops: ``value_and_grad[truth](inputs, logp64) -> (value, d value / d logp)`` turns
+    the float64 log-probs into the provider's output; the lm_head's gradients follow in float64 chunks."""
+
+    def check(x, out, truth, cache):
+        hidden, weight, ids = x["hidden"].detach(), x["weight"].detach(), x["ids"]
+        if "logp" not in cache:  # made with the inputs when they depend on it (the rollout's log-probs)
+            cache["logp"] = x["logp64"] if "logp64" in x else _lm_head_logp64(hidden, weight, ids)
+        if truth not in cache:
+            value, g = value_and_grad[truth](x, cache["logp"])
+            cache[truth] = (value, *_lm_head_grads64(hidden, weight, ids, g))
+        value, grad_h, grad_w = cache[truth]
+        out_err = rel_err([(out, value)], floor=floor[truth](x))
+        grad_err = max(rel_err(_pieces(x["hidden"].grad, grad_h)), rel_err(_pieces(x["weight"].grad, grad_w)))
+        return out_err, grad_err
+
+    return check
+
+
+def linear_case(n: int, h: int, v: int, dtype, device, mean_len: int) -> Case:
+    e = torch.empty((), dtype=dtype).element_size()
+    bounds = _packed_layout(n, mean_len, seed=n)
+
+    def make():
+        return {**_lm_head_inputs(n, h, v, dtype, device), "upstream": torch.randn(n, device=device)}
+
+    def per_token(x, logp64):
+        return logp64, x["upstream"].double()
+
+    def fasttnt():
+        from fasttnt_kernels import linear_token_logprobs
+
+        return (lambda x: linear_token_logprobs(x["hidden"], x["weight"], x["ids"])), ""
+
+    def trl():
+        logprobs, note = _trl_chunked_logprobs()
+        return (lambda x: logprobs(x["hidden"], x["weight"], x["ids"])), note
+
+    def compiled():
+        fn = torch.compile(materialised_linear_logprobs, dynamic=False)
+        return (lambda x: fn(x["hidden"], x["weight"], x["ids"])), ""
+
+    def liger():
+        flce, note = _liger_flce()
+        # reduction="none" defers the gradient to the backward, which recomputes the logits: 4 matmuls, as ours
+        return (lambda x: -flce(x["hidden"], x["weight"], x["ids"], reduction="none")), note
+
+    nv, hv = n * v, (n + v) * h
+    providers = [
+        Provider("fasttnt", fasttnt, extra_bytes=2 * 512 * 2**20),
+        Provider("trl", trl, extra_bytes=hv * 4.0 + 2 * 4096 * TRL_VOCAB_CHUNK * e),
+        Provider(
+            "torch (materialised)",
+            lambda: ((lambda x: eager_linear_logprobs(x["hidden"], x["weight"], x["ids"], bounds)), ""),
+            extra_bytes=nv * 4.0 + 2 * mean_len * 2 * v * 4.0,
+        ),
+        Provider("liger", liger, extra_bytes=hv * e + 2 * n * h * e),
+        # last: its first call compiles for ~10-30 s, the first to go when a deadline comes
+        Provider("torch.compile (materialised)", compiled, extra_bytes=nv * (e + 4.0)),
     ]
-    if "torch" in providers:
-        cases.append(
-            Case(
-                "linear_token_logprobs",
-                shape,
-                "torch (materialised)",
-                lambda: materialised_linear_logprobs(hidden, weight, ids),
-                inputs,
-                bytes_fwd,
-                flops,
-            )
-        )
-    if "compile" in providers:
-        compiled = torch.compile(materialised_linear_logprobs, dynamic=False)
-        cases.append(
-            Case(
-                "linear_token_logprobs",
-                shape,
-                "torch.compile (materialised)",
-                lambda: compiled(hidden, weight, ids),
-                inputs,
-                bytes_fwd,
-                flops,
-            )
-        )
-    if "liger" in providers:
-        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-
-        # Liger fuses the lm_head with its whole GRPO loss; we time its loss against our log-probs alone, so the
-        # row says how the fused lm_head paths compare, not two identical computations
-        liger = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False)
-        adv = torch.randn(1, device=device)
-        mask = torch.ones(1, n, device=device)
-
-        def liger_fn():
-            return liger(hidden.unsqueeze(0), weight, ids.unsqueeze(0), mask, adv)[0]
-
-        cases.append(
-            Case("linear_token_logprobs", shape, "liger (fused GRPO loss)", liger_fn, inputs, bytes_fwd, flops)
-        )
-    return cases
+    return Case(
+        "linear_token_logprobs",
+        f"N={n} H={h} V={v} S={len(bounds)} {_dtype_name(dtype)}",
+        dtype,
+        make,
+        _lm_head_check({"main": per_token}, {"main": lambda x: 0.0}),
+        providers,
+        grads=("hidden", "weight"),
+        input_bytes=2.0 * hv * e,
+        truth_bytes=_lm_head_truth_bytes(n, h, v, 1),
+        bytes_fwd=hv * e,
+        flops_fwd=2.0 * n * h * v,
+    )
 
 
-def advantage_cases(g: int, k: int, device, providers) -> list[Case]:
-    from fasttnt_kernels import group_advantages, group_advantages_reference
+def linear_loss_case(n: int, h: int, v: int, dtype, device, mean_len: int) -> Case:
+    from fasttnt_kernels import clipped_policy_loss_reference
 
-    rewards = torch.randint(-2, 3, (g * k,), device=device).float()
-    shape = f"G={g} K={k}"
-    cases = [Case("group_advantages", shape, "fasttnt", lambda: group_advantages(rewards, k), [], 8.0 * g * k)]
-    if "torch" in providers:
-        cases.append(
-            Case("group_advantages", shape, "torch", lambda: group_advantages_reference(rewards, k), [], 8.0 * g * k)
-        )
-    if "compile" in providers:
-        compiled = torch.compile(group_advantages_reference, dynamic=False)
-        cases.append(Case("group_advantages", shape, "torch.compile", lambda: compiled(rewards, k), [], 8.0 * g * k))
-    return cases
+    e = torch.empty((), dtype=dtype).element_size()
+    bounds = _packed_layout(n, mean_len, seed=n)
+
+    def make():
+        x = _lm_head_inputs(n, h, v, dtype, device)
+        cu = _cu_seqlens(bounds, device)
+        adv = torch.randn(len(bounds), device=device)  # (S,)
+        # the rollout's log-probs: the truth's minus log-ratios spread over [-0.6, 0.6], so the clip acts on both
+        # sides, but none within 0.05 of a clip boundary (log 0.8, log 1.2): a 16-bit logp errs by ~0.01, and a
+        # token that crossed a boundary would turn its gradient from ratio * A / N to 0 in one provider, not the truth
+        logp64 = _lm_head_logp64(x["hidden"].detach(), x["weight"].detach(), x["ids"])
+        log_ratio = torch.rand(n, device=device, dtype=torch.float64) * 1.2 - 0.6  # (N,)
+        for boundary in (math.log(0.8), math.log(1.2)):
+            near = (log_ratio - boundary).abs() < 0.05
+            log_ratio = torch.where(near, log_ratio + 0.1 * torch.sign(log_ratio - boundary), log_ratio)
+        old = (logp64 - log_ratio).float()  # (N,)
+        adv_t = adv.repeat_interleave(cu.diff(), output_size=n)  # (N,) TRL's advantages, one per token
+        return {**x, "cu": cu, "adv": adv, "adv_t": adv_t, "old": old, "logp64": logp64}
+
+    def policy_loss(x, logp64):
+        logp = logp64.clone().requires_grad_()
+        loss, _ = clipped_policy_loss_reference(logp, x["old"].double(), x["adv"].double(), x["cu"])
+        loss.backward()
+        return loss.detach(), logp.grad
+
+    def mean_ce(x, logp64):
+        return -logp64.mean(), torch.full_like(logp64, -1.0 / n)
+
+    def fused():
+        from fasttnt_kernels import linear_policy_loss
+
+        return (lambda x: linear_policy_loss(x["hidden"], x["weight"], x["ids"], x["old"], x["adv"], x["cu"])[0]), ""
+
+    def unfused():
+        from fasttnt_kernels import clipped_policy_loss, linear_token_logprobs
+
+        def call(x):
+            logp = linear_token_logprobs(x["hidden"], x["weight"], x["ids"])
+            return clipped_policy_loss(logp, x["old"], x["adv"], x["cu"])[0]
+
+        return call, ""
+
+    def trl():
+        logprobs, note = _trl_chunked_logprobs()
+
+        def call(x):
+            return torch_policy_loss(logprobs(x["hidden"], x["weight"], x["ids"]), x["old"], x["adv_t"], n)
+
+        return call, note
+
+    def eager():
+        def call(x):
+            logp = eager_linear_logprobs(x["hidden"], x["weight"], x["ids"], bounds)
+            return torch_policy_loss(logp, x["old"], x["adv_t"], n)
+
+        return call, ""
+
+    def liger():
+        flce, note = _liger_flce()
+        # reduction="mean" makes the gradients inside the forward's chunk loop, as linear_policy_loss does
+        return (lambda x: flce(x["hidden"], x["weight"], x["ids"], reduction="mean")), note + ": mean cross-entropy"
+
+    nv, hv = n * v, (n + v) * h
+    providers = [
+        Provider("fasttnt", fused, extra_bytes=hv * 4.0 + 2 * 512 * 2**20),
+        Provider("fasttnt (unfused)", unfused, extra_bytes=2 * 512 * 2**20),
+        Provider("trl", trl, extra_bytes=hv * 4.0 + 2 * 4096 * TRL_VOCAB_CHUNK * e),
+        Provider("torch (materialised)", eager, extra_bytes=nv * 4.0 + 2 * mean_len * 2 * v * 4.0),
+        Provider("liger (fused linear CE)", liger, truth="ce", extra_bytes=hv * e + 2 * n * h * e),
+    ]
+    return Case(
+        "linear_policy_loss",
+        f"N={n} H={h} V={v} S={len(bounds)} {_dtype_name(dtype)}",
+        dtype,
+        make,
+        # a token-mean of +-ratio * A can cancel to ~0: measure its error against the scale of mean |A|
+        _lm_head_check(
+            {"main": policy_loss, "ce": mean_ce},
+            {"main": lambda x: float(x["adv_t"].abs().mean()), "ce": lambda x: 0.0},
+        ),
+        providers,
+        grads=("hidden", "weight"),
+        input_bytes=2.0 * hv * e + 20.0 * n,
+        truth_bytes=_lm_head_truth_bytes(n, h, v, 2),
+        bytes_fwd=hv * e,
+        flops_fwd=2.0 * n * h * v,
+    )
 
 
-def loss_cases(n_seq: int, mean_len: int, device, providers) -> list[Case]:
+def loss_case(n_seq: int, mean_len: int, device) -> Case:
     from fasttnt_kernels import clipped_policy_loss, clipped_policy_loss_reference
 
-    lengths = torch.randint(1, 2 * mean_len, (n_seq,), device=device)
-    cu = torch.zeros(n_seq + 1, dtype=torch.int64, device=device)
-    cu[1:] = lengths.cumsum(0)
-    n = int(cu[-1])
-    logp = (-torch.rand(n, device=device) * 3).requires_grad_()
-    old = logp.detach() + torch.randn(n, device=device) * 0.2
-    adv = torch.randn(n_seq, device=device)
-    shape = f"S={n_seq} N={n}"
-    cases = [
-        Case(
-            "clipped_policy_loss",
-            shape,
-            "fasttnt",
-            lambda: clipped_policy_loss(logp, old, adv, cu)[0],
-            [logp],
-            12.0 * n,
-        )
+    bounds = _packed_layout(n_seq * mean_len, mean_len, seed=n_seq)
+    n = bounds[-1][1]
+
+    def make():
+        logp = (-torch.rand(n, device=device) * 3).requires_grad_()
+        old = logp.detach() + torch.randn(n, device=device) * 0.2
+        return {
+            "logp": logp,
+            "old": old,
+            "adv": torch.randn(len(bounds), device=device),
+            "cu": _cu_seqlens(bounds, device),
+        }
+
+    def check(x, out, truth, cache):
+        if "loss" not in cache:
+            logp = x["logp"].detach().double().requires_grad_()
+            loss, _ = clipped_policy_loss_reference(logp, x["old"].double(), x["adv"].double(), x["cu"])
+            loss.backward()
+            cache["loss"] = (loss.detach(), logp.grad)
+        loss, grad = cache["loss"]
+        floor = float(x["adv"].abs().mean())
+        return rel_err([(out, loss)], floor=floor), rel_err([(x["logp"].grad, grad)])
+
+    def fasttnt():
+        return (lambda x: clipped_policy_loss(x["logp"], x["old"], x["adv"], x["cu"])[0]), ""
+
+    def reference():
+        return (lambda x: clipped_policy_loss_reference(x["logp"], x["old"], x["adv"], x["cu"])[0]), ""
+
+    return Case(
+        "clipped_policy_loss",
+        f"S={len(bounds)} N={n}",
+        torch.float32,
+        make,
+        check,
+        [Provider("fasttnt", fasttnt), Provider("torch", reference)],
+        grads=("logp",),
+        input_bytes=20.0 * n,
+        truth_bytes=32.0 * n,
+        bytes_fwd=12.0 * n,
+    )
+
+
+def advantage_case(g: int, k: int, device) -> Case:
+    from fasttnt_kernels import group_advantages, group_advantages_reference
+
+    def make():
+        return {"rewards": torch.randint(-2, 3, (g * k,), device=device).float()}
+
+    def check(x, out, truth, cache):
+        return rel_err([(out, group_advantages_reference(x["rewards"].double(), k))]), math.nan
+
+    def compiled():
+        fn = torch.compile(group_advantages_reference, dynamic=False)
+        return (lambda x: fn(x["rewards"], k)), ""
+
+    providers = [
+        Provider("fasttnt", lambda: ((lambda x: group_advantages(x["rewards"], k)), "")),
+        Provider("torch", lambda: ((lambda x: group_advantages_reference(x["rewards"], k)), "")),
+        Provider("torch.compile", compiled),
     ]
-    if "torch" in providers:
-        cases.append(
-            Case(
-                "clipped_policy_loss",
-                shape,
-                "torch",
-                lambda: clipped_policy_loss_reference(logp, old, adv, cu)[0],
-                [logp],
-                12.0 * n,
-            )
-        )
-    return cases
+    return Case(
+        "group_advantages",
+        f"G={g} K={k}",
+        torch.float32,
+        make,
+        check,
+        providers,
+        input_bytes=8.0 * g * k,
+        truth_bytes=32.0 * g * k,
+        bytes_fwd=8.0 * g * k,
+    )
 
 
-def reward_cases(g: int, k: int, mean_len: int, device, providers) -> list[Case]:
+def reward_case(g: int, k: int, mean_len: int, device) -> Case:
     from fasttnt_kernels import tnt_rewards, tnt_rewards_reference
 
-    lengths = torch.randint(0, 2 * mean_len, (g * k,), device=device)
-    cu = torch.zeros(g * k + 1, dtype=torch.int64, device=device)
-    cu[1:] = lengths.cumsum(0)
-    ids = torch.randint(0, 1000, (int(cu[-1]),), device=device)
-    correct = torch.rand(g * k, device=device) < 0.5
-    shape = f"G={g} K={k} N={int(cu[-1])}"
-    nbytes = 8.0 * int(cu[-1])
-    cases = [Case("tnt_rewards", shape, "fasttnt", lambda: tnt_rewards(ids, cu, correct, k, 7).rewards, [], nbytes)]
-    if "torch" in providers:
-        cases.append(
-            Case(
-                "tnt_rewards", shape, "torch", lambda: tnt_rewards_reference(ids, cu, correct, k, 7).rewards, [], nbytes
-            )
-        )
-    return cases
+    # g k responses of 0 to 2 mean_len tokens: empty ones too, which the reward must count as wrong
+    lengths = torch.randint(0, 2 * mean_len, (g * k,), generator=torch.Generator().manual_seed(g))
+    n = int(lengths.sum())
+
+    def make():
+        cu = torch.zeros(g * k + 1, dtype=torch.int64, device=device)
+        cu[1:] = lengths.cumsum(0).to(device)
+        ids = torch.randint(0, 1000, (n,), device=device)
+        return {"ids": ids, "cu": cu, "correct": torch.rand(g * k, device=device) < 0.5}
+
+    def check(x, out, truth, cache):
+        # integer semantics: the plain-PyTorch reference is the truth
+        ref = tnt_rewards_reference(x["ids"], x["cu"], x["correct"], k, 7).rewards
+        return rel_err([(out, ref.double())]), math.nan
+
+    providers = [
+        Provider("fasttnt", lambda: ((lambda x: tnt_rewards(x["ids"], x["cu"], x["correct"], k, 7).rewards), "")),
+        Provider(
+            "torch", lambda: ((lambda x: tnt_rewards_reference(x["ids"], x["cu"], x["correct"], k, 7).rewards), "")
+        ),
+    ]
+    return Case(
+        "tnt_rewards",
+        f"G={g} K={k} N={n}",
+        torch.float32,
+        make,
+        check,
+        providers,
+        input_bytes=8.0 * n + 9.0 * g * k,
+        truth_bytes=40.0 * n,
+        bytes_fwd=8.0 * n,
+    )
 
 
 # -- measuring --------------------------------------------------------------------------------------------------
 
 
 def _time_ms(fn, device) -> tuple[float, float, float]:
-    """(median, p20, p80) milliseconds."""
+    """(median, p20, p80) milliseconds. On the CPU (--smoke only) one run: it checks the code path, and CPU times
+    are not kernel speed."""
     if device.type == "cuda":
         import triton
 
         q = triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8], warmup=25, rep=100)
         return q[0], q[1], q[2]
-    import statistics
-    import time
-
-    fn()  # warm-up (compilation, allocator)
-    runs = []
-    for _ in range(5):
-        start = time.perf_counter()
-        fn()
-        runs.append((time.perf_counter() - start) * 1e3)
-    runs.sort()
-    return statistics.median(runs), runs[1], runs[-2]
+    start = time.perf_counter()
+    fn()
+    ms = (time.perf_counter() - start) * 1e3
+    return ms, ms, ms
 
 
-def measure(case: Case, device) -> dict:
+def free_bytes(device, limit_gib: float | None) -> float:
+    """Memory a case may use: free device memory (plus what PyTorch's allocator holds unused), or the machine's
+    available memory on the CPU; at most ``limit_gib``."""
+    if device.type == "cuda":
+        held = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        free = torch.cuda.mem_get_info(device)[0] + held
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return free if limit_gib is None else min(free, limit_gib * GIB)
+
+
+def _too_big(need: float, device, limit_gib) -> str | None:
+    free = free_bytes(device, limit_gib)
+    if need <= MEMORY_HEADROOM * free:
+        return None
+    return f"needs ~{need / GIB:.3g} GiB, {free / GIB:.3g} GiB free"
+
+
+def measure(case: Case, provider: Provider, call, inputs: dict, cache: dict, device) -> dict:
+    grads = [inputs[k] for k in case.grads]
+
+    def run_backward(out, retain: bool = False):
+        # per-token outputs get the case's random upstream gradient, scalar losses 1
+        out.backward(inputs["upstream"] if out.dim() else None, retain_graph=retain)
+
     def forward():
-        return case.fn()
-
-    def backward_setup():
-        for t in case.inputs:
-            t.grad = None
-        return case.fn()
+        return call(inputs)
 
     def fwd_bwd():
-        out = backward_setup()
-        out.float().sum().backward()
+        for t in grads:
+            t.grad = None
+        run_backward(call(inputs))
 
-    row = {"op": case.op, "shape": case.shape, "provider": case.provider}
+    row: dict = {"op": case.op, "shape": case.shape, "provider": provider.name}
+    # correctness first, on this very case: one forward (+ backward), against the float64 truth; an op without
+    # gradients runs under no_grad as it is timed, so torch.compile makes one graph, not two
+    if grads:
+        out = forward()
+        run_backward(out)
+        out = out.detach()
+    else:
+        with torch.no_grad():
+            out = forward()
+    tol = TOLERANCE[case.dtype]
+    missing = [k for k in case.grads if inputs[k].grad is None]
+    if missing:
+        out_err, grad_err = math.inf, math.inf
+        row["note"] = f"no gradient reached {', '.join(missing)}"
+    else:
+        out_err, grad_err = case.check(inputs, out, provider.truth, cache)
+        # written so that a NaN error fails: every comparison with NaN is False
+        passed = out_err <= tol and (not case.grads or grad_err <= tol)
+        row["note"] = "" if passed else f"error above {tol:.3g} against float64"
+    del out
+    row["out_err"], row["grad_err"] = out_err, grad_err
+    row["status"] = "FAIL" if row["note"] else "ok"
+
     with torch.no_grad():
         row["fwd_ms"], row["fwd_p20"], row["fwd_p80"] = _time_ms(forward, device)
-    if case.inputs:
+    if grads:
         row["fwd_bwd_ms"], row["fwd_bwd_p20"], row["fwd_bwd_p80"] = _time_ms(fwd_bwd, device)
-        out = backward_setup()
-        grad = torch.ones_like(out.float()).to(out.dtype)
-
-        def bwd_only():
-            out.backward(grad, retain_graph=True)
-
+        for t in grads:
+            t.grad = None
+        out = call(inputs)
         try:
-            row["bwd_ms"], _, _ = _time_ms(bwd_only, device)
+            row["bwd_ms"], _, _ = _time_ms(lambda: run_backward(out, retain=True), device)
         except RuntimeError:  # an in-place backward cannot run twice on one graph: report fwd+bwd only
-            row["bwd_ms"] = float("nan")
+            row["bwd_ms"] = math.nan
+        del out
     row["fwd_gbps"] = case.bytes_fwd / (row["fwd_ms"] * 1e-3) / 1e9
     if device.type == "cuda":
         row["fwd_pct_copy_bw"] = 100 * row["fwd_gbps"] / H200_COPY_GBPS
+        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        for t in grads:
+            t.grad = None
         base = torch.cuda.memory_allocated()
-        fwd_bwd() if case.inputs else forward()
+        fwd_bwd() if grads else forward()
         torch.cuda.synchronize()
         row["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
     if case.flops_fwd:
@@ -292,7 +734,63 @@ def measure(case: Case, device) -> dict:
             row["fwd_bwd_tflops"] = 3 * case.flops_fwd / (row["fwd_bwd_ms"] * 1e-3) / 1e12  # the useful 3 matmuls
         if device.type == "cuda":
             row["fwd_pct_bf16_peak"] = 100 * row["fwd_tflops"] / H200_BF16_TFLOPS
+    for t in grads:
+        t.grad = None
     return row
+
+
+def _unmeasured(case: Case, provider: Provider, status: str, note: str) -> dict:
+    """The row of a provider that was skipped or not run, with the reason."""
+    return {"op": case.op, "shape": case.shape, "provider": provider.name, "status": status, "note": note}
+
+
+def run_case(case: Case, device, args, report: Callable[[dict], None], deadline: float) -> None:
+    """Make the case's tensors, check and time each provider, free the tensors. Every outcome is one row."""
+    reason = _too_big(case.input_bytes + case.truth_bytes, device, args.memory_limit_gib)
+    if reason:
+        for provider in case.providers:
+            report(_unmeasured(case, provider, "skipped", f"case {reason}"))
+        return
+    torch.manual_seed(0)
+    try:
+        inputs = case.make()
+    except torch.OutOfMemoryError:
+        gc.collect()
+        torch.cuda.empty_cache()
+        for provider in case.providers:
+            report(_unmeasured(case, provider, "skipped", "out of memory making the inputs"))
+        return
+    cache: dict = {}  # the float64 truths, computed once per case
+    for provider in case.providers:
+        if time.monotonic() >= deadline:
+            report(_unmeasured(case, provider, "not run", "past the --max-seconds deadline"))
+            continue
+        reason = _too_big(provider.extra_bytes + case.truth_bytes, device, args.memory_limit_gib)
+        if reason:
+            report(_unmeasured(case, provider, "skipped", reason))
+            continue
+        try:
+            call, note = provider.setup()
+        except ImportError as exc:
+            report(_unmeasured(case, provider, "skipped", f"not importable: {exc}"))
+            continue
+        try:
+            result = measure(case, provider, call, inputs, cache, device)
+        except torch.OutOfMemoryError:
+            note_oom = f"out of memory (estimated {provider.extra_bytes / GIB:.3g} GiB beside the inputs)"
+            result = _unmeasured(case, provider, "skipped", note_oom)
+        if note:
+            result["note"] = f"{result['note']}; {note}" if result.get("note") else note
+        report(result)
+        del call
+        for k in case.grads:
+            inputs[k].grad = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    del inputs, cache
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 # -- peak memory of the fused lm_head path, measured in a fresh process (any device) ----------------------------
@@ -318,87 +816,152 @@ print((after - before) / 1024)
 """
 
 
-def cpu_peak_mib(n: int, h: int, v: int, how: str, chunk_mib: int) -> float:
-    """Growth of the peak resident set (MiB) over one forward+backward, in a fresh process (ru_maxrss, Linux)."""
+def start_peak_child(n: int, h: int, v: int, how: str, chunk_mib: int) -> subprocess.Popen:
+    """A fresh process that prints the growth of its peak resident set (MiB) over one forward+backward
+    (ru_maxrss, Linux)."""
     code = _MEMORY_CHILD.format(here=str(HERE), n=n, h=h, v=v, how=how, chunk=chunk_mib * 2**20)
     env = dict(os.environ, FASTTNT_KERNELS="torch")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
-    return float(out.stdout.strip().splitlines()[-1])
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
 
 
-def memory_rows(args) -> list[dict]:
-    rows = []
+def child_peak_mib(proc: subprocess.Popen) -> float:
+    out, err = proc.communicate()
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, proc.args, out, err)
+    return float(out.strip().splitlines()[-1])
+
+
+def memory_rows(args, report: Callable[[dict], None], deadline: float) -> None:
+    h, v = args.memory_hidden, args.vocab
     for n in args.memory_tokens:
+        logits_mib = n * v * 4 / 2**20
+        # the fused and the materialised process of one N run side by side: ru_maxrss is per process, so this
+        # changes no number and halves the wait (most of which is each process importing torch)
+        started, planned = [], 0.0
         for how in ("fused", "materialised"):
-            mib = cpu_peak_mib(n, args.memory_hidden, args.vocab, how, args.chunk_mib)
-            logits_mib = n * args.vocab * 4 / 2**20
-            rows.append(
-                {
-                    "op": "linear_token_logprobs",
-                    "shape": f"N={n} H={args.memory_hidden} V={args.vocab} float32",
-                    "provider": f"fasttnt ({args.chunk_mib} MiB chunks)" if how == "fused" else "torch (materialised)",
-                    "peak_mib": mib,
-                    "logits_mib": logits_mib,
-                }
-            )
-            print(
-                f"  {rows[-1]['provider']:<22} {rows[-1]['shape']:<32} peak +{mib:8.0f} MiB "
-                f"(one N x V float32 logits tensor: {logits_mib:.0f} MiB)",
-                flush=True,
-            )
-    return rows
+            row = {
+                "op": "linear_token_logprobs",
+                "shape": f"N={n} H={h} V={v} float32",
+                "provider": f"fasttnt ({args.chunk_mib} MiB chunks)" if how == "fused" else "torch (materialised)",
+                "logits_mib": logits_mib,
+            }
+            # float32 inputs and gradients, plus one chunk of logits fused; logits, softmax and gradient otherwise
+            need = 8.0 * (n + v) * h + (3 * args.chunk_mib * 2**20 if how == "fused" else 3 * 4.0 * n * v)
+            reason = _too_big(planned + need, torch.device("cpu"), args.memory_limit_gib)
+            if time.monotonic() >= deadline:
+                report({**row, "status": "not run", "note": "past the --max-seconds deadline"})
+            elif reason:
+                report({**row, "status": "skipped", "note": reason})
+            else:
+                started.append((row, start_peak_child(n, h, v, how, args.chunk_mib)))
+                planned += need
+        for row, proc in started:
+            report({**row, "peak_mib": child_peak_mib(proc), "status": "ok"})
 
 
-# -- main ---------------------------------------------------------------------------------------------------------
+# -- results: printed and appended to the CSV one row at a time -------------------------------------------------
 
 
-def append_csv(rows: list[dict], path: Path, device: torch.device) -> None:
-    import triton
+# The CSV's columns; status, out_err, grad_err and note came with the correctness checks and the skipped rows (an
+# older file gets them, empty, on its next append).
+# fmt: off
+FIELDS = [
+    "date", "device", "torch", "triton", "command", "op", "shape", "provider",
+    "fwd_ms", "fwd_p20", "fwd_p80", "bwd_ms", "fwd_bwd_ms", "fwd_bwd_p20", "fwd_bwd_p80",
+    "fwd_gbps", "fwd_pct_copy_bw", "fwd_tflops", "fwd_bwd_tflops", "fwd_pct_bf16_peak", "peak_mib", "logits_mib",
+    "status", "out_err", "grad_err", "note",
+]
+# fmt: on
 
-    stamp = {
-        "date": dt.date.today().isoformat(),
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-    }
-    fields = [
-        "date",
-        "device",
-        "torch",
-        "triton",
-        "command",
-        "op",
-        "shape",
-        "provider",
-        "fwd_ms",
-        "fwd_p20",
-        "fwd_p80",
-        "bwd_ms",
-        "fwd_bwd_ms",
-        "fwd_bwd_p20",
-        "fwd_bwd_p80",
-        "fwd_gbps",
-        "fwd_pct_copy_bw",
-        "fwd_tflops",
-        "fwd_bwd_tflops",
-        "fwd_pct_bf16_peak",
-        "peak_mib",
-        "logits_mib",
-    ]
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        if new:
-            writer.writeheader()
-        for row in rows:
-            writer.writerow({**stamp, **{k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()}})
+
+class CsvLog:
+    """Appends rows to a CSV, each written and flushed on its own, so a run stopped by a timeout keeps every row it
+    measured. A file written before the newer columns existed is rewritten once with them (empty for old rows)."""
+
+    def __init__(self, path: Path, stamp: dict):
+        self.path, self.stamp = path, stamp
+        if path.exists() and path.stat().st_size:
+            with path.open(newline="") as f:
+                reader = csv.DictReader(f)
+                old_fields, old_rows = reader.fieldnames or [], list(reader)
+            if old_fields != FIELDS:
+                with path.open("w", newline="") as f:
+                    writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
+                    writer.writeheader()
+                    writer.writerows(old_rows)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("w", newline="") as f:
+                csv.DictWriter(f, fieldnames=FIELDS).writeheader()
+
+    def write(self, row: dict) -> None:
+        # NaN (no gradient to compare, no repeatable backward) is an empty cell, as a column the row lacks
+        values = {k: ("" if math.isnan(v) else f"{v:.4g}") if isinstance(v, float) else v for k, v in row.items()}
+        with self.path.open("a", newline="") as f:  # closed, so flushed, before the next row is measured
+            csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore").writerow({**self.stamp, **values})
+
+
+def _print_row(row: dict) -> None:
+    head = f"  {row['op']:<22} {row['shape']:<36} {row['provider']:<30} {row.get('status', ''):<8}"
+    if "fwd_ms" in row:
+        head += f" fwd {row['fwd_ms']:9.3f} ms"
+        if "fwd_bwd_ms" in row:
+            head += f"  fwd+bwd {row['fwd_bwd_ms']:9.3f} ms"
+        if "peak_mib" in row:
+            head += f"  peak {row['peak_mib']:8.0f} MiB"
+        head += f"  err {row['out_err']:.2g}" + (f"/{row['grad_err']:.2g}" if not math.isnan(row["grad_err"]) else "")
+    elif "peak_mib" in row:
+        head += f" peak +{row['peak_mib']:8.0f} MiB (one N x V float32 logits tensor: {row['logits_mib']:.0f} MiB)"
+    if row.get("note"):
+        head += f"  ({row['note']})"
+    print(head, flush=True)
+
+
+def build_cases(args, device) -> list[Case]:
+    """Every case, in the order they run, most telling first so that a deadline drops the rest: at the first token
+    count the lm_head ops width by width (the fused loss first, the logits op after the first width), the cheap
+    ops, then the lm_head ops at the other token counts."""
+    chosen = set(args.providers.split(","))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    mean_len = 8 if args.smoke else 1024  # GRPO responses: hundreds to thousands of tokens
+
+    def lm_head_cases(n: int) -> list[Case]:
+        cases = []
+        for i, h in enumerate(args.hidden):
+            cases += [linear_loss_case(n, h, args.vocab, dtype, device, mean_len)]
+            cases += [linear_case(n, h, args.vocab, dtype, device, mean_len)]
+            if i == 0:
+                cases += [token_logprob_case(n, args.vocab, dtype, device, mean_len)]
+        return cases
+
+    cases = lm_head_cases(args.tokens[0])
+    if args.smoke:
+        cases += [loss_case(3, 16, device), advantage_case(2, 4, device), reward_case(2, 4, 8, device)]
+    else:
+        cases += [loss_case(max(1, n // 512), 512, device) for n in args.tokens]
+        cases += [advantage_case(g, 16, device) for g in (128, 1024)]
+        cases += [reward_case(g, 16, 2048, device) for g in (128, 1024)]
+    for n in args.tokens[1:]:
+        cases += lm_head_cases(n)
+    for case in cases:
+        # fasttnt's rows always run; a baseline only when --providers names it
+        case.providers = [p for p in case.providers if p.name.startswith("fasttnt") or _family(p.name) in chosen]
+    return cases
+
+
+def _family(provider: str) -> str:
+    """The --providers name of a row's provider: "torch.compile (materialised)" -> "compile", "liger ..." ->
+    "liger"."""
+    first = provider.split(" ")[0]
+    return "compile" if first == "torch.compile" else first
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--providers", default="torch,compile,liger", help="baselines beside fasttnt")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 65536])
+    parser.add_argument("--providers", default=None, help="baselines beside fasttnt (default trl,torch,compile,liger)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16384, 65536, 4096])
     parser.add_argument("--hidden", type=int, nargs="+", default=[1536, 3584], help="1.5B and 7B widths")
     parser.add_argument("--vocab", type=int, default=151936, help="the Qwen2 vocabulary")
     parser.add_argument("--memory-only", action="store_true", help="only the fused-vs-materialised peak memory")
@@ -406,42 +969,62 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-hidden", type=int, default=1536)
     parser.add_argument("--chunk-mib", type=int, default=128, help="the fused op's logits budget per chunk")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes: checks every code path runs")
-    parser.add_argument("--csv", type=Path, default=HERE / "results.csv")
+    parser.add_argument("--max-seconds", type=float, default=None, help="start no case or provider after this")
+    parser.add_argument("--memory-limit-gib", type=float, default=None, help="plan with at most this much memory")
+    parser.add_argument("--csv", type=Path, default=None, help="default benchmarks/results.csv; none for --smoke")
     args = parser.parse_args(argv)
+    started = time.monotonic()
+    deadline = started + args.max_seconds if args.max_seconds is not None else math.inf
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.smoke:
-        args.tokens, args.hidden, args.vocab = [64], [32], 1000
+        args.tokens, args.hidden, args.vocab = [24], [16], 300
         args.memory_tokens, args.memory_hidden = [64], 32
-        args.providers = "torch"
+        # torch.compile costs ~20 s per shape on the CPU: asked for by name only
+        args.providers = args.providers or "trl,torch,liger"
+    args.providers = args.providers or "trl,torch,compile,liger"
+    csv_path = args.csv or (None if args.smoke else HERE / "results.csv")
+
+    import triton
+
+    stamp = {
+        "date": dt.date.today().isoformat(),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "command": " ".join(["bench_kernels.py", *(sys.argv[1:] if argv is None else argv)]),
+    }
+    log = CsvLog(csv_path, stamp) if csv_path else None
     rows: list[dict] = []
+
+    def report(row: dict) -> None:
+        rows.append(row)
+        _print_row(row)
+        if log:
+            log.write(row)
+
     if device.type != "cuda" or args.memory_only:
-        print(f"peak memory of one forward+backward (fresh process, {'CPU' if device.type != 'cuda' else 'CUDA'})")
-        rows += memory_rows(args)
-    if device.type == "cuda" or args.smoke:
-        providers = _providers(args)
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        cases: list[Case] = []
-        for n in args.tokens:
-            cases += token_logprob_cases(n, args.vocab, dtype, device, providers)
-            for h in args.hidden:
-                cases += linear_cases(n, h, args.vocab, dtype, device, providers)
-            cases += loss_cases(max(1, n // 512), 512, device, providers)
-        for g in (128, 1024) if not args.smoke else (4,):
-            cases += advantage_cases(g, 16, device, providers)
-            cases += reward_cases(g, 16, 2048 if not args.smoke else 16, device, providers)
-        for case in cases:
-            row = measure(case, device)
-            rows.append(row)
-            print(
-                f"  {row['op']:<22} {row['shape']:<34} {row['provider']:<30} fwd {row['fwd_ms']:8.3f} ms"
-                + (f"  fwd+bwd {row['fwd_bwd_ms']:8.3f} ms" if "fwd_bwd_ms" in row else "")
-                + (f"  peak {row['peak_mib']:8.0f} MiB" if "peak_mib" in row else ""),
-                flush=True,
-            )
-    if not args.smoke:
-        append_csv(rows, args.csv, device)
-        print(f"appended {len(rows)} rows to {args.csv}")
-    return 0
+        print("peak memory of one forward+backward (a fresh CPU process each: algorithmic, it holds on any device)")
+        memory_rows(args, report, deadline)
+    if (device.type == "cuda" or args.smoke) and not args.memory_only:
+        print(f"kernels on {stamp['device']}: status, times, and error against float64 (output/gradients)")
+        for case in build_cases(args, device):
+            if time.monotonic() >= deadline:
+                for provider in case.providers:
+                    report(_unmeasured(case, provider, "not run", "past the --max-seconds deadline"))
+                continue
+            run_case(case, device, args, report, deadline)
+    not_run = [r for r in rows if r.get("status") == "not run"]
+    if not_run:
+        print(f"not run, past the {args.max_seconds:g} s deadline ({len(not_run)} rows):")
+        for r in not_run:
+            print(f"  {r['op']} {r['shape']} {r['provider']}")
+    failed = [r for r in rows if r.get("status") == "FAIL"]
+    print(
+        f"{len(rows)} rows in {time.monotonic() - started:.0f} s: {sum(r.get('status') == 'ok' for r in rows)} ok, "
+        f"{len(failed)} FAIL, {sum(r.get('status') == 'skipped' for r in rows)} skipped, {len(not_run)} not run"
+        + (f"; appended to {csv_path}" if csv_path else "")
+    )
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -1,25 +1,64 @@
 #!/usr/bin/env bash
-# The one GPU check: kernel tests compiled for the GPU (no interpreter), kernel benchmarks at the shapes that
-# matter, packed attention against per-sequence forwards, and the training-step throughput of a Qwen2-1.5B-shaped
-# policy. About 6-8 minutes on an H200.
-# Everything lands in one folder: benchmarks/gpu_results/<date>/ (or the folder given as $1).
+# The one GPU check, at most 8 minutes on an H200 by construction: every part runs under its own `timeout`, and
+# the limits add up to 457 s, the 5 s grace of each `timeout -k 5` included (20 s left for the shell itself).
+# Each part's output is written as it comes (tee), and bench_kernels.py appends each CSV row as it is measured,
+# so a part stopped at its limit keeps what it measured.
+#
+#   part                                              limit + kill   expected on an H200
+#   install the wheels in .whl/ (pip, no network)       20 s + 5 s   ~5 s
+#   GPU and library versions (nvidia-smi; metadata) 8+2 s; 5+2 s   ~2 s
+#   kernel tests, natively (pytest -n 8)                85 s + 5 s   ~30-60 s, mostly Triton compiling
+#   bench_kernels.py --max-seconds 130                 170 s + 5 s   starts nothing after 130 s; 40 s for the
+#                                                                    provider in flight (a 64K-token float64 truth,
+#                                                                    a torch.compile)
+#   packed_attention_check.py (16K tokens, 1.5B)        70 s + 5 s   ~30-40 s: model init on the CPU, ~20 forwards
+#   train_throughput.py --steps 5 (16K tokens, 1.5B)    70 s + 5 s   ~30-40 s: model init on the CPU, 6 steps
+#
+# On this workplace's device machine, through the `run` tool (the results come back from $OUT):
+#   run(command='bash benchmarks/gpu_check.sh "$OUT"', carry=[".whl"], timeout_s=540)
+# .whl/ (ignored by git through .git/info/exclude) holds the wheels the H200 image lacks, for Python 3.12:
+# trl 1.16.0 with datasets 5.2.0, dill 0.4.1 and multiprocess 0.70.19 (TRL imports datasets), and liger-kernel
+# 0.8.5, about 2.7 MB. Remake it with /work/.library/device/README.md's `pip download` line, naming those five.
+# Anywhere else: bash benchmarks/gpu_check.sh [out folder], by default benchmarks/gpu_results/<date>/.
 set -uo pipefail
+out=${1:+$(realpath -m "$1")}  # a folder given relative to the caller, before the cd below
 cd "$(dirname "$0")/.."
-out=${1:-benchmarks/gpu_results/$(date +%Y-%m-%d)}
+out=${out:-benchmarks/gpu_results/$(date +%Y-%m-%d)}
 mkdir -p "$out"
+py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+# the kernel tests draw fresh inputs per run; one seed for every pytest-xdist worker, printed, so a run replays
+export FASTTNT_TEST_SEED=${FASTTNT_TEST_SEED:-$RANDOM}
 status=0
 {
   date -u
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
-  python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  echo "FASTTNT_TEST_SEED=$FASTTNT_TEST_SEED"
+  if compgen -G ".whl/*.whl" > /dev/null; then
+    timeout -k 5 20 "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl && echo "installed from .whl/: $(cd .whl && echo *.whl)"
+  fi
 } > "$out/machine.txt" 2>&1
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+# the project itself, uninstalled: fasttnt from the root, fasttnt_kernels from kernels/
+export PYTHONPATH=$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}
+{
+  timeout -k 2 8 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+  timeout -k 2 5 "$py" -c "import importlib.metadata as m, sys
+for d in sys.argv[1:]:
+    try:
+        print(d, m.version(d))
+    except m.PackageNotFoundError:
+        print(d, 'not installed')" torch triton transformers accelerate trl datasets pyarrow liger-kernel
+} >> "$out/machine.txt" 2>&1
+cat "$out/machine.txt"
 echo "== kernel tests (native) =="
-timeout 300 python -m pytest -q tests/kernels 2>&1 | tee "$out/kernel_tests.txt" || status=1
-echo "== kernel benchmarks =="
-timeout 300 python benchmarks/bench_kernels.py --csv "$out/results.csv" 2>&1 | tee "$out/bench_kernels.txt" || status=1
+timeout -k 5 85 "$py" -m pytest -q -n 8 tests/kernels 2>&1 | tee "$out/kernel_tests.txt" || status=1
+echo "== kernel benchmarks: N = 16K then 64K tokens, the 1.5B and 7B widths, Qwen2 vocabulary, bf16 =="
+timeout -k 5 170 "$py" benchmarks/bench_kernels.py --tokens 16384 65536 --hidden 1536 3584 --max-seconds 130 \
+  --csv "$out/results.csv" 2>&1 | tee "$out/bench_kernels.txt" || status=1
 echo "== packed attention: one packed row vs per-sequence forwards (Qwen2-1.5B shape, bf16, 16K tokens) =="
-timeout 120 python benchmarks/packed_attention_check.py 2>&1 | tee "$out/packed_attention.txt" || status=1
-echo "== training-step throughput =="
-timeout 240 python benchmarks/train_throughput.py 2>&1 | tee "$out/train_throughput.txt" || status=1
-echo "results in $out"
+timeout -k 5 70 "$py" benchmarks/packed_attention_check.py 2>&1 | tee "$out/packed_attention.txt" || status=1
+echo "== training-step throughput (Qwen2-1.5B shape, 16K-token packed micro-batches) =="
+timeout -k 5 70 "$py" benchmarks/train_throughput.py --steps 5 2>&1 | tee "$out/train_throughput.txt" || status=1
+echo "results in $out (exit $status)"
 exit $status

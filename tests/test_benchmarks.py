@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
+import csv
+import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from small import SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,11 +27,112 @@ def _run(*args: str, env: dict | None = None, cwd: Path = ROOT) -> str:
     return result.stdout
 
 
-def test_bench_kernels_smoke():
-    out = _run("benchmarks/bench_kernels.py", "--smoke", env={"TRITON_INTERPRET": "1", "FASTTNT_KERNELS": "triton"})
-    for op in ("token_logprobs", "linear_token_logprobs", "group_advantages", "clipped_policy_loss", "tnt_rewards"):
-        assert op in out
-    assert "torch (materialised)" in out and "peak +" in out
+def _bench_kernels():
+    """benchmarks/bench_kernels.py as a module (benchmarks/ is no package), for the tests that run it in-process."""
+    spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "benchmarks" / "bench_kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+def _csv_rows(path: Path) -> list[dict]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_bench_kernels_smoke(tmp_path):
+    # every op and every baseline that runs on the CPU: fasttnt's kernels under the interpreter; TRL's
+    # selective_log_softmax (its eager fallback off CUDA) and ChunkedLogProbFunction (its torch tiles); the eager
+    # per-sequence formulas. Liger's rows run where liger-kernel is installed and are skipped rows elsewhere.
+    results = tmp_path / "results.csv"
+    env = {"TRITON_INTERPRET": "1", "FASTTNT_KERNELS": "triton"}
+    out = _run("benchmarks/bench_kernels.py", "--smoke", "--csv", str(results), env=env)
+    rows = _csv_rows(results)
+    assert f"{len(rows)} rows in" in out and "0 FAIL" in out  # every printed row reached the CSV
+    ops = {r["op"] for r in rows}
+    assert ops == {"token_logprobs", "linear_token_logprobs", "linear_policy_loss", "clipped_policy_loss",
+                   "group_advantages", "tnt_rewards"}  # fmt: skip
+    status = {(r["op"], r["provider"]): r for r in rows if r["fwd_ms"] or r["note"].startswith("not importable")}
+    for op in ("token_logprobs", "linear_token_logprobs", "linear_policy_loss"):
+        assert status[op, "fasttnt"]["status"] == "ok"
+        assert float(status[op, "fasttnt"]["out_err"]) < 1e-4 and float(status[op, "fasttnt"]["grad_err"]) < 1e-4
+        assert status[op, "trl"]["status"] == ("ok" if importlib.util.find_spec("trl") else "skipped")
+    assert status["linear_policy_loss", "fasttnt (unfused)"]["status"] == "ok"
+    assert status["linear_token_logprobs", "torch (materialised)"]["status"] == "ok"
+    liger = "ok" if importlib.util.find_spec("liger_kernel") else "skipped"
+    assert status["linear_token_logprobs", "liger"]["status"] == liger
+    assert status["linear_policy_loss", "liger (fused linear CE)"]["status"] == liger
+    memory = [r for r in rows if r["peak_mib"] and not r["fwd_ms"]]
+    assert {r["provider"] for r in memory} == {"fasttnt (128 MiB chunks)", "torch (materialised)"}
+    # the figure script reads what this one writes
+    _run("benchmarks/plot_results.py", "--csv", str(results), "--out", str(tmp_path / "results.png"))
+    assert (tmp_path / "results.png").stat().st_size > 0
+
+
+def test_bench_kernels_skips_what_does_not_fit_and_stops_at_its_deadline(tmp_path, capsys, monkeypatch):
+    bench = _bench_kernels()
+    made = []
+    build = bench.build_cases
+
+    def recording_build(args, device):
+        cases = build(args, device)
+        for case in cases:
+            case.make = lambda make=case.make, op=case.op: made.append(op) or make()
+        return cases
+
+    monkeypatch.setattr(bench, "build_cases", recording_build)
+    # a memory limit nothing fits: every case is a skipped row with its reason, and none of them made a tensor
+    assert bench.main(["--smoke", "--memory-limit-gib", "0", "--csv", str(tmp_path / "small.csv")]) == 0
+    rows = _csv_rows(tmp_path / "small.csv")
+    assert len({r["op"] for r in rows}) == 6 and made == []
+    assert all(r["status"] == "skipped" and "GiB free" in r["note"] and not r["fwd_ms"] for r in rows)
+    # a deadline already past: nothing starts, and the run lists (and writes) what it did not run
+    assert bench.main(["--smoke", "--max-seconds", "0", "--csv", str(tmp_path / "late.csv")]) == 0
+    rows = _csv_rows(tmp_path / "late.csv")
+    assert len({r["op"] for r in rows}) == 6 and made == []
+    assert all(r["status"] == "not run" for r in rows)
+    out = capsys.readouterr().out
+    assert f"not run, past the 0 s deadline ({len(rows)} rows)" in out
+
+
+def test_bench_kernels_fails_a_wrong_result_a_nan_and_a_missing_gradient():
+    from fasttnt_kernels import clipped_policy_loss_reference
+
+    bench = _bench_kernels()
+    cpu = torch.device("cpu")
+    case = bench.loss_case(3, 16, cpu)
+
+    def loss(x):
+        return clipped_policy_loss_reference(x["logp"], x["old"], x["adv"], x["cu"])[0]
+
+    variants = {
+        "right": loss,
+        "1% off": lambda x: 1.01 * loss(x),
+        "nan": lambda x: loss(x) * float("nan"),
+        "no gradient": lambda x: loss(x).detach().requires_grad_(),
+    }
+    case.providers = [bench.Provider(name, lambda f=f: (f, "")) for name, f in variants.items()]
+    rows = []
+    bench.run_case(case, cpu, argparse.Namespace(memory_limit_gib=None), rows.append, math.inf)
+    assert [r["status"] for r in rows] == ["ok", "FAIL", "FAIL", "FAIL"]
+    assert rows[2]["out_err"] == math.inf and "no gradient reached logp" in rows[3]["note"]
+    assert all(r["fwd_ms"] >= 0 for r in rows)  # a failing row is still timed
+
+
+def test_bench_kernels_csv_is_written_row_by_row(tmp_path):
+    bench = _bench_kernels()
+    path = tmp_path / "results.csv"
+    # a file from before the status columns: rewritten once under the new header, its rows kept
+    path.write_text("date,device,op,shape,provider,fwd_ms\n2026-11-30,cpu,token_logprobs,N=1,fasttnt,1.5\n")
+    log = bench.CsvLog(path, {"date": "2026-12-01", "device": "cpu"})
+    assert path.read_text().splitlines()[0] == ",".join(bench.FIELDS)
+    assert _csv_rows(path)[0]["fwd_ms"] == "1.5"
+    # each row is on disk as soon as it is written: a run killed by a timeout keeps it
+    for i in range(2):
+        log.write({"op": "token_logprobs", "shape": "N=2", "provider": "fasttnt", "status": "ok", "fwd_ms": 2.0})
+        rows = _csv_rows(path)
+        assert len(rows) == 2 + i and rows[-1]["fwd_ms"] == "2" and rows[-1]["date"] == "2026-12-01"
 
 
 def test_train_throughput_smoke():
