@@ -52,8 +52,12 @@ def run_fasttnt(args, workdir: Path) -> dict:
         rows.append(row)
     trainer.verifier.close()
     timed = rows[args.warmup_steps :]
+    phases = sorted({k for r in timed for k in r if k.startswith("time_") and k != "time_step"})
     return {
         "step_s": statistics.median(r["wall"] for r in timed),
+        # the step's time by phase (medians), and the share of sequences the update left out
+        "phases_s": {k.removeprefix("time_"): statistics.median(r.get(k, 0.0) for r in timed) for k in phases},
+        "skipped_seq_frac": statistics.median(r.get("skipped_seq_frac", 0.0) for r in timed),
         "generated_tokens": statistics.median(r["len"] * args.prompts * args.samples for r in timed),
         "trained_tokens": statistics.median(r["trained_tokens_per_s"] * r["time_update"] for r in timed),
         "reward_first": rows[0]["reward"],
@@ -194,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{name:10}{r['step_s']:10.3f}{1 / r['step_s']:10.3f}{r['generated_tokens'] / r['step_s']:12.0f}"
             f"{r['trained_tokens'] / r['step_s']:13.0f}{r['reward_first']:10.2f} -> {r['reward_last']:.2f}"
         )
+    split = results["fasttnt"]["phases_s"]
+    print("fasttnt phases (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in split.items()))
+    print(f"fasttnt sequences skipped by the update (median share): {results['fasttnt']['skipped_seq_frac']:.2f}")
     if "trl" in results:
         ratio = results["trl"]["step_s"] / results["fasttnt"]["step_s"]
         print(f"fasttnt steps/s / TRL steps/s = {ratio:.2f}")

@@ -17,9 +17,10 @@ accumulates in float32 when the matmuls run in 16 bits, as TRL 1.16's ``trl/kern
 does (``torch.addmm(..., out_dtype=torch.float32)`` on CUDA): rounding each chunk's V x H product to bf16 before
 summing drifts training (that file's comment reports entropy falling over a few dozen steps).
 
-The gradients are kept from the forward and scaled by the upstream gradient in the backward, so the backward
-holds no logits and reads no weight (under ZeRO-3 the weight need not be gathered again). The cost: the (N, H)
-hidden-state gradient and a float32 (V, H) weight gradient live from the forward to the backward.
+The gradients are kept from the forward and scaled in place by the upstream gradient in the backward, so the
+backward holds no logits and reads no weight (under ZeRO-3 the weight need not be gathered again), and runs once
+(no ``retain_graph``). The cost: the (N, H) hidden-state gradient and a float32 (V, H) weight gradient live from
+the forward to the backward.
 """
 
 from __future__ import annotations
@@ -230,11 +231,13 @@ class LinearPolicyLossFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, grad_stats, grad_logp):
+        # scaled in place: no second (V, H) float32 tensor at the 1.5B/7B shapes (the graph runs backward once)
         grad_hidden, grad_weight = ctx.saved_tensors
-        scale = grad_loss.to(torch.float32)
-        gh = (grad_hidden * scale.to(grad_hidden.dtype)) if grad_hidden is not None else None
-        gw = (grad_weight * scale.to(grad_weight.dtype)) if grad_weight is not None else None
-        return gh, gw, *([None] * 15)
+        if grad_hidden is not None:
+            grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
+        if grad_weight is not None:
+            grad_weight.mul_(grad_loss.to(grad_weight.dtype))
+        return grad_hidden, grad_weight, *([None] * 15)
 
 
 def linear_policy_loss(
