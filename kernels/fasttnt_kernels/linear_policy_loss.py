@@ -46,10 +46,10 @@ from .linear_token_logprobs import (
     _chunk_forward_torch,
     _matmul_dtype,
     _mm,
-    chunk_rows_for,
+    check_lm_head_inputs,
     linear_token_logprobs_reference,
 )
-from .token_logprobs import check_logprob_inputs, token_logprobs_backward, token_logprobs_forward
+from .token_logprobs import token_logprobs_backward, token_logprobs_forward
 
 LINEAR_STAT_NAMES = (*STAT_NAMES, "entropy")
 """``clipped_policy_loss``'s statistics and the token-mean entropy (over the N tokens given)."""
@@ -273,13 +273,7 @@ def linear_policy_loss(
     CUDA (or ``FASTTNT_KERNELS=triton``) each chunk runs the Triton kernels; elsewhere the references, with the same
     chunking.
     """
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(
-            f"hidden must be (N, H) and weight (V, H) with one H; got {tuple(hidden.shape)} and {tuple(weight.shape)}"
-        )
-    if hidden.dtype != weight.dtype:
-        raise TypeError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
-    check_logprob_inputs(hidden, ids, temperature, name="hidden")
+    chunk_rows = check_lm_head_inputs(hidden, weight, ids, temperature, chunk_bytes)
     N = hidden.shape[0]
     config = PolicyLossConfig(clip_low, clip_high, dual_clip, kl_coef, agg, norm_length)
     tensors = check_policy_loss_inputs(
@@ -294,12 +288,8 @@ def linear_policy_loss(
         total_seqs=total_seqs,
     )
     _common.check_same_device(hidden=hidden, weight=weight, ids=ids, **tensors)
-    if chunk_bytes <= 0:
-        raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
     if not entropy_coef >= 0.0:
         raise ValueError(f"entropy_coef must be >= 0, got {entropy_coef}")
-    itemsize = torch.empty((), dtype=_matmul_dtype(hidden)).element_size()
-    chunk_rows = chunk_rows_for(N, weight.shape[0], itemsize, chunk_bytes)
     use_triton = _common.use_triton(hidden, weight, ids, *tensors.values())
     grad_on = torch.is_grad_enabled()
     loss, stats, logp = LinearPolicyLossFunction.apply(

@@ -51,6 +51,21 @@ def chunk_rows_for(n_rows: int, vocab: int, itemsize: int, chunk_bytes: int) -> 
     return min(rows, max(1, n_rows))
 
 
+def check_lm_head_inputs(hidden, weight, ids, temperature: float, chunk_bytes: int) -> int:
+    """Check the inputs of an op over ``hidden @ weight.T``; returns the rows per chunk for ``chunk_bytes``."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden must be (N, H) and weight (V, H) with one H; got {tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
+    check_logprob_inputs(hidden, ids, temperature, name="hidden")
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+    itemsize = torch.empty((), dtype=_matmul_dtype(hidden)).element_size()
+    return chunk_rows_for(hidden.shape[0], weight.shape[0], itemsize, chunk_bytes)
+
+
 def _matmul_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype the lm_head matmul runs in: autocast's when it is on for this device, else the input's."""
     device_type = t.device.type
@@ -182,18 +197,8 @@ def linear_token_logprobs(
     exist at once. On CUDA (or ``FASTTNT_KERNELS=triton``) each chunk runs the Triton kernels; elsewhere it runs
     the reference, with the same chunking, so the memory bound holds on the CPU too.
     """
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(
-            f"hidden must be (N, H) and weight (V, H) with one H; got {tuple(hidden.shape)} and {tuple(weight.shape)}"
-        )
-    if hidden.dtype != weight.dtype:
-        raise TypeError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
-    check_logprob_inputs(hidden, ids, temperature, name="hidden")
     _common.check_same_device(hidden=hidden, weight=weight, ids=ids)
-    if chunk_bytes <= 0:
-        raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
-    itemsize = torch.empty((), dtype=_matmul_dtype(hidden)).element_size()
-    chunk_rows = chunk_rows_for(hidden.shape[0], weight.shape[0], itemsize, chunk_bytes)
+    chunk_rows = check_lm_head_inputs(hidden, weight, ids, temperature, chunk_bytes)
     use_triton = _common.use_triton(hidden, weight, ids)
     return LinearTokenLogprobsFunction.apply(
         hidden, weight, ids.contiguous(), temperature, with_entropy, chunk_rows, use_triton
