@@ -434,7 +434,7 @@ class Trainer:
         metrics["_counts"] = self._sum(counts)
         values = to_floats({k: v for k, v in metrics.items() if k != "_counts"})  # sync: one read per step
         for name in TOKEN_METRICS:  # measured on no token (every sequence skipped): not written, rather than NaN
-            if name in values and math.isnan(values[name]):
+            if name in values and not math.isfinite(values[name]):
                 del values[name]
         n_tokens, prompt_tokens, timeouts, crashes = metrics["_counts"].tolist()
         values.update(times)
@@ -543,7 +543,7 @@ class Trainer:
         sums = torch.zeros(len(_STEP_SUMS), dtype=torch.float32, device=self.device)
         # the rollout correction over the whole mini-batch when the old log-probs are known; else (on-policy, no
         # correction) its diagnostics come from each micro-batch's log-probs, of the sequences trained on
-        weights, rollout_tokens = None, 0.0
+        weights, rollout_tokens = None, None  # tokens the diagnostics cover: all of them here, else those trained on
         if part.rollout_logp is not None and old_logp is None and self.correction != "none":
             raise ValueError("the rollout correction needs the old log-probs (step() computes them first)")
         if part.rollout_logp is not None and old_logp is not None:
@@ -591,7 +591,7 @@ class Trainer:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
             self.optimizer.step()
         trained_tokens = float(part.bounds[-1])
-        if weights is None:
+        if rollout_tokens is None:
             rollout_tokens = trained_tokens
         # micro-batches run (dummy ones not counted), sequences skipped, tokens trained on, tokens of the rollout
         # diagnostics: one sum over the ranks
@@ -661,7 +661,9 @@ class Trainer:
         token_means = torch.stack(
             [stats["entropy"], stats["clip_frac_low"] + stats["clip_frac_high"], stats["approx_kl"], stats["kl_ref"]]
         )
-        return loss, torch.cat([loss.detach()[None], token_means * n, rollout]).float()
+        # the logged loss is the policy loss alone, without the entropy bonus the fused op adds (as before the fusion)
+        policy_loss = loss.detach() + loss_cfg.entropy_coef * stats["entropy"] * n / max(n_tokens, 1.0)
+        return loss, torch.cat([policy_loss[None], token_means * n, rollout]).float()
 
     # -- the run ----------------------------------------------------------------------------------------------
 

@@ -298,6 +298,9 @@ def test_skipping_zero_advantage_sequences_leaves_the_update_unchanged(tmp_path,
     assert skipped["micro_batches"] < straight["micro_batches"]
     for name in ("loss", "grad_norm"):
         assert skipped[name] == pytest.approx(straight[name], rel=1e-5, abs=1e-7), name
+    if old_logp is not None:  # the rollout diagnostics then cover every token, skipped or not
+        for name in ("rollout_logp_diff", "rollout_is_mean", "rollout_is_clipped_frac"):
+            assert skipped[name] == pytest.approx(straight[name], rel=1e-5, abs=1e-9), name
     # the same sums in another order (fewer, differently packed micro-batches): float32 rounding apart
     torch.testing.assert_close(g_skipped, g_straight, rtol=1e-6, atol=1e-6 * float(g_straight.abs().max()))
 
