@@ -1,11 +1,15 @@
 """One GRPO step of the embedded task through fasttnt and through TRL's GRPOTrainer, side by side in one run.
 
-    python benchmarks/e2e.py [--steps 10] [--warmup-steps 2] [--prompts 32] [--samples 8] [--max-new-tokens 96]
+    python benchmarks/e2e.py [--steps 10] [--warmup-steps 2] [--rounds 3] [--prompts 32] [--samples 8]
+                             [--max-new-tokens 96]
 
 Equal work: the same warmed-up tiny model, the same prompts per step, samples per prompt and length budget, the
 same TNT reward (computed by our kernel inside TRL's reward function), the same learning rate and clipping, one
 optimizer step per rollout, no KL. Reports steps/s, generated tokens/s and trained tokens/s for both and their
-ratio (medians over the timed steps, the first ``--warmup-steps`` excluded). Needs ``pip install trl``.
+ratio (medians over the timed steps, the first ``--warmup-steps`` excluded). A shared machine's speed drifts over
+minutes, so the two trainers take turns: ``--rounds`` rounds, each running both from the start (fasttnt first in
+even rounds, TRL first in odd ones); each round gives a ratio, and the ratio reported is their median. Needs
+``pip install trl``.
 """
 
 from __future__ import annotations
@@ -159,10 +163,16 @@ def run_trl(args, workdir: Path) -> dict:
     }
 
 
+def _median_round(runs: list[dict]) -> dict:
+    """The run whose step time is the median of ``runs`` (the lower middle one for an even count)."""
+    return sorted(runs, key=lambda r: r["step_s"])[(len(runs) - 1) // 2]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup-steps", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="turns of both trainers (the ratio: their median)")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=96)
@@ -184,13 +194,22 @@ def main(argv: list[str] | None = None) -> int:
     else:
         trl_available = True
 
-    with tempfile.TemporaryDirectory() as tmp:
-        results = {"fasttnt": run_fasttnt(args, Path(tmp))}
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    runners = {"fasttnt": run_fasttnt, **({"trl": run_trl} if trl_available else {})}
+    rounds: list[dict[str, dict]] = []
+    for turn in range(args.rounds):
+        order = list(runners) if turn % 2 == 0 else list(reversed(runners))
+        with tempfile.TemporaryDirectory() as tmp:
+            rounds.append({name: runners[name](args, Path(tmp)) for name in order})
         if trl_available:
-            results["trl"] = run_trl(args, Path(tmp))
+            ratio = rounds[-1]["trl"]["step_s"] / rounds[-1]["fasttnt"]["step_s"]
+            print(f"round {turn + 1}/{args.rounds} ({' then '.join(order)}): ratio {ratio:.2f}", file=sys.stderr)
+    # per trainer, the round whose step time is the median one (its phases and tokens go with it)
+    results = {name: _median_round([r[name] for r in rounds]) for name in runners}
     print(
         f"\n{args.prompts} prompts x {args.samples} samples, <= {args.max_new_tokens} new tokens, "
-        f"median over {args.steps} steps after {args.warmup_steps} warm-up steps"
+        f"median over {args.steps} steps after {args.warmup_steps} warm-up steps, the median of {args.rounds} rounds"
     )
     print(f"{'':10}{'s/step':>10}{'steps/s':>10}{'gen tok/s':>12}{'train tok/s':>13}{'reward 1st->last':>20}")
     for name, r in results.items():
@@ -202,9 +221,15 @@ def main(argv: list[str] | None = None) -> int:
     print("fasttnt phases (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in split.items()))
     print(f"fasttnt sequences skipped by the update (median share): {results['fasttnt']['skipped_seq_frac']:.2f}")
     if "trl" in results:
-        ratio = results["trl"]["step_s"] / results["fasttnt"]["step_s"]
-        print(f"fasttnt steps/s / TRL steps/s = {ratio:.2f}")
-        results["ratio_steps_per_s"] = ratio
+        ratios = [r["trl"]["step_s"] / r["fasttnt"]["step_s"] for r in rounds]
+        results["ratio_steps_per_s"] = statistics.median(ratios)
+        results["ratio_by_round"] = ratios
+        print(
+            f"fasttnt steps/s / TRL steps/s = {results['ratio_steps_per_s']:.2f} (median of {len(ratios)} rounds: "
+            + ", ".join(f"{x:.2f}" for x in ratios)
+            + ")"
+        )
+    results["rounds"] = rounds
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

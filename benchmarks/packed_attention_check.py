@@ -51,17 +51,23 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(1)
     while sum(p + r for p, r in lengths) < args.tokens:
         prompt = int(torch.randint(4, max(5, args.tokens // 64), (1,), generator=gen))
+        prompt = lengths[-1][0] if len(lengths) % 3 == 2 else prompt  # shares the previous prompt (below)
         response = 1 if len(lengths) % 5 == 0 else int(torch.randint(2, max(3, args.tokens // 8), (1,), generator=gen))
         lengths.append((prompt, response))
     *lengths, (p_last, _) = lengths
     lengths.append((p_last, max(1, args.tokens - sum(p + r for p, r in lengths) - p_last)))
     vocab = shape["vocab_size"]
     prompts = [torch.randint(0, vocab, (p,), generator=gen).tolist() for p, _ in lengths]
+    # every third sequence answers the same prompt as the one before it, as a group's samples do: the row holds
+    # that prompt once (fasttnt.policy), and the kernel runs over the gathered prompt + response sequences
+    for i in range(2, len(lengths), 3):
+        prompts[i] = prompts[i - 1]
     responses = [torch.randint(0, vocab, (r,), generator=gen).tolist() for _, r in lengths]
     ids, cu = pack(responses, device)
     batch = RolloutBatch(prompts, ids, cu, torch.zeros(len(lengths), dtype=torch.bool, device=device), 1)
     plan = plan_micro_batches(batch, args.tokens)
     assert len(plan) == 1, "the sequences must fill one packed row"
+    assert plan[0].expand is not None, "some sequences must share their prompt"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
     def grad_norm(logp: torch.Tensor) -> float:
@@ -99,7 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     mixed_diff = (mixed - truth.detach()).abs()
     n_seq = len(lengths)
     print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; packed attention {backend}")
-    print(f"{args.tokens} tokens in one row: {n_seq} sequences, {sum(r == 1 for _, r in lengths)} 1-token responses")
+    print(
+        f"{args.tokens} tokens in {n_seq} sequences, {sum(r == 1 for _, r in lengths)} 1-token responses; "
+        f"one row of {mb.input_ids.shape[1]} tokens (shared prompts held once)"
+    )
     print(f"packed vs per-sequence log-probs: max |diff| {diff.max():.3g}, mean {diff.mean():.3g} (tol {args.tol})")
     print(f"gradient norm of sum(log-probs): packed {packed_norm:.6g}, per-sequence {truth_norm:.6g}")
     print(f"without boundaries (sequences mixed): max |diff| {mixed_diff.max():.3g}, mean {mixed_diff.mean():.3g}")

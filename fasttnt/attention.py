@@ -11,8 +11,11 @@ with transformers' ``AttentionInterface``, which runs, by what the machine has:
 * ``flash-attn``: ``flash_attn_varlen_func`` (CUDA, 16-bit inputs);
 * else PyTorch's own FlashAttention, ``torch.nn.attention.varlen.varlen_attn`` (CUDA, 16-bit inputs), with
   FlashAttention-3 activated on Hopper where PyTorch offers it;
-* else (the CPU, or float32 inputs) SDPA over the same boundaries: the sequences gathered into padded batches,
-  each attending causally to itself alone.
+* else (the CPU, or float32 inputs) SDPA over the same boundaries: the sequences gathered into right-padded
+  batches of similar lengths, each attending causally to itself alone.
+
+A row may hold a prompt once for its K responses (``fasttnt.policy``): each kernel still sees sequences of prompt +
+response (``Packing.expand`` gathers them), so the sharing needs nothing of it.
 
 A forward without ``packing`` (generation: a left-padded batch with a KV cache) runs the implementation the model
 had before, with its own masks, so one model serves the rollout engine and the update.
@@ -40,46 +43,84 @@ _IN_PACKED_FORWARD: contextvars.ContextVar[bool] = contextvars.ContextVar("fastt
 
 @dataclass(frozen=True)
 class PaddedChunk:
-    """Consecutive packed sequences as a padded batch: the packed index of each (sequence, position)."""
+    """Packed sequences of similar lengths as one right-padded batch of ``rows`` x ``length`` slots."""
 
-    index: torch.Tensor  # (s, L) int64 token index into the row; 0 where padded
-    valid: torch.Tensor  # (s, L) bool
+    source: torch.Tensor  # (n,) int64: the row token that fills each occupied slot
+    slot: torch.Tensor  # (n,) int64: that slot, as row * length + position
+    rows: int
+    length: int
 
 
 @dataclass(frozen=True)
 class Packing:
-    """Where the sequences of one flattened row begin and end."""
+    """Where the sequences of one flattened row begin and end.
 
-    cu_seqlens: torch.Tensor  # (S+1,) int32 on the model's device: FlashAttention's kernels take int32
+    A row may hold a prompt once for several of its sequences (the K responses of a prompt): the attention then
+    runs over *virtual* sequences, prompt + response each, whose tokens ``expand`` gathers from the row, and each
+    row token takes its output from the virtual token ``keep`` names. Every token's states are those of its
+    sequence alone, as without sharing, while the prompt's projections and MLP run once."""
+
+    cu_seqlens: torch.Tensor  # (S+1,) int32 on the model's device, over virtual tokens: FlashAttention takes int32
     bounds: tuple[int, ...]  # (S+1,) the same on the host, so no kernel needs a device sync to read them
     max_len: int
+    expand: torch.Tensor | None = None  # (bounds[-1],) int64 on the device: the row token of each virtual token
+    keep: torch.Tensor | None = None  # (tokens,) int64 on the device: the virtual token each row token reads
+    _expand_host: torch.Tensor | None = None
+    _keep_host: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, lengths: Sequence[int], device: torch.device | str) -> Packing:
+    def of(
+        cls,
+        lengths: Sequence[int],
+        device: torch.device | str,
+        *,
+        expand: torch.Tensor | None = None,
+        keep: torch.Tensor | None = None,
+    ) -> Packing:
+        """``lengths``: of the (virtual) sequences; ``expand`` and ``keep``: host int64 tensors where the row
+        shares tokens between sequences (both or neither)."""
         bounds = (0, *itertools.accumulate(lengths))
         cu = torch.tensor(bounds, dtype=torch.int32).to(device, non_blocking=True)
-        return cls(cu, bounds, max(lengths, default=0))
+        if (expand is None) != (keep is None):
+            raise ValueError("a shared packing needs both expand and keep")
+        if expand is not None and len(expand) != bounds[-1]:
+            raise ValueError(f"expand has {len(expand)} entries for {bounds[-1]} virtual tokens")
+        on_device = [None if t is None else t.to(device, non_blocking=True) for t in (expand, keep)]
+        return cls(cu, bounds, max(lengths, default=0), *on_device, expand, keep)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens in the row (fewer than the virtual tokens where sequences share a prompt)."""
+        return self.bounds[-1] if self._keep_host is None else len(self._keep_host)
 
     @functools.cached_property
-    def padded_chunks(self) -> list[PaddedChunk]:
-        """The sequences in order, in padded batches of at most ``_PADDED_MASK_ELEMENTS`` mask elements (a
-        sequence longer than that is a chunk of its own). Built on the host once per forward, used by every layer."""
-        spans = list(itertools.pairwise(self.bounds))
-        chunks, start = [], 0
+    def padded_layout(self) -> tuple[list[PaddedChunk], torch.Tensor]:
+        """The sequences as right-padded batches, for SDPA without FlashAttention: sorted by length and cut in up
+        to ``_PADDED_CHUNKS`` chunks (padding a 20-token sequence to the longest 100 would cost attention for 100),
+        each of at most ``_PADDED_SCORE_ELEMENTS`` score elements (a longer sequence is a chunk of its own). And
+        ``order`` (tokens,): where each row token's output is in the chunks' outputs concatenated. Built on the
+        host once per forward, used by every layer."""
+        spans = [(a, b) for a, b in itertools.pairwise(self.bounds) if b > a]
+        spans.sort(key=lambda span: span[1] - span[0])
+        per_chunk = -(-len(spans) // _PADDED_CHUNKS)  # ceil
+        chunks, done, start = [], 0, 0
+        at = torch.empty(self.bounds[-1], dtype=torch.long)  # (virtual tokens,) position in the concatenated outputs
         while start < len(spans):
-            end, longest = start, 0
-            while end < len(spans):
-                longest_next = max(longest, spans[end][1] - spans[end][0])
-                if end > start and (end - start + 1) * longest_next**2 > _PADDED_MASK_ELEMENTS:
-                    break
-                longest, end = longest_next, end + 1
-            positions = torch.arange(max(longest, 1))
-            firsts = torch.tensor([a for a, _ in spans[start:end]])[:, None]  # (s, 1)
-            lengths = torch.tensor([b - a for a, b in spans[start:end]])[:, None]
-            valid = positions[None, :] < lengths  # (s, L)
-            chunks.append(PaddedChunk(torch.where(valid, firsts + positions[None, :], 0), valid))
-            start = end
-        return chunks
+            end = start + 1  # sorted by length: the last sequence of a chunk is its longest
+            while (
+                end < len(spans)
+                and end - start < per_chunk
+                and (end - start + 1) * (spans[end][1] - spans[end][0]) ** 2 <= _PADDED_SCORE_ELEMENTS
+            ):
+                end += 1
+            length = spans[end - 1][1] - spans[end - 1][0]
+            virtual = torch.cat([torch.arange(a, b) for a, b in spans[start:end]])  # (n,)
+            slot = torch.cat([row * length + torch.arange(b - a) for row, (a, b) in enumerate(spans[start:end])])
+            source = virtual if self._expand_host is None else self._expand_host[virtual]
+            chunks.append(PaddedChunk(source, slot, end - start, length))
+            at[virtual] = torch.arange(done, done + len(virtual))
+            done, start = done + len(virtual), end
+        return chunks, at if self._keep_host is None else at[self._keep_host]
 
 
 def use_packed_attention(model) -> str:
@@ -166,9 +207,9 @@ def packed_attention(
     if sliding_window is not None or unsupported:
         what = "a sliding window" if sliding_window is not None else ", ".join(unsupported)
         raise ValueError(f"packed attention has no {what} (layer {getattr(module, 'layer_idx', '?')})")
-    if query.shape[0] != 1 or query.shape[2] != packing.bounds[-1]:
+    if query.shape[0] != 1 or query.shape[2] != packing.tokens:
         raise ValueError(
-            f"packed attention takes one flattened row of {packing.bounds[-1]} tokens, got query {tuple(query.shape)}"
+            f"packed attention takes one flattened row of {packing.tokens} tokens, got query {tuple(query.shape)}"
         )
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D) each
     if q.is_cuda and q.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
@@ -184,43 +225,58 @@ def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing, *, scale: float | None, dropout: float = 0.0
 ) -> torch.Tensor:
     """Causal attention within each packed sequence: q (T, Hq, D), k/v (T, Hkv, D) -> (T, Hq, D); GQA when
-    Hkv < Hq."""
+    Hkv < Hq. Where the row shares prompts, the varlen kernels run over the virtual sequences (their tokens
+    gathered: the same kernel call as an unshared row of prompt + response each) and each row token reads back
+    its own output; the padded path gathers straight from the row."""
     backend = varlen_backend(q)
+    if backend == "sdpa_padded":
+        return _sdpa_by_sequence(q, k, v, packing, scale=scale, dropout=dropout)
+    if packing.expand is not None:
+        q, k, v = (t.index_select(0, packing.expand) for t in (q, k, v))  # (virtual tokens, H, D)
     if backend == "flash_attn":
         from flash_attn import flash_attn_varlen_func
 
-        return flash_attn_varlen_func(
+        out = flash_attn_varlen_func(
             q, k, v, packing.cu_seqlens, packing.cu_seqlens, packing.max_len, packing.max_len,
             dropout_p=dropout, softmax_scale=scale, causal=True,
         )  # fmt: skip
-    if backend == "torch_varlen":
+    else:
         if dropout:
             raise ValueError("PyTorch's varlen attention has no dropout; install flash-attn or set attention dropout 0")
-        return _torch_varlen(q, k, v, packing, scale)
-    return _sdpa_by_sequence(q, k, v, packing, scale=scale, dropout=dropout)
+        out = _torch_varlen(q, k, v, packing, scale)
+    return out if packing.keep is None else out.index_select(0, packing.keep)
 
 
-# elements of the (sequences, longest, longest) mask one padded SDPA call may take: 256 sequences of 110 tokens
-# (the embedded task's step) is 3M; a chunk of long sequences stays far below a GiB
-_PADDED_MASK_ELEMENTS = 2**24
+# the padded SDPA path: chunks of similar lengths (fewer padded keys to attend to, at a cost per SDPA call; 4 was
+# the fastest for the embedded task's 256 sequences of 20-110 tokens on a 2-core CPU), and the (sequences, longest,
+# longest) score elements one call may take: 256 sequences of 110 tokens are 3M; a chunk of long sequences stays far
+# below a GiB
+_PADDED_CHUNKS = 4
+_PADDED_SCORE_ELEMENTS = 2**24
 
 
 def _sdpa_by_sequence(q, k, v, packing: Packing, *, scale: float | None, dropout: float) -> torch.Tensor:
-    """SDPA over the same boundaries, without FlashAttention (the CPU, float32): the sequences gathered into a
-    padded batch, in chunks whose mask stays small, each sequence attending causally to itself alone."""
+    """SDPA over the same boundaries, without FlashAttention (the CPU, float32): the sequences gathered into
+    right-padded batches, each sequence attending causally to itself alone. Right padding needs no mask: a causal
+    query never reaches the padded keys after its sequence, and the padded queries' outputs are dropped (zero
+    gradient), so the kernel may skip the masked half."""
+    chunks, order = packing.padded_layout
     outs = []
-    for chunk in packing.padded_chunks:
-        index, valid = chunk.index.to(q.device), chunk.valid.to(q.device)  # (s, L) each
-        qp, kp, vp = (t[index].transpose(1, 2) for t in (q, k, v))  # (s, H, L, D): padding reads token 0
-        length = index.shape[1]
-        causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-        # (s, 1, L, L): a sequence's own keys, causally; the diagonal too, so that no row is fully masked (a padded
-        # query of an empty sequence would be NaN, and NaN times a zero gradient is NaN)
-        mask = (causal & valid[:, None, None, :]) | torch.eye(length, dtype=torch.bool, device=q.device)
-        out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, dropout_p=dropout,
+    for chunk in chunks:
+        qp, kp, vp = (_padded(t, chunk) for t in (q, k, v))  # (rows, H, length, D) each
+        out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, dropout_p=dropout,
                                              enable_gqa=True)  # fmt: skip
-        outs.append(out.transpose(1, 2)[valid])  # (tokens of the chunk, Hq, D), in packed order
-    return torch.cat(outs)  # (T, Hq, D)
+        out = out.transpose(1, 2).reshape(chunk.rows * chunk.length, *q.shape[1:])  # (slots, Hq, D)
+        outs.append(out.index_select(0, chunk.slot.to(q.device)))  # (chunk's tokens, Hq, D)
+    return torch.cat(outs).index_select(0, order.to(q.device))  # (T, Hq, D) in row order
+
+
+def _padded(t: torch.Tensor, chunk: PaddedChunk) -> torch.Tensor:
+    """(T, H, D) row tokens -> (rows, H, length, D), zeros where padded. A copy into distinct slots, so the
+    backward is a gather (indexing with repeated pad indices would scatter-add instead)."""
+    flat = t.new_zeros(chunk.rows * chunk.length, *t.shape[1:])
+    flat = flat.index_copy(0, chunk.slot.to(t.device), t.index_select(0, chunk.source.to(t.device)))
+    return flat.view(chunk.rows, chunk.length, *t.shape[1:]).transpose(1, 2)
 
 
 def varlen_backend(q: torch.Tensor) -> str:

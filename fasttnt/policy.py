@@ -2,10 +2,13 @@
 
 Prompt + response sequences are laid back to back in one flattened row per micro-batch, at most
 ``micro_batch_tokens`` tokens each (a longer sequence gets a micro-batch of its own), with position ids restarting
-at 0 for each sequence. The boundaries go to the model's attention as a ``Packing`` computed here on the host
-(``fasttnt.attention``): sequences never attend to each other, whatever attention kernel runs. The last hidden
-states of the response positions go to ``linear_token_logprobs`` (log-probs) or ``linear_policy_loss`` (the update's
-loss, its gradient formed in the same pass) with the lm_head weight, so the logits are never materialised.
+at 0 for each sequence. Consecutive sequences of the same prompt (a group's K responses) share one copy of it: the
+prompt's tokens go through the model once, not K times (on the embedded task a quarter of the tokens), and each
+response attends to it as if it were its own. The boundaries go to the model's attention as a ``Packing`` computed
+here on the host (``fasttnt.attention``): sequences never attend to each other, whatever attention kernel runs.
+The last hidden states of the response positions go to ``linear_token_logprobs`` (log-probs) or
+``linear_policy_loss`` (the update's loss, its gradient formed in the same pass) with the lm_head weight, so the
+logits are never materialised.
 """
 
 from __future__ import annotations
@@ -22,17 +25,23 @@ from .rollout import RolloutBatch
 
 @dataclass
 class MicroBatch:
-    """Sequences ``first .. last - 1`` of a batch, packed into one row (host tensors)."""
+    """Sequences ``first .. last - 1`` of a batch, packed into one row (host tensors). Where consecutive sequences
+    share their prompt, the row holds it once: ``expand`` and ``keep`` map between the row's tokens and the
+    virtual sequences (prompt + response each) the attention runs over (``Packing``); both None when nothing is
+    shared."""
 
     first: int
     last: int
-    input_ids: torch.Tensor  # (1, T) prompt + response of each sequence, back to back
-    position_ids: torch.Tensor  # (1, T) restarting at 0 for every sequence
+    input_ids: torch.Tensor  # (1, T) each distinct prompt once, then its responses, back to back
+    position_ids: torch.Tensor  # (1, T) a response's positions continue its prompt's
     hidden_index: torch.Tensor  # (n,) index into the T states of the one predicting each response token
     lengths: tuple[int, ...]  # (last - first,) prompt + response tokens of each sequence
+    expand: torch.Tensor | None = None  # (sum(lengths),) the row token of each virtual token
+    keep: torch.Tensor | None = None  # (T,) the virtual token whose output each row token takes
 
     @property
     def tokens(self) -> int:
+        """Prompt + response tokens of its sequences, as the budget counts them (shared prompts each time)."""
         return sum(self.lengths)
 
 
@@ -56,13 +65,28 @@ def _pack(prompts: list[list[int]], responses: list[list[int]], first: int) -> M
     ids: list[int] = []
     positions: list[int] = []
     index: list[int] = []
-    lengths = []
+    lengths: list[int] = []
+    expand: list[int] = []  # virtual token -> row token
+    keep: list[int] = []  # row token -> virtual token
+    previous, prompt_at = None, 0
     for prompt, response in zip(prompts, responses, strict=True):
-        start = len(ids) + len(prompt) - 1  # the state after the last prompt token predicts response token 0
-        index.extend(range(start, start + len(response)))
-        ids.extend(prompt + response)
-        positions.extend(range(len(prompt) + len(response)))
-        lengths.append(len(prompt) + len(response))
+        p, r, virtual = len(prompt), len(response), len(expand)
+        if prompt != previous:  # a new prompt: into the row; its tokens read the outputs of this first copy
+            prompt_at = len(ids)
+            ids.extend(prompt)
+            positions.extend(range(p))
+            keep.extend(range(virtual, virtual + p))
+        response_at = len(ids)
+        expand.extend(range(prompt_at, prompt_at + p))
+        expand.extend(range(response_at, response_at + r))
+        keep.extend(range(virtual + p, virtual + p + r))
+        # the state after the last prompt token predicts response token 0, each response token the next
+        index.extend([prompt_at + p - 1, *range(response_at, response_at + r - 1)][:r])
+        ids.extend(response)
+        positions.extend(range(p, p + r))
+        lengths.append(p + r)
+        previous = prompt
+    shared = len(ids) < len(expand)
     return MicroBatch(
         first,
         first + len(prompts),
@@ -70,6 +94,8 @@ def _pack(prompts: list[list[int]], responses: list[list[int]], first: int) -> M
         torch.tensor([positions], dtype=torch.long),
         torch.tensor(index, dtype=torch.long),
         tuple(lengths),
+        torch.tensor(expand, dtype=torch.long) if shared else None,
+        torch.tensor(keep, dtype=torch.long) if shared else None,
     )
 
 
@@ -146,7 +172,7 @@ def _forward(head, mb: MicroBatch, targets: torch.Tensor, temperature: float, wi
     return head(
         mb.input_ids.to(device, non_blocking=True),
         mb.position_ids.to(device, non_blocking=True),
-        Packing.of(mb.lengths, device),
+        Packing.of(mb.lengths, device, expand=mb.expand, keep=mb.keep),
         mb.hidden_index.to(device, non_blocking=True),
         targets,
         temperature,

@@ -154,6 +154,8 @@ def test_e2e_against_trl_smoke(tmp_path):
         "2",
         "--warmup-steps",
         "1",
+        "--rounds",
+        "2",
         "--prompts",
         "4",
         "--samples",
@@ -170,4 +172,6 @@ def test_e2e_against_trl_smoke(tmp_path):
     )
     numbers = json.loads((tmp_path / "e2e.json").read_text())
     assert numbers["fasttnt"]["step_s"] > 0 and numbers["trl"]["step_s"] > 0
+    assert len(numbers["rounds"]) == len(numbers["ratio_by_round"]) == 2  # the trainers took turns
+    assert numbers["fasttnt"] in [r["fasttnt"] for r in numbers["rounds"]]
     assert "fasttnt steps/s / TRL steps/s" in out

@@ -44,7 +44,8 @@ def _per_sequence(model, batch: RolloutBatch) -> torch.Tensor:
     out = []
     for prompt, response in zip(batch.prompt_ids, batch.responses, strict=True):
         ids = torch.tensor([prompt + response])
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / TEMPERATURE  # (len(response), V)
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]  # (len(response), V)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / TEMPERATURE
         out.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(response)[:, None])[:, 0])
     return torch.cat(out)
 
@@ -98,32 +99,81 @@ def test_a_sequence_does_not_see_the_ones_packed_before_it():
     assert (mixed_logp - a).abs().max() > 1e-3
 
 
-# the mask budget of one padded SDPA call: the default (one chunk here), and small enough that the sequences go
-# in several chunks (30 tokens alone exceed it: a chunk of its own)
-@pytest.mark.parametrize("mask_elements", [None, 200])
-def test_varlen_attention_on_the_cpu_equals_a_block_diagonal_mask(monkeypatch, mask_elements):
-    import fasttnt.attention as attention
-
-    if mask_elements:
-        monkeypatch.setattr(attention, "_PADDED_MASK_ELEMENTS", mask_elements)
-    lengths = [1, 7, 30, 2, 0, 19]
-    t = sum(lengths)
-    q = torch.randn(t, 4, 16, dtype=torch.float64)
-    k, v = torch.randn(t, 2, 16, dtype=torch.float64), torch.randn(t, 2, 16, dtype=torch.float64)  # GQA: 2 kv heads
-    packing = Packing.of(lengths, "cpu")
-    assert len(packing.padded_chunks) == (1 if mask_elements is None else 4)
-    q.requires_grad_()
-    out = varlen_attention(q, k, v, packing, scale=0.3)  # (T, 4, 16)
-    out.sum().backward()
-    assert not torch.isnan(q.grad).any()  # the empty sequence's padded row adds no NaN
+def _block_causal_attention(q, k, v, lengths, scale):
+    """The truth: one SDPA over the whole row with a mask allowing each token its own sequence, causally."""
+    t, groups = q.shape[0], q.shape[1] // k.shape[1]
     seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     pos = torch.arange(t)
     allowed = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])  # same sequence, causal
-    expected = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1), v.repeat_interleave(2, 1).transpose(0, 1),
-        attn_mask=allowed, scale=0.3,
-    ).transpose(0, 1)  # fmt: skip
-    torch.testing.assert_close(out.detach(), expected, rtol=1e-10, atol=1e-10)
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed, scale=scale
+    )
+    return out.transpose(0, 1)
+
+
+def _qkv(t: int) -> list[torch.Tensor]:
+    """q (t, 4, 16), k and v (t, 2, 16): GQA, 2 query heads per key/value head; float64, requiring grad."""
+    return [torch.randn(t, h, 16, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2)]
+
+
+# the padded path's chunks: by default (sorted by length, up to _PADDED_CHUNKS), one chunk of all, and a score budget
+# small enough that the sequences go in several chunks (30 tokens alone exceed it: a chunk of its own)
+@pytest.mark.parametrize(("chunks", "score_elements", "expected_chunks"), [(4, 2**24, 4), (1, 2**24, 1), (4, 200, 6)])
+def test_varlen_attention_on_the_cpu_equals_a_block_diagonal_mask(monkeypatch, chunks, score_elements, expected_chunks):
+    import fasttnt.attention as attention
+
+    monkeypatch.setattr(attention, "_PADDED_CHUNKS", chunks)
+    monkeypatch.setattr(attention, "_PADDED_SCORE_ELEMENTS", score_elements)
+    lengths = [1, 7, 30, 2, 0, 19, 5, 11, 3]
+    q, k, v = _qkv(sum(lengths))
+    packing = Packing.of(lengths, "cpu")
+    assert len(packing.padded_layout[0]) == expected_chunks
+    upstream = torch.randn(sum(lengths), 4, 16, dtype=torch.float64)
+    out = varlen_attention(q, k, v, packing, scale=0.3)  # (T, 4, 16)
+    grads = torch.autograd.grad(out, (q, k, v), upstream)
+    assert not any(torch.isnan(g).any() for g in grads)  # no NaN from padding
+    expected = _block_causal_attention(q, k, v, lengths, 0.3)
+    expected_grads = torch.autograd.grad(expected, (q, k, v), upstream)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_varlen_attention_over_shared_prompts_equals_each_sequence_with_its_own_copy():
+    # a row holding a 6-token prompt once for 3 responses, then a 4-token prompt for 1, then a 2-token one for 2:
+    # the same outputs and gradients as the unshared row (each response after its own copy of its prompt)
+    groups = [(6, [5, 1, 9]), (4, [3]), (2, [7, 2])]
+    lengths = [p + r for p, responses in groups for r in responses]
+    row, virtual, expand, keep = 0, 0, [], []
+    for p, responses in groups:
+        keep += range(virtual, virtual + p)
+        prompt_at, row = row, row + p
+        for r in responses:
+            expand += [*range(prompt_at, prompt_at + p), *range(row, row + r)]
+            keep += range(virtual + p, virtual + p + r)
+            row, virtual = row + r, virtual + p + r
+    packing = Packing.of(lengths, "cpu", expand=torch.tensor(expand), keep=torch.tensor(keep))
+    assert packing.tokens == row == sum(lengths) - 6 * 2 - 2 * 1
+    q, k, v = _qkv(row)
+    upstream = torch.randn(row, 4, 16, dtype=torch.float64)
+    out = varlen_attention(q, k, v, packing, scale=0.25)  # (row tokens, 4, 16)
+    grads = torch.autograd.grad(out, (q, k, v), upstream)
+    # the truth: the unshared row (prompt copies made by expand), its outputs read back at keep
+    index = torch.tensor(expand)
+    unshared = _block_causal_attention(q[index], k[index], v[index], lengths, 0.25)[torch.tensor(keep)]
+    expected_grads = torch.autograd.grad(unshared, (q, k, v), upstream)
+    torch.testing.assert_close(out, unshared, rtol=1e-10, atol=1e-10)
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    assert k.grad is None and expected_grads[1][:6].abs().sum() > 0  # the shared prompt's keys get every response's
+
+
+def test_a_shared_packing_needs_both_maps():
+    with pytest.raises(ValueError, match="both expand and keep"):
+        Packing.of([3, 4], "cpu", expand=torch.arange(7))
+    with pytest.raises(ValueError, match="expand has 5 entries for 7 virtual tokens"):
+        Packing.of([3, 4], "cpu", expand=torch.arange(5), keep=torch.arange(5))
 
 
 def test_packing_boundaries_are_host_side():
@@ -154,10 +204,56 @@ def test_micro_batch_plan_keeps_order_and_budget():
     plan = plan_micro_batches(batch, 20)
     assert [(mb.first, mb.last) for mb in plan] == [(0, 2), (2, 3), (3, 5), (5, 6)]  # 65 > 20 alone; 32 alone
     assert all(mb.tokens <= 20 or mb.last - mb.first == 1 for mb in plan)
-    for mb in plan:  # positions restart at every sequence; each row is the sequences back to back
+    for mb in plan:  # distinct prompts: nothing shared; positions restart at every sequence, back to back
+        assert mb.expand is None and mb.keep is None
         starts = list(itertools.accumulate(mb.lengths, initial=0))
         assert mb.position_ids[0, starts[:-1]].tolist() == [0] * len(mb.lengths)
         assert mb.input_ids.shape == (1, starts[-1])
+
+
+def _grouped_batch(vocab: int, prompt_lengths: list[int], response_lengths: list[int], k: int) -> RolloutBatch:
+    """K responses to each prompt, as a rollout gives them (the prompt repeated per sequence)."""
+    batch = _batch(vocab, prompt_lengths, response_lengths)
+    prompts = [batch.prompt_ids[i // k * k] for i in range(len(response_lengths))]
+    return RolloutBatch(prompts, batch.response_ids, batch.cu_seqlens, batch.truncated, k)
+
+
+def test_a_group_shares_its_prompt_in_the_row():
+    tok, _ = _model()
+    batch = _grouped_batch(len(tok), [5, 0, 0, 3, 0, 0], [2, 4, 1, 6, 3, 2], k=3)
+    (mb,) = plan_micro_batches(batch, 1000)
+    prompt_a, prompt_b = batch.prompt_ids[0], batch.prompt_ids[3]
+    responses = batch.responses
+    row = prompt_a + responses[0] + responses[1] + responses[2] + prompt_b + responses[3] + responses[4] + responses[5]
+    assert mb.input_ids[0].tolist() == row  # each prompt once
+    assert mb.position_ids[0].tolist() == [*range(7), *range(5, 9), 5, *range(9), *range(3, 6), 3, 4]
+    assert mb.tokens == sum(mb.lengths) == 5 * 3 + 3 * 3 + 18  # the budget counts the prompt per sequence
+    assert mb.expand is not None and mb.expand.numel() == sum(mb.lengths) and mb.keep.numel() == len(row)
+    assert mb.input_ids[0, mb.expand][7 : 7 + 9].tolist() == prompt_a + responses[1]  # virtual sequence 1
+    # response token 0 is predicted by the prompt's last state, the rest by the previous response token
+    assert mb.hidden_index.tolist()[:7] == [4, 5, 4, 7, 8, 9, 4]
+
+
+# K samples of 4 prompts: all in one micro-batch, and a budget that splits a group across micro-batches (its
+# prompt then in each)
+@pytest.mark.parametrize("budget", [100_000, 30])
+def test_shared_prompt_logprobs_and_gradients_equal_per_sequence_forwards(budget):
+    tok, model = _model()
+    model = model.double()  # a shared prompt sums its K gradients in another order: float64 keeps the check tight
+    batch = _grouped_batch(len(tok), [6, 0, 0, 9, 0, 0, 1, 0, 0, 12, 0, 0], [3, 1, 17, 8, 8, 2, 5, 1, 4, 1, 20, 6], 3)
+    plan = plan_micro_batches(batch, budget)
+    assert any(mb.expand is not None for mb in plan) and (len(plan) == 1) == (budget == 100_000)
+    upstream = torch.randn(batch.response_ids.numel(), dtype=torch.float64)
+    truth = _per_sequence(model, batch)
+    truth_grads = _grads(model, truth, upstream)
+    logp, entropy = response_logprobs(model, batch, plan, temperature=TEMPERATURE, with_entropy=True)
+    assert not torch.isnan(logp).any() and not torch.isnan(entropy).any()
+    # the op returns float32 log-probs; the model's own sums stay float64
+    torch.testing.assert_close(logp.double(), truth, rtol=1e-6, atol=1e-6)
+    grads = _grads(model, logp.double(), upstream)
+    for name, g in truth_grads.items():
+        atol = 1e-6 * float(g.abs().max())
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_a_flash_attention_model_packs_and_generates_through_sdpa():
