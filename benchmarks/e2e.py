@@ -1,15 +1,14 @@
 """One GRPO step of the embedded task through fasttnt and through TRL's GRPOTrainer, side by side in one run.
 
-    python benchmarks/e2e.py [--steps 10] [--warmup-steps 2] [--rounds 3] [--prompts 32] [--samples 8]
-                             [--max-new-tokens 96]
+    python benchmarks/e2e.py [--steps 10] [--warmup-steps 2] [--prompts 32] [--samples 8] [--max-new-tokens 96]
 
 Equal work: the same warmed-up tiny model, the same prompts per step, samples per prompt and length budget, the
 same TNT reward (computed by our kernel inside TRL's reward function), the same learning rate and clipping, one
-optimizer step per rollout, no KL. Reports steps/s, generated tokens/s and trained tokens/s for both and their
-ratio (medians over the timed steps, the first ``--warmup-steps`` excluded). A shared machine's speed drifts over
-minutes, so the two trainers take turns: ``--rounds`` rounds, each running both from the start (fasttnt first in
-even rounds, TRL first in odd ones); each round gives a ratio, and the ratio reported is their median. Needs
-``pip install trl``.
+optimizer step per rollout, no KL. The two trainers take turns step by step (after each TRL step, one fasttnt
+step), so a shared machine's drift over minutes falls on both alike; each pair of steps gives a ratio. Reports
+steps/s, generated tokens/s and trained tokens/s for both (medians over the timed steps, the first
+``--warmup-steps`` excluded) and the median of the paired ratios. Needs ``pip install trl``; without it, fasttnt
+runs alone.
 """
 
 from __future__ import annotations
@@ -43,33 +42,42 @@ def resolved_config(args):
     )
 
 
-def run_fasttnt(args, workdir: Path) -> dict:
-    from fasttnt.trainer import Trainer
+class FasttntRun:
+    """fasttnt's trainer, one step at a time (``step``), so that its steps can alternate with TRL's."""
 
-    cfg = resolved_config(args)
-    trainer = Trainer(cfg, workdir / "fasttnt")
-    rows = []
-    for _ in range(cfg.steps):
+    def __init__(self, args, workdir: Path) -> None:
+        from fasttnt.trainer import Trainer
+
+        self.args = args
+        self.trainer = Trainer(resolved_config(args), workdir / "fasttnt")
+        self.rows: list[dict] = []
+
+    def step(self) -> None:
         start = time.perf_counter()
-        row = trainer.step()
+        row = self.trainer.step()
         row["wall"] = time.perf_counter() - start
-        rows.append(row)
-    trainer.verifier.close()
-    timed = rows[args.warmup_steps :]
-    phases = sorted({k for r in timed for k in r if k.startswith("time_") and k != "time_step"})
-    return {
-        "step_s": statistics.median(r["wall"] for r in timed),
-        # the step's time by phase (medians), and the share of sequences the update left out
-        "phases_s": {k.removeprefix("time_"): statistics.median(r.get(k, 0.0) for r in timed) for k in phases},
-        "skipped_seq_frac": statistics.median(r.get("skipped_seq_frac", 0.0) for r in timed),
-        "generated_tokens": statistics.median(r["len"] * args.prompts * args.samples for r in timed),
-        "trained_tokens": statistics.median(r["trained_tokens_per_s"] * r["time_update"] for r in timed),
-        "reward_first": rows[0]["reward"],
-        "reward_last": rows[-1]["reward"],
-    }
+        self.rows.append(row)
+
+    def summary(self) -> dict:
+        self.trainer.verifier.close()
+        args, rows = self.args, self.rows
+        timed = rows[args.warmup_steps :]
+        phases = sorted({k for r in timed for k in r if k.startswith("time_") and k != "time_step"})
+        return {
+            "step_s": statistics.median(r["wall"] for r in timed),
+            "steps_s": [r["wall"] for r in rows],
+            # the step's time by phase (medians), and the share of sequences the update left out
+            "phases_s": {k.removeprefix("time_"): statistics.median(r.get(k, 0.0) for r in timed) for k in phases},
+            "skipped_seq_frac": statistics.median(r.get("skipped_seq_frac", 0.0) for r in timed),
+            "generated_tokens": statistics.median(r["len"] * args.prompts * args.samples for r in timed),
+            "trained_tokens": statistics.median(r["trained_tokens_per_s"] * r["time_update"] for r in timed),
+            "reward_first": rows[0]["reward"],
+            "reward_last": rows[-1]["reward"],
+        }
 
 
-def run_trl(args, workdir: Path) -> dict:
+def run_trl(args, workdir: Path, after_each_step=None) -> dict:
+    """TRL's GRPOTrainer for the same steps; ``after_each_step()`` runs after each step, outside its timing."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -109,6 +117,8 @@ def run_trl(args, workdir: Path) -> dict:
 
         def on_step_end(self, *a, **k):
             times.append(time.perf_counter() - self.start)
+            if after_each_step is not None:
+                after_each_step()
 
     logs: list[dict] = []
 
@@ -156,6 +166,7 @@ def run_trl(args, workdir: Path) -> dict:
     prompt_tokens = statistics.median(len(tokenizer(p)["input_ids"]) for p in dataset["prompt"]) * args.prompts
     return {
         "step_s": statistics.median(timed),
+        "steps_s": times,
         "generated_tokens": generated,
         "trained_tokens": generated + prompt_tokens * args.samples,
         "reward_first": float(logs[0]["reward"]),
@@ -163,16 +174,10 @@ def run_trl(args, workdir: Path) -> dict:
     }
 
 
-def _median_round(runs: list[dict]) -> dict:
-    """The run whose step time is the median of ``runs`` (the lower middle one for an even count)."""
-    return sorted(runs, key=lambda r: r["step_s"])[(len(runs) - 1) // 2]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup-steps", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3, help="turns of both trainers (the ratio: their median)")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=96)
@@ -194,22 +199,17 @@ def main(argv: list[str] | None = None) -> int:
     else:
         trl_available = True
 
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
-    runners = {"fasttnt": run_fasttnt, **({"trl": run_trl} if trl_available else {})}
-    rounds: list[dict[str, dict]] = []
-    for turn in range(args.rounds):
-        order = list(runners) if turn % 2 == 0 else list(reversed(runners))
-        with tempfile.TemporaryDirectory() as tmp:
-            rounds.append({name: runners[name](args, Path(tmp)) for name in order})
+    with tempfile.TemporaryDirectory() as tmp:
+        fasttnt = FasttntRun(args, Path(tmp))
+        results = {}
         if trl_available:
-            ratio = rounds[-1]["trl"]["step_s"] / rounds[-1]["fasttnt"]["step_s"]
-            print(f"round {turn + 1}/{args.rounds} ({' then '.join(order)}): ratio {ratio:.2f}", file=sys.stderr)
-    # per trainer, the round whose step time is the median one (its phases and tokens go with it)
-    results = {name: _median_round([r[name] for r in rounds]) for name in runners}
+            results["trl"] = run_trl(args, Path(tmp), after_each_step=fasttnt.step)
+        while len(fasttnt.rows) < args.warmup_steps + args.steps:  # alone (no TRL), or TRL stopped early
+            fasttnt.step()
+        results = {"fasttnt": fasttnt.summary(), **results}
     print(
         f"\n{args.prompts} prompts x {args.samples} samples, <= {args.max_new_tokens} new tokens, "
-        f"median over {args.steps} steps after {args.warmup_steps} warm-up steps, the median of {args.rounds} rounds"
+        f"median over {args.steps} steps after {args.warmup_steps} warm-up steps, the trainers taking turns"
     )
     print(f"{'':10}{'s/step':>10}{'steps/s':>10}{'gen tok/s':>12}{'train tok/s':>13}{'reward 1st->last':>20}")
     for name, r in results.items():
@@ -221,15 +221,14 @@ def main(argv: list[str] | None = None) -> int:
     print("fasttnt phases (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in split.items()))
     print(f"fasttnt sequences skipped by the update (median share): {results['fasttnt']['skipped_seq_frac']:.2f}")
     if "trl" in results:
-        ratios = [r["trl"]["step_s"] / r["fasttnt"]["step_s"] for r in rounds]
+        pairs = list(zip(results["trl"]["steps_s"], results["fasttnt"]["steps_s"], strict=False))
+        ratios = [trl_s / fasttnt_s for trl_s, fasttnt_s in pairs[args.warmup_steps :]]
         results["ratio_steps_per_s"] = statistics.median(ratios)
-        results["ratio_by_round"] = ratios
+        results["ratio_of_medians"] = results["trl"]["step_s"] / results["fasttnt"]["step_s"]
         print(
-            f"fasttnt steps/s / TRL steps/s = {results['ratio_steps_per_s']:.2f} (median of {len(ratios)} rounds: "
-            + ", ".join(f"{x:.2f}" for x in ratios)
-            + ")"
+            f"fasttnt steps/s / TRL steps/s = {results['ratio_steps_per_s']:.2f} (median of {len(ratios)} step pairs, "
+            f"{min(ratios):.2f}-{max(ratios):.2f}; ratio of the medians {results['ratio_of_medians']:.2f})"
         )
-    results["rounds"] = rounds
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0
