@@ -145,6 +145,11 @@ def test_packed_attention_check_smoke():
     assert "packed attention sdpa_padded" in out and out.rstrip().endswith("OK")
 
 
+def test_cpu_packed_attention_smoke():
+    out = _run("benchmarks/cpu_packed_attention.py", "--reps", "1")
+    assert "this checkout" in out and "one chunk" in out
+
+
 def test_e2e_against_trl_smoke(tmp_path):
     pytest.importorskip("trl")
     overrides = [*SMALL, "warmup.steps=3", "warmup.batch_size=8"]
