@@ -83,11 +83,9 @@ def run_trl(args, workdir: Path, after_each_step=None) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from fasttnt.data import build_prompt
-    from fasttnt.rewards import PackedResponses, RewardConfig, compute_rewards
-    from fasttnt.rollout import decode_responses, pack
+    from fasttnt.integrations.trl import TNTReward
     from fasttnt.synthetic import problems
     from fasttnt.tiny import warmed_up_model
-    from fasttnt.verify import verify_batch
 
     cfg = resolved_config(args)  # the very model fasttnt starts from
     _, tokenizer, path = warmed_up_model(Path(cfg.cache_dir), cfg.model.tiny, cfg.warmup)
@@ -99,15 +97,8 @@ def run_trl(args, workdir: Path, after_each_step=None) -> dict:
     dataset = Dataset.from_list(
         [{"prompt": build_prompt(tokenizer, p.problem).text, "answer": p.answer} for p in items]
     )
-    think_end = tokenizer.convert_tokens_to_ids("</think>")
-
-    def tnt_reward(completions, answer, completion_ids, **_):
-        # TRL decodes without special tokens, and </think> is one here: judge our own decoding of the ids
-        texts = decode_responses(tokenizer, completion_ids)
-        correct = torch.tensor(list(verify_batch(texts, answer, require_think_end=True)))
-        ids, cu = pack(completion_ids)
-        batch = PackedResponses(ids, cu, torch.zeros(len(completions), dtype=torch.bool), args.samples)
-        return compute_rewards(batch, correct, think_end, RewardConfig()).rewards.tolist()
+    # fasttnt's TNT reward as a TRL reward function: the same verifier, limits and values as fasttnt's step
+    tnt_reward = TNTReward(tokenizer, args.samples)
 
     times: list[float] = []
 

@@ -1,0 +1,351 @@
+"""fasttnt's kernels inside TRL's ``GRPOTrainer`` (read against TRL 1.16.0), and the TNT reward as a TRL reward
+function.
+
+    from trl import GRPOConfig
+    from fasttnt.integrations.trl import FastTNTGRPOTrainer, TNTReward
+
+    trainer = FastTNTGRPOTrainer(
+        model=model, processing_class=tokenizer, args=GRPOConfig(..., loss_type="dapo"),
+        reward_funcs=[TNTReward(tokenizer, num_generations=8)],  # gold answers from the dataset's "answer" column
+        train_dataset=dataset,
+    )
+
+``FastTNTGRPOTrainer`` is TRL's trainer with two methods replaced: ``_compute_loss`` runs the backbone and hands
+its last hidden states and the lm_head weight to ``linear_policy_loss`` (the logits never exist; the loss's
+gradient is formed in the same chunked pass), and ``_get_per_token_logps_and_entropies`` (the old and reference
+log-probs) runs ``linear_token_logprobs``. Everything else (generation, rewards, advantages, logging, the
+optimizer) is TRL's. The semantics are TRL's own ``_compute_loss``'s, option for option:
+
+    loss_type     grpo (per-sequence token mean, batch mean), bnpo (token mean of the micro-batch), dr_grpo
+                  (token sum / (sequences x max_completion_length)), dapo (token sum / the generation batch's
+                  tokens); the others (cispo, sapo, vespo, luspo) are refused
+    epsilon, epsilon_high   the clip range
+    delta         TRL's two-sided clip (the ratio capped at delta) = fasttnt's dual clip at delta, when
+                  delta >= 1 + epsilon_high (TRL's own requirement for it to bind only on negative advantages)
+    beta          the k3 KL to TRL's reference model, per token, added after the clipped term (with
+                  use_bias_correction_kl=False: TRL's default weights it by the ratio, which is refused)
+    temperature   the sampling temperature the log-probs are taken at
+    vLLM's importance-sampling correction (use_vllm with vllm_importance_sampling_correction): TRL's
+                  ``importance_sampling_ratio`` as the per-token weight of the clipped term
+
+Refused, with the option named: importance_sampling_level="sequence", top_entropy_quantile < 1,
+off_policy_mask_threshold, use_bias_correction_kl with beta > 0, an entropy bonus, MoE auxiliary losses, tool
+masks inside a completion, a lm_head bias, logit scaling or soft-capping, multimodal inputs to the loss.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable, Sequence
+
+import torch
+
+from fasttnt_kernels import linear_policy_loss, linear_token_logprobs
+
+from ..rewards import PackedResponses, RewardConfig, compute_rewards
+from ..rollout import decode_responses, pack
+
+SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+# per loss_type: fasttnt's aggregation (the normalisers are set per call in _loss_normalisers)
+_AGGREGATION = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dr_grpo": "seq-mean-token-sum-norm",
+                "dapo": "token-mean"}  # fmt: skip
+
+
+def check_grpo_config(args) -> None:
+    """Raise ValueError, naming the option, for a GRPOConfig whose loss fasttnt's kernels do not compute exactly."""
+    if args.loss_type not in SUPPORTED_LOSS_TYPES:
+        raise ValueError(
+            f"loss_type={args.loss_type!r} is not supported by fasttnt's loss; use one of {SUPPORTED_LOSS_TYPES}"
+        )
+    epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    refused = {
+        "importance_sampling_level": args.importance_sampling_level != "token",
+        "top_entropy_quantile": args.top_entropy_quantile < 1.0,
+        "off_policy_mask_threshold": args.off_policy_mask_threshold is not None,
+        # TRL's default; it weights the KL term by the ratio (with its gradient), which fasttnt's loss does not
+        "use_bias_correction_kl": args.beta != 0.0 and bool(args.use_bias_correction_kl),
+        "entropy_coef": args.entropy_coef != 0.0 or bool(args.use_adaptive_entropy),
+        "delta": args.delta is not None and args.delta < 1.0 + epsilon_high,
+    }
+    for option, bad in refused.items():
+        if bad:
+            value = getattr(args, option, None)
+            raise ValueError(
+                f"GRPOConfig.{option}={value!r} is not supported by fasttnt's loss (see fasttnt.integrations.trl)"
+                + (f"; delta must be >= 1 + epsilon_high = {1 + epsilon_high}" if option == "delta" else "")
+                + ("; set it to False with beta > 0" if option == "use_bias_correction_kl" else "")
+            )
+
+
+def _install_hidden_forward(model) -> None:
+    """Let ``model(..., fasttnt=fn)`` run the backbone and return ``fn(model, last_hidden_state)``, inside the
+    model's own forward: through DDP's or DeepSpeed's wrapper, so their hooks run, and under ZeRO-3 the lm_head
+    weight can be gathered for the fused op (TRL's ``add_fused_lm_head`` does the same for its own). Any other call
+    is the forward the model had."""
+    if getattr(model, "_fasttnt_hidden_forward", False):
+        return
+    previous = model.forward
+
+    @functools.wraps(type(model).forward)  # generate validates its kwargs against the signature
+    def forward(self, *args, fasttnt: Callable | None = None, **kwargs):
+        if fasttnt is None:
+            return previous(*args, **kwargs)
+        kwargs["use_cache"] = False
+        hidden = self.base_model(*args, **kwargs).last_hidden_state  # (B, T, H)
+        return fasttnt(self, hidden)
+
+    model.forward = types.MethodType(forward, model)
+    model._fasttnt_hidden_forward = True
+
+
+def _lm_head_weight(model) -> torch.Tensor:
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("fasttnt's fused ops take a lm_head without bias")
+    return head.weight
+
+
+def _check_plain_logits(model) -> None:
+    config = model.config.get_text_config()
+    for name in ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling"):
+        value = getattr(config, name, None)
+        if value is not None and value != 1.0:
+            raise ValueError(f"{type(model).__name__} scales its logits ({name}={value}): fasttnt's ops do not")
+
+
+def packed_completions(completion_ids: torch.Tensor, completion_mask: torch.Tensor):
+    """TRL's right-padded completions (B, C) as fasttnt's packed layout: ``valid`` (B, C) bool, ids (N,), cu_seqlens
+    (B+1,). Each row's mask must be a prefix (tokens up to the first EOS), as TRL makes it."""
+    lengths = completion_mask.sum(1)  # (B,)
+    positions = torch.arange(completion_mask.shape[1], device=completion_mask.device)
+    valid = positions[None, :] < lengths[:, None]  # (B, C)
+    if not torch.equal(valid, completion_mask.bool()):
+        raise ValueError("a completion mask with gaps inside a completion (tool masks) is not supported by fasttnt")
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int64, device=lengths.device)
+    cu[1:] = lengths.cumsum(0)
+    return valid, completion_ids[valid], cu
+
+
+def _grpo_trainer_class():
+    from trl import GRPOTrainer
+
+    return GRPOTrainer
+
+
+def __getattr__(name: str):
+    """``FastTNTGRPOTrainer`` is built on first use, so that importing this module does not import TRL."""
+    if name == "FastTNTGRPOTrainer":
+        cls = _make_trainer_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)
+
+
+def _make_trainer_class():
+    GRPOTrainer = _grpo_trainer_class()
+
+    class FastTNTGRPOTrainer(GRPOTrainer):
+        """TRL's GRPOTrainer whose policy loss and log-probs are fasttnt's fused lm_head ops (module docstring)."""
+
+        def __init__(self, model, reward_funcs, args=None, *rest, **kwargs) -> None:
+            if args is not None:  # refused before any model loads
+                check_grpo_config(args)
+            super().__init__(model, reward_funcs, args, *rest, **kwargs)
+            check_grpo_config(self.args)
+            if self.aux_loss_enabled:
+                raise ValueError("MoE auxiliary losses (output_router_logits) are not supported by fasttnt's loss")
+            for model in (self.model, self.ref_model):
+                if model is not None:
+                    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+                    _check_plain_logits(base)
+                    _lm_head_weight(base)
+                    _install_hidden_forward(base)
+
+        def _get_per_token_logps_and_entropies(
+            self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
+            compute_aux_loss=False, **multimodal,
+        ):  # fmt: skip
+            if compute_aux_loss or any(v is not None for v in multimodal.values()):
+                return super()._get_per_token_logps_and_entropies(
+                    model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                    **multimodal,
+                )  # fmt: skip
+            batch_size = batch_size or input_ids.size(0)
+            logps, entropies = [], []
+            for start in range(0, input_ids.size(0), batch_size):
+                ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
+                valid = mask[:, -logits_to_keep:].bool()  # (b, K): TRL scores the completion's unpadded tokens
+                targets = ids[:, -logits_to_keep:][valid]  # (n,)
+
+                def logprobs(model, hidden, valid=valid, targets=targets):
+                    weight = _lm_head_weight(model)
+                    states = hidden[:, -logits_to_keep - 1 : -1][valid]  # (n, H): each predicts the next token
+                    with _gathered(weight):
+                        return linear_token_logprobs(
+                            states.to(weight.dtype), weight, targets, temperature=self.temperature,
+                            with_entropy=compute_entropy,
+                        )  # fmt: skip
+
+                with self.accelerator.autocast():
+                    out = model(input_ids=ids, attention_mask=mask, fasttnt=logprobs)
+                logp, entropy = out if compute_entropy else (out, None)
+                logps.append(_unpack(logp, valid))
+                if compute_entropy:
+                    entropies.append(_unpack(entropy, valid))
+            return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
+
+        def _compute_loss(self, model, inputs):
+            prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+            completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+            if "tool_mask" in inputs:
+                raise ValueError("tool masks inside a completion are not supported by fasttnt's loss")
+            if any(inputs.get(k) is not None for k in ("pixel_values", "image_grid_thw", "token_type_ids")):
+                raise ValueError("multimodal inputs are not supported by fasttnt's loss")
+            advantages = inputs["advantages"]
+            if advantages.dim() != 1:
+                raise ValueError("per-token advantages (B, T) are not supported by fasttnt's loss: one per sequence")
+            valid, targets, cu_seqlens = packed_completions(completion_ids, completion_mask)
+            old = inputs.get("old_per_token_logps")
+            ref = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
+            is_weights = None
+            if self.use_vllm and self.vllm_importance_sampling_correction:
+                is_weights = inputs["importance_sampling_ratio"].expand_as(completion_mask)[valid]
+            mode = "train" if self.model.training else "eval"
+            loss_kwargs = dict(
+                old_logp=None if old is None else old[valid],
+                advantages=advantages,
+                cu_seqlens=cu_seqlens,
+                temperature=self.temperature,
+                clip_low=self.epsilon_low,
+                clip_high=self.epsilon_high,
+                dual_clip=self.args.delta,
+                ref_logp=None if ref is None else ref[valid],
+                kl_coef=self.beta,
+                is_weights=is_weights,
+                agg=_AGGREGATION[self.loss_type],
+                **self._loss_normalisers(inputs, int(valid.sum()), len(advantages), mode),
+            )
+            P = prompt_ids.size(1)
+
+            def loss_fn(model, hidden):
+                weight = _lm_head_weight(model)
+                states = hidden[:, P - 1 : -1][valid]  # (N, H): the state before each completion token
+                with _gathered(weight):
+                    return linear_policy_loss(states.to(weight.dtype), weight, targets, **loss_kwargs)
+
+            loss, stats = model(
+                input_ids=torch.cat([prompt_ids, completion_ids], 1),
+                attention_mask=torch.cat([prompt_mask, completion_mask], 1),
+                fasttnt=loss_fn,
+            )
+            self._log_loss_stats(stats, int(valid.sum()), mode)
+            return loss
+
+        def _loss_normalisers(self, inputs, tokens: int, sequences: int, mode: str) -> dict:
+            """TRL's normaliser of each loss_type as fasttnt's total_tokens / total_seqs (TRL divides every loss
+            but dapo's by the gradient-accumulation steps; dapo's counts the generation batch's tokens)."""
+            accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+            if self.loss_type == "grpo":
+                return {"total_seqs": sequences * accumulation}
+            if self.loss_type == "bnpo":
+                return {"total_tokens": max(tokens, 1) * accumulation}
+            if self.loss_type == "dr_grpo":
+                return {"total_seqs": sequences * accumulation, "norm_length": self.max_completion_length}
+            normaliser = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                normaliser = normaliser * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+            return {"total_tokens": float(normaliser)}
+
+        def _log_loss_stats(self, stats: dict, tokens: int, mode: str) -> None:
+            """TRL's metric names, as token means over all processes."""
+            weight = torch.tensor(float(tokens), device=stats["entropy"].device)
+            names = {"entropy": "entropy", "clip_ratio/low_mean": "clip_frac_low",
+                     "clip_ratio/high_mean": "clip_frac_high"}  # fmt: skip
+            if self.beta != 0.0:
+                names["kl"] = "kl_ref"
+            sums = torch.stack([stats[k].float() * weight for k in names.values()] + [weight])
+            totals = self.accelerator.reduce(sums, reduction="sum")
+            means = (totals[:-1] / totals[-1].clamp(min=1.0)).tolist()
+            for name, value in zip(names, means, strict=True):
+                self._metrics[mode][name].append(value)
+            low, high = means[1], means[2]
+            self._metrics[mode]["clip_ratio/region_mean"].append(low + high)
+
+    FastTNTGRPOTrainer.__module__ = __name__
+    return FastTNTGRPOTrainer
+
+
+def _gathered(weight: torch.Tensor):
+    """The lm_head weight gathered under ZeRO-3 while the fused op reads it (TRL's own context)."""
+    from trl.trainer.utils import maybe_gather_lm_head_ctx
+
+    return maybe_gather_lm_head_ctx(weight)
+
+
+def _unpack(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Packed per-token values (n,) back to TRL's (b, K) layout, 0 where padded."""
+    return values.new_zeros(valid.shape).masked_scatter(valid, values)
+
+
+class TNTReward:
+    """The TNT reward as a TRL reward function (``reward_funcs=[TNTReward(tokenizer, num_generations=K)]``).
+
+    TRL calls it with the completions' token ids and the dataset's columns; the gold answers are read from
+    ``answer_column``. A completion is correct when ``verify(texts, golds)`` says so (default: fasttnt's verifier,
+    the final answer after ``</think>``) and it ended with EOS; the rewards are ``fasttnt.rewards.compute_rewards``
+    under ``config`` (scheme tnt, or a baseline: no-limit, uniform-limit, binary), with each prompt's limit from its
+    own group of K thinking responses. TRL lays a prompt's K completions out together; a process whose share does
+    not hold whole groups is refused (the limit would be computed from part of a group): make
+    ``per_device_train_batch_size * steps_per_generation`` a multiple of ``num_generations``.
+    """
+
+    __name__ = "tnt_reward"  # TRL names a reward function's metrics by it
+
+    def __init__(
+        self,
+        tokenizer,
+        num_generations: int,
+        *,
+        config: RewardConfig | None = None,
+        answer_column: str = "answer",
+        verify: Callable[[list[str], list[str]], Sequence[bool]] | None = None,
+        think_end: str = "</think>",
+    ) -> None:
+        if num_generations < 1:
+            raise ValueError(f"num_generations must be >= 1, got {num_generations}")
+        self.tokenizer, self.num_generations = tokenizer, num_generations
+        self.config = config or RewardConfig()
+        self.answer_column, self.verify = answer_column, verify
+        self.think_end_id = tokenizer.convert_tokens_to_ids(think_end)
+        if self.think_end_id is None or self.think_end_id == tokenizer.unk_token_id:
+            raise ValueError(f"{think_end!r} is not a single token of this tokenizer")
+
+    def __call__(self, prompts: list, completions: list, completion_ids: list[list[int]], **columns) -> list[float]:
+        if self.answer_column not in columns:
+            raise KeyError(
+                f"TNTReward reads the gold answers from the dataset column {self.answer_column!r}; the columns are "
+                f"{sorted(k for k in columns if k != 'trainer_state')}"
+            )
+        golds = [str(g) for g in columns[self.answer_column]]
+        k, n = self.num_generations, len(completion_ids)
+        whole_groups = n % k == 0 and all(prompts[i] == prompts[i - i % k] for i in range(n))
+        if not whole_groups:
+            raise ValueError(
+                f"TNTReward got {n} completions that are not whole groups of num_generations={k} (a group split "
+                "across processes or steps): its limit needs all of a prompt's responses. Make "
+                "per_device_train_batch_size * steps_per_generation a multiple of num_generations"
+            )
+        texts = decode_responses(self.tokenizer, completion_ids)
+        if self.verify is None:
+            from ..verify import verify_batch
+
+            correct = list(verify_batch(texts, golds, require_think_end=True))
+        else:
+            correct = [bool(c) for c in self.verify(texts, golds)]
+        eos = self.tokenizer.eos_token_id
+        truncated = torch.tensor([not ids or ids[-1] != eos for ids in completion_ids])
+        ids, cu_seqlens = pack(completion_ids)
+        batch = PackedResponses(ids, cu_seqlens, truncated, k)
+        return compute_rewards(batch, torch.tensor(correct), self.think_end_id, self.config).rewards.tolist()

@@ -1,0 +1,221 @@
+"""fasttnt's kernels inside TRL's GRPOTrainer (fasttnt.integrations.trl): the loss and its gradients equal TRL's own
+``_compute_loss`` for every supported loss_type, with and without the KL term, TRL's two-sided clip and vLLM's
+importance-sampling ratio; the old/reference log-probs equal TRL's; a few real GRPOTrainer steps run with the TNT
+reward; the reward equals fasttnt's own on the same packed responses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+
+from datasets import Dataset  # noqa: E402
+
+from fasttnt.char_tokenizer import build_char_tokenizer  # noqa: E402
+from fasttnt.data import build_prompt  # noqa: E402
+from fasttnt.integrations.trl import SUPPORTED_LOSS_TYPES, FastTNTGRPOTrainer, TNTReward  # noqa: E402
+from fasttnt.rewards import PackedResponses, RewardConfig, compute_rewards  # noqa: E402
+from fasttnt.rollout import pack  # noqa: E402
+from fasttnt.synthetic import held_out  # noqa: E402
+from fasttnt.tiny import TinyModelConfig, build_tiny_model  # noqa: E402
+
+SHAPE = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                        num_key_value_heads=2)  # fmt: skip
+K = 4  # completions per prompt
+
+
+def _config(tmp_path, **overrides):
+    options = dict(
+        output_dir=str(tmp_path / "trl"), per_device_train_batch_size=8, num_generations=K, max_completion_length=12,
+        temperature=0.7, learning_rate=1e-3, max_steps=2, logging_steps=1, report_to="none", save_strategy="no",
+        use_cpu=True, bf16=False, seed=0, disable_tqdm=True, beta=0.0,
+    )  # fmt: skip
+    options.update(overrides)
+    return trl.GRPOConfig(**options)
+
+
+def _trainers(tmp_path, extra_rewards=(), **overrides):
+    """TRL's own trainer and fasttnt's, each loading one float32 tiny model from disk (TRL loads its reference
+    model from the same path when beta > 0)."""
+    tok = build_char_tokenizer()
+    tok.padding_side = "left"
+    path = tmp_path / "tiny"
+    if not path.exists():
+        build_tiny_model(tok, SHAPE, seed=3).float().save_pretrained(path)
+        tok.save_pretrained(path)
+    rows = [{"prompt": build_prompt(tok, p.problem).text, "answer": p.answer} for p in held_out(4)]
+    rewards = [TNTReward(tok, K), *extra_rewards]
+    made = [
+        cls(
+            model=str(path),
+            processing_class=tok,
+            reward_funcs=rewards,
+            args=_config(tmp_path, **overrides),
+            train_dataset=Dataset.from_list(rows),
+        )
+        for cls in (trl.GRPOTrainer, FastTNTGRPOTrainer)
+    ]
+    return tok, made
+
+
+def _inputs(trainer, *, old: bool, beta: float, is_ratio: bool, seed: int = 0) -> dict:
+    """A batch as TRL's _generate_and_score_completions hands it to the loss: 2 prompts x K completions, prompts
+    left-padded, completions right-padded with uneven lengths (1-token ones included), advantages per sequence."""
+    g = torch.Generator().manual_seed(seed)
+    vocab, b, p, c = trainer.model.config.vocab_size, 2 * K, 7, 12
+    prompt_lengths = torch.tensor([7, 7, 7, 7, 4, 4, 4, 4])
+    completion_lengths = torch.tensor([12, 3, 1, 9, 5, 12, 2, 7])
+    prompt_mask = (torch.arange(p)[None, :] >= p - prompt_lengths[:, None]).long()  # (B, P) left padding
+    completion_mask = (torch.arange(c)[None, :] < completion_lengths[:, None]).long()  # (B, C)
+    inputs = {
+        "prompt_ids": torch.randint(7, vocab, (b, p), generator=g) * prompt_mask,
+        "prompt_mask": prompt_mask,
+        "completion_ids": torch.randint(7, vocab, (b, c), generator=g) * completion_mask,
+        "completion_mask": completion_mask,
+        "advantages": torch.randn(b, generator=g),
+        "num_items_in_batch": completion_mask.sum().float(),
+    }
+    with torch.no_grad():
+        logps, _, _ = trl.GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, trainer.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([prompt_mask, completion_mask], 1), c,
+        )  # fmt: skip
+    if old:  # a policy that moved: ratios far enough from 1 that both clip bounds bind
+        inputs["old_per_token_logps"] = logps + 0.4 * torch.randn(b, c, generator=g)
+    if beta:
+        inputs["ref_per_token_logps"] = logps + 0.3 * torch.randn(b, c, generator=g)
+    if is_ratio:
+        inputs["importance_sampling_ratio"] = torch.rand(b, c, generator=g) + 0.5
+    return inputs
+
+
+def _loss_and_grads(trainer, inputs, compute):
+    trainer.model.zero_grad(set_to_none=True)
+    loss = compute(trainer, trainer.model, inputs)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+CASES = [
+    *[dict(loss_type=t, beta=0.0) for t in SUPPORTED_LOSS_TYPES],
+    *[dict(loss_type=t, beta=0.04) for t in SUPPORTED_LOSS_TYPES],
+    dict(loss_type="dapo", beta=0.0, delta=1.5),  # TRL's two-sided clip = fasttnt's dual clip
+    dict(loss_type="grpo", beta=0.04, is_ratio=True),  # vLLM's importance-sampling correction
+    dict(loss_type="bnpo", beta=0.0, on_policy=True),  # no old log-probs: TRL uses the detached current ones
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_the_loss_and_its_gradients_equal_trls_own(tmp_path, case):
+    case = dict(case)
+    is_ratio, on_policy = case.pop("is_ratio", False), case.pop("on_policy", False)
+    _, (stock, fast) = _trainers(tmp_path, epsilon=0.2, epsilon_high=0.28, use_bias_correction_kl=False, **case)
+    for trainer in (stock, fast):
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 2  # set by Trainer.train; 2 exercises the normalisers
+        trainer.use_vllm = trainer.vllm_importance_sampling_correction = is_ratio  # the vLLM path, without vLLM
+    inputs = _inputs(stock, old=not on_policy, beta=case["beta"], is_ratio=is_ratio)
+    want, want_grads = _loss_and_grads(stock, inputs, trl.GRPOTrainer._compute_loss)
+    got, got_grads = _loss_and_grads(fast, inputs, FastTNTGRPOTrainer._compute_loss)
+    assert torch.isfinite(got) and want.abs() > 0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    assert got_grads.keys() == want_grads.keys()
+    for name, g in want_grads.items():
+        atol = 1e-5 * float(g.abs().max()) + 1e-9
+        torch.testing.assert_close(got_grads[name], g, rtol=1e-5, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+    if not on_policy:  # the case clips: TRL's clip metrics see it too
+        assert fast._metrics["train"]["clip_ratio/region_mean"][-1] > 0
+
+
+def test_old_and_reference_logprobs_equal_trls(tmp_path):
+    _, (stock, fast) = _trainers(tmp_path)
+    inputs = _inputs(stock, old=False, beta=0.0, is_ratio=False)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    with torch.no_grad():
+        want, want_entropy, _ = stock._get_per_token_logps_and_entropies(stock.model, ids, mask, 12, 3, True)
+        got, got_entropy, _ = fast._get_per_token_logps_and_entropies(fast.model, ids, mask, 12, 3, True)
+    assert got.shape == want.shape == (8, 12)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_entropy, want_entropy, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (dict(loss_type="cispo"), "loss_type='cispo' is not supported.*'grpo', 'bnpo', 'dr_grpo', 'dapo'"),
+        (dict(importance_sampling_level="sequence", loss_type="grpo"), "importance_sampling_level"),
+        (dict(entropy_coef=0.01), "entropy_coef"),
+        (dict(beta=0.04), "use_bias_correction_kl=True .*set it to False"),
+        (dict(delta=1.1, epsilon_high=0.28), "delta must be >= 1 \\+ epsilon_high"),
+    ],
+)
+def test_unsupported_options_are_refused_by_name(tmp_path, option, message):
+    tok = build_char_tokenizer()
+    dataset = Dataset.from_list([{"prompt": "a", "answer": "1"}] * 4)
+    with pytest.raises(ValueError, match=message):
+        FastTNTGRPOTrainer(
+            model=build_tiny_model(tok, SHAPE, seed=0), processing_class=tok, reward_funcs=[TNTReward(tok, K)],
+            args=_config(tmp_path, **option), train_dataset=dataset,
+        )  # fmt: skip
+
+
+def _alternating(completions, **_):
+    """Rewards 0, 1, 0, 1, ... whatever was sampled: every group has nonzero advantages, so the step must move."""
+    return [float(i % 2) for i in range(len(completions))]
+
+
+def test_a_few_grpo_trainer_steps_with_the_tnt_reward(tmp_path):
+    _, (_, fast) = _trainers(tmp_path, extra_rewards=[_alternating], max_steps=2)
+    before = {n: p.detach().clone() for n, p in fast.model.named_parameters()}
+    fast.train()
+    logs = [log for log in fast.state.log_history if "loss" in log]
+    assert len(logs) == 2 and all(torch.isfinite(torch.tensor(log["loss"])) for log in logs)
+    assert all("rewards/tnt_reward/mean" in log and "entropy" in log for log in logs)
+    moved = [n for n, p in fast.model.named_parameters() if not torch.equal(p.detach(), before[n])]
+    assert moved  # the optimizer stepped on fasttnt's gradients
+
+
+def _completion(tok, text: str, eos: bool = True) -> list[int]:
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    return [*ids, tok.eos_token_id] if eos else ids
+
+
+def test_the_tnt_reward_equals_fasttnts_on_the_same_responses():
+    tok = build_char_tokenizer()
+    # 2 prompts x 4: thinking right/wrong, direct right, direct but long (over the limit), truncated
+    texts = [
+        ("<think>3+4=7</think> \\boxed{7}", True), ("<think>3+4=8</think> \\boxed{8}", True),
+        ("</think> \\boxed{7}", True), ("</think> 3+4 is 7, as 3+3 is 6 and one more: \\boxed{7}", True),
+        ("<think>9-2=7, so</think> \\boxed{7}", True), ("</think> \\boxed{7}", True), ("</think> \\boxed{6}", True),
+        ("<think>9-2=", False),
+    ]  # fmt: skip
+    completion_ids = [_completion(tok, t, eos) for t, eos in texts]
+    prompts = ["p1"] * 4 + ["p2"] * 4
+    golds = ["7"] * 8
+    reward = TNTReward(tok, 4)
+    got = reward(prompts, [t for t, _ in texts], completion_ids, answer=golds, trainer_state=None)
+    from fasttnt.verify import verify_batch
+
+    ids, cu = pack(completion_ids)
+    truncated = torch.tensor([not eos for _, eos in texts])
+    correct = torch.tensor(list(verify_batch([t for t, _ in texts], golds, require_think_end=True)))
+    want = compute_rewards(PackedResponses(ids, cu, truncated, 4), correct, tok.convert_tokens_to_ids("</think>"),
+                           RewardConfig()).rewards.tolist()  # fmt: skip
+    assert got == want
+    assert got[:4] == [1.0, 0.0, 2.0, -2.0] and got[7] == 0.0  # over the limit; truncated is wrong
+    binary = TNTReward(tok, 4, config=RewardConfig(scheme="binary"))
+    assert binary(prompts, [], completion_ids, answer=golds) == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
+
+
+def test_the_tnt_reward_refuses_a_split_group_and_names_a_missing_column():
+    tok = build_char_tokenizer()
+    reward = TNTReward(tok, 4)
+    ids = [_completion(tok, "</think> 1")] * 6
+    with pytest.raises(ValueError, match="not whole groups of num_generations=4"):
+        reward(["p"] * 6, [], ids, answer=["1"] * 6)
+    with pytest.raises(ValueError, match="not whole groups"):  # 8 completions, but a group boundary inside a prompt
+        reward(["a"] * 2 + ["b"] * 6, [], ids + ids[:2], answer=["1"] * 8)
+    with pytest.raises(KeyError, match=r"column 'answer'.*'solution'"):
+        reward(["p"] * 4, [], ids[:4], solution=["1"] * 4)
