@@ -48,6 +48,7 @@ import csv
 import datetime as dt
 import gc
 import importlib.metadata
+import importlib.util
 import math
 import os
 import subprocess
@@ -123,6 +124,10 @@ def torch_policy_loss(
     coef_2 = torch.clamp(coef_1, 1 - clip, 1 + clip)
     per_token_loss = -torch.min(coef_1 * adv_t, coef_2 * adv_t)
     return per_token_loss.sum() / n_tokens
+
+
+def _importable(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
 
 
 def _version(dist: str) -> str:
@@ -798,22 +803,37 @@ def run_case(case: Case, device, args, report: Callable[[dict], None], deadline:
 
 _MEMORY_CHILD = """
 import resource, sys, torch
-from fasttnt_kernels import linear_token_logprobs
+from fasttnt_kernels import linear_policy_loss, linear_token_logprobs
 sys.path.insert(0, {here!r})
-from bench_kernels import materialised_linear_logprobs
+from bench_kernels import TRL_VOCAB_CHUNK, materialised_linear_logprobs
 n, h, v, how, chunk = {n}, {h}, {v}, {how!r}, {chunk}
 torch.manual_seed(0)
 hidden = torch.randn(n, h, requires_grad=True)
 weight = (torch.randn(v, h) / h**0.5).requires_grad_()
 ids = torch.randint(0, v, (n,))
+if how == "trl":  # imported before the baseline reading: the import's own memory is not the op's
+    from trl.kernels import ChunkedLogProbFunction
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 if how == "fused":
     linear_token_logprobs(hidden, weight, ids, chunk_bytes=chunk).sum().backward()
+elif how == "loss":  # the update's whole loss: 4 sequences, token-mean, gradients formed in the forward
+    cu = torch.linspace(0, n, 5).long()
+    linear_policy_loss(hidden, weight, ids, None, torch.randn(4), cu, chunk_bytes=chunk)[0].backward()
+elif how == "trl":  # TRL 1.16's GRPO log-prob path (its fused lm_head's chunked function)
+    ChunkedLogProbFunction.apply(hidden, weight, None, ids, 1.0, TRL_VOCAB_CHUNK, None, 1.0, ())[0].sum().backward()
 else:
     materialised_linear_logprobs(hidden, weight, ids).sum().backward()
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print((after - before) / 1024)
 """
+# the memory rows' processes: what each computes (module docstring's providers) and its planned bytes beyond the
+# float32 inputs and gradients
+_MEMORY_PROVIDERS = {
+    "fused": "fasttnt ({chunk} MiB chunks)",
+    "loss": "fasttnt linear_policy_loss ({chunk} MiB chunks)",
+    "trl": "trl (ChunkedLogProbFunction)",
+    "materialised": "torch (materialised)",
+}
 
 
 def start_peak_child(n: int, h: int, v: int, how: str, chunk_mib: int) -> subprocess.Popen:
@@ -840,15 +860,19 @@ def memory_rows(args, report: Callable[[dict], None], deadline: float) -> None:
         # the fused and the materialised process of one N run side by side: ru_maxrss is per process, so this
         # changes no number and halves the wait (most of which is each process importing torch)
         started, planned = [], 0.0
-        for how in ("fused", "materialised"):
+        for how, provider in _MEMORY_PROVIDERS.items():
+            if how == "trl" and not _importable("trl"):
+                continue
             row = {
                 "op": "linear_token_logprobs",
                 "shape": f"N={n} H={h} V={v} float32",
-                "provider": f"fasttnt ({args.chunk_mib} MiB chunks)" if how == "fused" else "torch (materialised)",
+                "provider": provider.format(chunk=args.chunk_mib),
                 "logits_mib": logits_mib,
             }
-            # float32 inputs and gradients, plus one chunk of logits fused; logits, softmax and gradient otherwise
-            need = 8.0 * (n + v) * h + (3 * args.chunk_mib * 2**20 if how == "fused" else 3 * 4.0 * n * v)
+            # float32 inputs and gradients, plus a chunk of logits (a tile of 4096 x 32K for TRL); the materialised
+            # path holds logits, softmax and gradient
+            chunked = {"trl": 3 * 4.0 * 4096 * TRL_VOCAB_CHUNK}.get(how, 3 * args.chunk_mib * 2**20)
+            need = 8.0 * (n + v) * h + (3 * 4.0 * n * v if how == "materialised" else chunked)
             reason = _too_big(planned + need, torch.device("cpu"), args.memory_limit_gib)
             if time.monotonic() >= deadline:
                 report({**row, "status": "not run", "note": "past the --max-seconds deadline"})

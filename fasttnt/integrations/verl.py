@@ -1,0 +1,199 @@
+"""fasttnt's kernels inside verl (read and tested against verl 0.9.1): a policy loss and a GRPO advantage estimator
+for verl's registries, and the TNT reward over a verl batch.
+
+    import fasttnt.integrations.verl as fasttnt_verl
+    fasttnt_verl.register()  # or, in every Ray worker: VERL_USE_EXTERNAL_MODULES=fasttnt.integrations.verl_plugin
+
+    actor_rollout_ref.actor.policy_loss.loss_mode=fasttnt    # policy_loss below
+    algorithm.adv_estimator=fasttnt                          # grpo_advantages below
+
+With fasttnt installed, verl also loads ``fasttnt.integrations.verl_plugin`` itself through its ``verl.plugins``
+entry point. ``policy_loss`` computes verl's ``compute_policy_loss_vanilla`` (clip_ratio_low/high, the dual clip
+clip_ratio_c on negative advantages, the log-ratio clamped to +-20, rollout importance weights) and its
+``agg_loss`` for every ``loss_agg_mode`` and global normaliser, with ``clipped_policy_loss`` on the packed valid
+tokens; it returns verl's metrics. verl's advantages arrive per token; the loss takes one per sequence, so per-token
+advantages that vary within a response (GAE) are refused. ``grpo_advantages`` is verl's GRPO outcome advantage
+(unbiased std, epsilon, ``norm_adv_by_std_in_grpo``) from ``group_advantages``, grouping by verl's ``uid``; every
+group must have the same size, and a group of one gets 0 (verl's gives the score itself: no baseline exists).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from fasttnt_kernels import clipped_policy_loss, group_advantages, tnt_rewards
+
+from ..rewards import RewardConfig
+
+NAME = "fasttnt"
+
+
+def register(name: str = NAME) -> None:
+    """Register ``policy_loss`` and ``grpo_advantages`` with verl under ``name`` (both registries). Imports verl."""
+    from verl.trainer.ppo import core_algos
+
+    core_algos.register_policy_loss(name)(policy_loss)
+    if core_algos.ADV_ESTIMATOR_REGISTRY.get(name) is not grpo_advantages:  # verl refuses a second function
+        core_algos.register_adv_est(name)(grpo_advantages)
+
+
+def _packed(response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's (B, T) mask as packed sequences: the valid tokens row by row (a mask need not be a prefix: every valid
+    token is its sequence's), and cu_seqlens (B+1,)."""
+    mask = response_mask.bool()
+    cu = torch.zeros(mask.shape[0] + 1, dtype=torch.int64, device=mask.device)
+    cu[1:] = mask.sum(1).cumsum(0)
+    return mask, cu
+
+
+def _sequence_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One advantage per sequence (B,) from verl's per-token (B, T), refusing ones that vary within a sequence."""
+    first = torch.where(mask.any(1), mask.int().argmax(1), 0)  # (B,) the first valid token
+    per_sequence = advantages.gather(1, first[:, None])[:, 0]  # (B,)
+    if not torch.equal(torch.where(mask, advantages, 0), torch.where(mask, per_sequence[:, None], 0)):
+        raise ValueError(
+            "fasttnt's policy loss takes one advantage per response; these vary within a response (GAE?): use an "
+            "outcome estimator (grpo, fasttnt) or verl's vanilla loss"
+        )
+    return per_sequence
+
+
+def _normalisers(loss_agg_mode: str, mask: torch.Tensor, info: dict) -> dict:
+    """verl's agg_loss (mode and global_batch_info) as clipped_policy_loss's aggregation and normalisers: the loss's
+    sum over tokens (per sequence: mean or sum) divided by the global count over dp_size ranks."""
+    dp_size = info.get("dp_size", 1)
+    tokens = info.get("batch_num_tokens")
+    sequences = info.get("global_batch_size")
+    if dp_size > 1 and ((loss_agg_mode == "token-mean" and tokens is None) or
+                        (loss_agg_mode.startswith("seq-") and sequences is None)):  # fmt: skip
+        raise ValueError(f"loss_agg_mode={loss_agg_mode!r} with dp_size={dp_size} needs verl's global batch counts")
+    tokens = float(mask.sum()) if tokens is None else float(tokens)
+    sequences = float(mask.any(1).sum()) if sequences is None else float(sequences)
+    if loss_agg_mode == "token-mean":
+        return {"agg": "token-mean", "total_tokens": tokens / dp_size}
+    if loss_agg_mode == "token-sum":
+        return {"agg": "token-mean", "total_tokens": 1.0 / dp_size}
+    if loss_agg_mode == "seq-mean-token-mean":
+        return {"agg": "seq-mean-token-mean", "total_seqs": sequences / dp_size}
+    if loss_agg_mode == "seq-mean-token-sum":
+        return {"agg": "seq-mean-token-sum-norm", "norm_length": 1.0, "total_seqs": sequences / dp_size}
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        scale = info.get("loss_scale_factor") or mask.shape[-1]  # verl's default: the padded response length
+        return {"agg": "seq-mean-token-sum-norm", "norm_length": float(scale), "total_seqs": sequences / dp_size}
+    raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}")
+
+
+def _option(config, name: str, default=None):
+    value = config.get(name, default) if hasattr(config, "get") else getattr(config, name, default)
+    return default if value is None else value
+
+
+def policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """verl's policy-loss interface (all (B, T), padded): ``(loss, metrics)`` as ``compute_policy_loss_vanilla``
+    returns them, computed by ``clipped_policy_loss`` on the valid tokens."""
+    if config is None:
+        raise ValueError("fasttnt's verl policy loss needs verl's actor config (clip ratios, global_batch_info)")
+    clip = _option(config, "clip_ratio", 0.2)
+    dual = _option(config, "clip_ratio_c", 3.0)
+    if dual <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1.0, got {dual}")
+    mask, cu_seqlens = _packed(response_mask)
+    info = dict(_option(config, "global_batch_info", {}) or {})
+    loss, stats = clipped_policy_loss(
+        log_prob[mask],
+        old_log_prob[mask],
+        _sequence_advantages(advantages, mask),
+        cu_seqlens,
+        clip_low=_option(config, "clip_ratio_low", clip),
+        clip_high=_option(config, "clip_ratio_high", clip),
+        dual_clip=dual,
+        is_weights=None if rollout_is_weights is None else rollout_is_weights[mask],
+        **_normalisers(loss_agg_mode, mask, info),
+    )
+    # verl's metrics: masked means (its + 1e-8 in the denominator), the KL as the mean of old - new log-probs
+    n = mask.sum() + 1e-8
+    log_ratio = torch.clamp(log_prob.detach() - old_log_prob, -20.0, 20.0)
+    tokens = float(mask.sum())
+    metrics = {
+        "actor/pg_clipfrac": float((stats["clip_frac_low"] + stats["clip_frac_high"]) * tokens / n),
+        "actor/ppo_kl": float(torch.where(mask, -log_ratio, 0).sum() / n),
+        "actor/pg_clipfrac_lower": float(stats["dual_clip_frac"] * tokens / n),
+    }
+    return loss, metrics
+
+
+def grpo_advantages(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence | np.ndarray | None = None,
+    config=None,
+    **_,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's advantage-estimator interface: ``(advantages, returns)``, each (B, T), from each response's total
+    reward, group-relative among the responses sharing a ``uid`` (``index``)."""
+    if index is None:
+        raise ValueError("fasttnt's GRPO advantages group responses by verl's uid; the batch has none")
+    epsilon = _option(config, "epsilon", 1e-6) if config is not None else 1e-6
+    by_std = _option(config, "norm_adv_by_std_in_grpo", True) if config is not None else True
+    scores = token_level_rewards.sum(-1)  # (B,)
+    order, group_size = _group_order(index)
+    advantages = torch.empty_like(scores)
+    advantages[order] = group_advantages(scores[order], group_size, scale="std" if by_std else "none", eps=epsilon)
+    out = advantages[:, None] * response_mask  # (B, T)
+    return out, out
+
+
+def _group_order(index: Sequence) -> tuple[torch.Tensor, int]:
+    """A permutation that puts the responses of each uid together (first-seen order, stable), and the group size;
+    groups of unequal size are refused (the kernels take groups of one size)."""
+    groups: dict = {}
+    for i, uid in enumerate(index):
+        groups.setdefault(uid, []).append(i)
+    sizes = {len(members) for members in groups.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"fasttnt's GRPO advantages take groups of one size; the uids' groups have sizes {sizes}")
+    order = torch.tensor([i for members in groups.values() for i in members], dtype=torch.int64)
+    return order, sizes.pop()
+
+
+def tnt_token_scores(
+    responses: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence,
+    correct: Sequence[bool] | torch.Tensor,
+    think_end_id: int,
+    *,
+    config: RewardConfig | None = None,
+) -> torch.Tensor:
+    """The TNT reward over a verl batch, as verl's reward managers lay a score out: (B, T), each response's reward
+    at its last valid token. ``responses`` (B, T) token ids, ``response_mask`` (B, T), ``index`` the uids (the
+    group of a response: all sharing its uid, groups of one size), ``correct`` (B,) the verifier's verdicts (a
+    truncated response must be marked wrong by the caller). ``config``: the scheme (tnt or a baseline) and values.
+    """
+    cfg = config or RewardConfig()
+    order, group_size = _group_order(index)
+    order = order.to(responses.device)
+    mask, cu_seqlens = _packed(response_mask[order])  # the rows in group order, so that each group is adjacent
+    correct = torch.as_tensor(correct, dtype=torch.bool, device=responses.device)
+    out = tnt_rewards(
+        responses[order][mask], cu_seqlens, correct[order], group_size, think_end_id, omega=cfg.omega,
+        fallback_limit=cfg.fallback_limit, scheme=cfg.scheme, uniform_limit=cfg.uniform_limit, values=cfg.values,
+    )  # fmt: skip
+    rewards = torch.empty(len(order), dtype=torch.float32, device=responses.device)
+    rewards[order] = out.rewards
+    valid = response_mask.bool()
+    last = valid.shape[1] - 1 - valid.flip(1).int().argmax(1)  # (B,) each response's last valid token
+    scores = torch.zeros(valid.shape, dtype=torch.float32, device=responses.device)
+    scores[torch.arange(len(last), device=responses.device), last] = torch.where(valid.any(1), rewards, 0.0)
+    return scores

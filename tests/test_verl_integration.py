@@ -1,0 +1,133 @@
+"""fasttnt's kernels inside verl (fasttnt.integrations.verl) against verl's own functions: the policy loss against
+``compute_policy_loss_vanilla`` for every ``loss_agg_mode`` (local and global normalisers, rollout importance
+weights), the GRPO advantages against ``compute_grpo_outcome_advantage``, the registrations, the TNT scores.
+
+Needs verl, which is not in the test extra (it pins transformers<5.11 and pulls Ray): skipped without it. The
+README's command runs it in an environment of its own: ``pip install -e ".[test,verl]"`` there, then
+``python -m pytest tests/test_verl_integration.py``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("verl")
+
+from omegaconf import OmegaConf  # a verl dependency
+from verl.trainer.ppo import core_algos
+from verl.workers.config import ActorConfig
+
+from fasttnt.integrations import verl as fasttnt_verl
+from fasttnt_kernels import tnt_rewards
+
+MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+def _batch(seed: int, b: int = 6, t: int = 9):
+    """verl's padded (B, T) tensors: responses of uneven lengths (one of a single token), log-probs that moved
+    enough for both clip bounds and the dual clip to bind, GRPO-style advantages broadcast over each response."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([9, 4, 1, 7, 9, 3])[:b]
+    mask = torch.arange(t)[None, :] < lengths[:, None]  # (B, T) bool, as verl hands it over
+    old = -torch.rand(b, t, generator=g) * 3
+    new = old + 0.6 * torch.randn(b, t, generator=g)
+    new[:, 0] = old[:, 0] + 1.5  # a ratio of 4.5 at every first token: past 1 + clip_high and past clip_ratio_c
+    new.requires_grad_()
+    signs = torch.tensor([1.0, -1.0] * (b // 2))  # both signs, so both the clip and the dual clip bind
+    advantages = (torch.rand(b, generator=g) + 0.1) * signs * 2  # (B,)
+    advantages = advantages[:, None] * mask  # (B, T)
+    weights = torch.rand(b, t, generator=g) + 0.5
+    return old, new, advantages, mask, weights
+
+
+def _config(**global_batch_info) -> ActorConfig:
+    config = ActorConfig(strategy="fsdp", rollout_n=2, ppo_micro_batch_size_per_gpu=1, clip_ratio_low=0.2,
+                         clip_ratio_high=0.28, clip_ratio_c=2.0)  # fmt: skip
+    config.global_batch_info.update(global_batch_info)
+    return config
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("global_counts", [False, True], ids=["local", "global"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["", "is_weights"])
+def test_the_policy_loss_equals_verls_vanilla(mode, global_counts, weighted):
+    old, new, advantages, mask, weights = _batch(seed=MODES.index(mode))
+    info = dict(dp_size=2, batch_num_tokens=80, global_batch_size=16, loss_scale_factor=12) if global_counts else {}
+    kwargs = dict(old_log_prob=old, advantages=advantages, response_mask=mask, loss_agg_mode=mode,
+                  rollout_is_weights=weights if weighted else None)  # fmt: skip
+    want, want_metrics = core_algos.compute_policy_loss_vanilla(log_prob=new, config=_config(**info), **kwargs)
+    (want_grad,) = torch.autograd.grad(want, new)
+    got, got_metrics = fasttnt_verl.policy_loss(log_prob=new, config=_config(**info), **kwargs)
+    (got_grad,) = torch.autograd.grad(got, new)
+    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-6)
+    assert want_metrics["actor/pg_clipfrac"] > 0 and want_metrics["actor/pg_clipfrac_lower"] > 0  # both bind
+    assert got_metrics.keys() == want_metrics.keys()
+    for name, value in want_metrics.items():
+        assert got_metrics[name] == pytest.approx(float(value), rel=1e-5, abs=1e-6), name
+
+
+def test_the_policy_loss_refuses_advantages_that_vary_within_a_response():
+    old, new, advantages, mask, _ = _batch(seed=0)
+    advantages = advantages + torch.linspace(0, 1, advantages.shape[1])  # GAE-like: per token
+    with pytest.raises(ValueError, match="vary within a response"):
+        fasttnt_verl.policy_loss(old, new, advantages, mask, "token-mean", _config())
+
+
+@pytest.mark.parametrize("by_std", [True, False])
+def test_grpo_advantages_equal_verls_grouped_by_uid(by_std):
+    g = torch.Generator().manual_seed(3)
+    uids = np.array(["b", "a", "c", "a", "b", "c", "c", "a", "b", "a", "b", "c"], dtype=object)  # 3 groups of 4
+    mask = torch.arange(5)[None, :] < torch.randint(1, 6, (12,), generator=g)[:, None]
+    rewards = torch.zeros(12, 5)
+    rewards[torch.arange(12), mask.sum(1) - 1] = torch.randn(12, generator=g)  # the score at the last token
+    config = OmegaConf.create({"norm_adv_by_std_in_grpo": by_std})
+    want, _ = core_algos.compute_grpo_outcome_advantage(rewards, mask.float(), uids, norm_adv_by_std_in_grpo=by_std)
+    got, returns = fasttnt_verl.grpo_advantages(rewards, mask.float(), index=uids, config=config)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert returns is got
+
+
+def test_grpo_advantages_refuse_groups_of_unequal_size():
+    with pytest.raises(ValueError, match="groups of one size"):
+        fasttnt_verl.grpo_advantages(torch.ones(3, 2), torch.ones(3, 2), index=np.array(["a", "a", "b"]))
+
+
+def test_the_registrations_are_verls():
+    # verl imported fasttnt's plugin through its verl.plugins entry point; register() again changes nothing
+    fasttnt_verl.register()
+    fasttnt_verl.register()
+    assert core_algos.get_policy_loss_fn("fasttnt") is fasttnt_verl.policy_loss
+    assert core_algos.get_adv_estimator_fn("fasttnt") is fasttnt_verl.grpo_advantages
+
+
+def test_tnt_scores_group_by_uid_and_sit_at_the_last_token():
+    think_end = 7
+    # two groups of 3, interleaved: "x" = [thinking right, direct right, direct too long], "y" = [direct wrong,
+    # thinking wrong, thinking right]
+    rows = [
+        ([1, 2, think_end, 3], "x", True), ([think_end, 5, 6], "y", False), ([think_end, 5], "x", True),
+        ([1, think_end, 4, 4], "y", False), ([think_end, 5, 5, 5, 5, 5, 5], "x", True), ([9, think_end, 2], "y", True),
+    ]  # fmt: skip
+    t = 8
+    responses = torch.zeros(6, t, dtype=torch.long)
+    mask = torch.zeros(6, t, dtype=torch.long)
+    for i, (ids, _, _) in enumerate(rows):
+        responses[i, : len(ids)] = torch.tensor(ids)
+        mask[i, : len(ids)] = 1
+    uids = np.array([uid for _, uid, _ in rows], dtype=object)
+    correct = [c for _, _, c in rows]
+    scores = fasttnt_verl.tnt_token_scores(responses, mask, uids, correct, think_end)
+    # the truth: each group through the kernel on its own, adjacent
+    expected = {}
+    for uid in ("x", "y"):
+        members = [i for i, (_, u, _) in enumerate(rows) if u == uid]
+        ids = torch.tensor([tok for i in members for tok in rows[i][0]])
+        cu = torch.tensor([0, *np.cumsum([len(rows[i][0]) for i in members])])
+        out = tnt_rewards(ids, cu, torch.tensor([rows[i][2] for i in members]), 3, think_end)
+        expected.update(zip(members, out.rewards.tolist(), strict=True))
+    for i, (ids, _, _) in enumerate(rows):
+        assert scores[i, len(ids) - 1].item() == expected[i]
+        assert scores[i].count_nonzero() <= 1  # the reward sits at the last valid token alone
+    assert [expected[i] for i in (0, 2, 4)] == [1.0, 2.0, -2.0]  # x: the 7-token direct answer is over the limit
