@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import resource
 import statistics
 import sys
 import tempfile
@@ -142,7 +143,10 @@ def run_trl(args, workdir: Path, after_each_step=None) -> dict:
         seed=0,
         disable_tqdm=True,
     )
-    trainer = GRPOTrainer(
+    trainer_class = GRPOTrainer
+    if args.trl_loss == "fasttnt":  # TRL's trainer with fasttnt's fused loss and log-probs
+        from fasttnt.integrations.trl import FastTNTGRPOTrainer as trainer_class
+    trainer = trainer_class(
         model=model,
         processing_class=tokenizer,
         reward_funcs=[tnt_reward],
@@ -175,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", default=str(Path("~/.cache/fasttnt").expanduser()))
     parser.add_argument("--json", type=Path, help="also write the numbers here")
     parser.add_argument(
+        "--trl-loss", choices=("trl", "fasttnt"), default="trl",
+        help="TRL's own loss, or TRL's trainer with fasttnt's (fasttnt.integrations.trl)",
+    )  # fmt: skip
+    parser.add_argument("--trl-only", action="store_true", help="run TRL's trainer alone (benchmarks/trl_loss.py)")
+    parser.add_argument(
         "--override",
         nargs="*",
         default=[],
@@ -191,6 +200,14 @@ def main(argv: list[str] | None = None) -> int:
         trl_available = True
 
     with tempfile.TemporaryDirectory() as tmp:
+        if args.trl_only:
+            results = {"trl": run_trl(args, Path(tmp))}
+            # the process's peak resident set (Linux: KiB), for benchmarks/trl_loss.py
+            results["trl"]["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            if args.json:
+                args.json.write_text(json.dumps(results, indent=1))
+            print(f"TRL ({args.trl_loss} loss) alone: {results['trl']['step_s']:.3f} s/step")
+            return 0
         fasttnt = FasttntRun(args, Path(tmp))
         results = {}
         if trl_available:

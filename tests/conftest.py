@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import zlib
@@ -28,3 +29,26 @@ def pytest_report_header(config):
 def _seed(request):
     # one stream per test, so a test's inputs do not depend on which tests ran before it
     torch.manual_seed(SEED ^ zlib.crc32(request.node.nodeid.encode()))
+
+
+# DeepSpeed's CPU all-reduce leaves a shared-memory buffer per rank and port in /dev/shm after its processes exit
+# (deepspeed_allreduce_buffer_<rank>_<addr>_<port>_<n>, 67 MB each with deepspeed 0.19): the suite's 2-rank runs
+# filled a 24 GB /dev/shm over a day of runs. Remove the ones this session made.
+_SHM = "/dev/shm"
+_SHM_PREFIX = "deepspeed_allreduce_buffer_"
+
+
+def _shm_buffers() -> set[str]:
+    try:
+        return {name for name in os.listdir(_SHM) if name.startswith(_SHM_PREFIX)}
+    except OSError:
+        return set()
+
+
+_SHM_BEFORE = _shm_buffers()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for name in _shm_buffers() - _SHM_BEFORE:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(_SHM, name))

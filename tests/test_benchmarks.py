@@ -181,3 +181,16 @@ def test_e2e_against_trl_smoke(tmp_path):
     assert len(numbers["fasttnt"]["steps_s"]) == len(numbers["trl"]["steps_s"]) == 3  # turn by turn, every step
     assert numbers["ratio_steps_per_s"] > 0
     assert "fasttnt steps/s / TRL steps/s" in out
+
+
+def test_trl_loss_smoke(tmp_path):
+    pytest.importorskip("trl")
+    overrides = [*SMALL, "warmup.steps=3", "warmup.batch_size=8"]
+    out = _run(
+        str(ROOT / "benchmarks" / "trl_loss.py"), "--rounds", "1", "--json", str(tmp_path / "trl.json"),
+        "--steps", "1", "--warmup-steps", "1", "--prompts", "4", "--samples", "4", "--max-new-tokens", "16",
+        "--cache-dir", str(tmp_path / "cache"), "--override", *overrides, cwd=tmp_path,
+    )  # fmt: skip
+    numbers = json.loads((tmp_path / "trl.json").read_text())
+    assert numbers["trl"]["step_s"] > 0 and numbers["fasttnt"]["step_s"] > 0
+    assert numbers["fasttnt"]["peak_rss_mib"] > 0 and "steps/s with fasttnt's loss" in out

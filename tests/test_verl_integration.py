@@ -8,6 +8,8 @@ README's command runs it in an environment of its own: ``pip install -e ".[test,
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -131,3 +133,17 @@ def test_tnt_scores_group_by_uid_and_sit_at_the_last_token():
         assert scores[i, len(ids) - 1].item() == expected[i]
         assert scores[i].count_nonzero() <= 1  # the reward sits at the last valid token alone
     assert [expected[i] for i in (0, 2, 4)] == [1.0, 2.0, -2.0]  # x: the 7-token direct answer is over the limit
+
+
+def test_the_kernel_readme_verl_example_runs(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "kernels" / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if b.startswith("# needs: verl")]
+    script = tmp_path / "verl_example.py"
+    script.write_text(block)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "actor/pg_clipfrac" in result.stdout
