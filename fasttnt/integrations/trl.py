@@ -60,13 +60,14 @@ def check_grpo_config(args) -> None:
             f"loss_type={args.loss_type!r} is not supported by fasttnt's loss; use one of {SUPPORTED_LOSS_TYPES}"
         )
     epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    option = functools.partial(getattr, args)  # options a TRL release may not have read as off
     refused = {
-        "importance_sampling_level": args.importance_sampling_level != "token",
-        "top_entropy_quantile": args.top_entropy_quantile < 1.0,
-        "off_policy_mask_threshold": args.off_policy_mask_threshold is not None,
+        "importance_sampling_level": option("importance_sampling_level", "token") != "token",
+        "top_entropy_quantile": option("top_entropy_quantile", 1.0) < 1.0,
+        "off_policy_mask_threshold": option("off_policy_mask_threshold", None) is not None,
         # TRL's default; it weights the KL term by the ratio (with its gradient), which fasttnt's loss does not
-        "use_bias_correction_kl": args.beta != 0.0 and bool(args.use_bias_correction_kl),
-        "entropy_coef": args.entropy_coef != 0.0 or bool(args.use_adaptive_entropy),
+        "use_bias_correction_kl": args.beta != 0.0 and bool(option("use_bias_correction_kl", False)),
+        "entropy_coef": option("entropy_coef", 0.0) != 0.0 or bool(option("use_adaptive_entropy", False)),
         "delta": args.delta is not None and args.delta < 1.0 + epsilon_high,
     }
     for option, bad in refused.items():
@@ -143,7 +144,18 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
+# the TRL release whose GRPOTrainer._compute_loss and _get_per_token_logps_and_entropies this module replaces and
+# is tested against; an older one is refused (its private methods differ)
+TRL_VERSION = "1.16.0"
+
+
 def _make_trainer_class():
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    if Version(version("trl")) < Version(TRL_VERSION):
+        raise ImportError(f"fasttnt.integrations.trl needs trl>={TRL_VERSION} (found {version('trl')})")
     GRPOTrainer = _grpo_trainer_class()
 
     class FastTNTGRPOTrainer(GRPOTrainer):
@@ -235,11 +247,12 @@ def _make_trainer_class():
                 with _gathered(weight):
                     return linear_policy_loss(states.to(weight.dtype), weight, targets, **loss_kwargs)
 
-            loss, stats = model(
-                input_ids=torch.cat([prompt_ids, completion_ids], 1),
-                attention_mask=torch.cat([prompt_mask, completion_mask], 1),
-                fasttnt=loss_fn,
-            )
+            with self.accelerator.autocast():  # as TRL's own forward for the loss
+                loss, stats = model(
+                    input_ids=torch.cat([prompt_ids, completion_ids], 1),
+                    attention_mask=torch.cat([prompt_mask, completion_mask], 1),
+                    fasttnt=loss_fn,
+                )
             self._log_loss_stats(stats, int(valid.sum()), mode)
             return loss
 
