@@ -151,3 +151,43 @@ def test_the_kernel_readme_verl_example_runs(tmp_path):
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "actor/pg_clipfrac" in result.stdout
+
+
+def test_the_reward_manager_scores_a_dataproto_by_uid():
+    from verl import DataProto
+    from verl.workers.reward_manager import get_reward_manager_cls
+
+    from fasttnt.char_tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    texts = [
+        "<think>3+4=7</think> \\boxed{7}", "</think> \\boxed{7}", "</think> \\boxed{8}",
+        "<think>6+1</think> \\boxed{7}", "</think> \\boxed{7}", "<think>3+4=",
+    ]  # fmt: skip
+    uids = np.array(["a", "b", "a", "b", "a", "b"], dtype=object)
+    # each with EOS but the last, which was truncated
+    ids = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] * (i < 5) for i, t in enumerate(texts)]
+    t = max(len(r) for r in ids)
+    responses = torch.full((6, t), tok.pad_token_id)
+    response_mask = torch.zeros(6, t, dtype=torch.long)
+    for i, r in enumerate(ids):
+        responses[i, : len(r)] = torch.tensor(r)
+        response_mask[i, : len(r)] = 1
+    prompts = torch.ones(6, 3, dtype=torch.long)
+    data = DataProto.from_dict(
+        tensors={"prompts": prompts, "responses": responses,
+                 "attention_mask": torch.cat([torch.ones(6, 3, dtype=torch.long), response_mask], 1)},
+        non_tensors={"uid": uids, "reward_model": np.array([{"ground_truth": "7"}] * 6, dtype=object),
+                     "data_source": np.array(["synthetic"] * 6, dtype=object)},
+    )  # fmt: skip
+    fasttnt_verl.register()
+    manager = get_reward_manager_cls("fasttnt")(tok, num_examine=0)
+    out = manager(data, return_dict=True)
+    correct = [True, True, False, True, True, False]  # 8 is wrong; the truncated one is wrong whatever it says
+    assert out["reward_extra_info"]["correct"] == correct
+    expected = fasttnt_verl.tnt_token_scores(
+        responses, response_mask, uids, correct, tok.convert_tokens_to_ids("</think>")
+    )
+    torch.testing.assert_close(out["reward_tensor"], expected)
+    rewards = [float(out["reward_tensor"][i, len(r) - 1]) for i, r in enumerate(ids)]
+    assert rewards == [1.0, 2.0, -1.0, 1.0, 2.0, 0.0]

@@ -15,6 +15,8 @@ tokens; it returns verl's metrics. verl's advantages arrive per token; the loss 
 advantages that vary within a response (GAE) are refused. ``grpo_advantages`` is verl's GRPO outcome advantage
 (unbiased std, epsilon, ``norm_adv_by_std_in_grpo``) from ``group_advantages``, grouping by verl's ``uid``; every
 group must have the same size, and a group of one gets 0 (verl's gives the score itself: no baseline exists).
+``TNTRewardManager`` (registered as ``fasttnt`` among verl's reward managers) scores a whole batch, each response
+against the thinking responses sharing its ``uid``; ``tnt_token_scores`` is its core on plain tensors.
 """
 
 from __future__ import annotations
@@ -32,12 +34,15 @@ NAME = "fasttnt"
 
 
 def register(name: str = NAME) -> None:
-    """Register ``policy_loss`` and ``grpo_advantages`` with verl under ``name`` (both registries). Imports verl."""
+    """Register ``policy_loss`` and ``grpo_advantages`` with verl under ``name`` (both registries), and
+    ``TNTRewardManager`` in verl's reward-manager registry (the batch-level one). Imports verl."""
     from verl.trainer.ppo import core_algos
+    from verl.workers import reward_manager
 
     core_algos.register_policy_loss(name)(policy_loss)
     if core_algos.ADV_ESTIMATOR_REGISTRY.get(name) is not grpo_advantages:  # verl refuses a second function
         core_algos.register_adv_est(name)(grpo_advantages)
+    reward_manager.register(name)(TNTRewardManager)  # the same class again is accepted
 
 
 def _packed(response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,3 +202,59 @@ def tnt_token_scores(
     scores = torch.zeros(valid.shape, dtype=torch.float32, device=responses.device)
     scores[torch.arange(len(last), device=responses.device), last] = torch.where(valid.any(1), rewards, 0.0)
     return scores
+
+
+class TNTRewardManager:
+    """The TNT reward as a verl reward manager of the batch kind (verl's ``BatchRewardManager`` interface: called on
+    a whole ``DataProto``, returns the (B, T) reward tensor, or with ``return_dict`` also per-response extras).
+    It needs the whole batch: a response's limit comes from the thinking responses sharing its ``uid``. Reads
+    ``prompts``, ``responses`` and ``attention_mask`` (the tensors), ``uid`` and ``reward_model["ground_truth"]``
+    (the non-tensors); a response is correct when ``verify(texts, golds)`` says so (default: fasttnt's verifier,
+    the final answer after ``</think>``) and it ended with EOS within its length.
+
+    verl 0.9.1's trainer scores through its reward loop, one response at a time, which cannot give a group-level
+    reward; this manager is for verl's batch reward managers (registered there as ``fasttnt``) and for a custom
+    reward loop that calls it on whole groups."""
+
+    def __init__(
+        self,
+        tokenizer,
+        num_examine: int = 0,
+        compute_score=None,
+        reward_fn_key: str = "data_source",
+        *,
+        config: RewardConfig | None = None,
+        verify=None,
+        think_end: str = "</think>",
+        **_,
+    ) -> None:
+        del num_examine, compute_score, reward_fn_key  # verl's manager arguments this manager has no use for
+        self.tokenizer, self.config, self.verify = tokenizer, config or RewardConfig(), verify
+        self.think_end_id = tokenizer.convert_tokens_to_ids(think_end)
+        if self.think_end_id is None or self.think_end_id == tokenizer.unk_token_id:
+            raise ValueError(f"{think_end!r} is not a single token of this tokenizer")
+
+    def __call__(self, data, return_dict: bool = False):
+        from ..rollout import decode_responses
+
+        responses = data.batch["responses"]  # (B, T)
+        prompt_length = data.batch["prompts"].shape[-1]
+        mask = data.batch["attention_mask"][:, prompt_length:].bool()  # (B, T)
+        lengths = mask.sum(1).tolist()
+        ids = [row[:n].tolist() for row, n in zip(responses, lengths, strict=True)]
+        golds = [str(item["ground_truth"]) for item in data.non_tensor_batch["reward_model"]]
+        texts = decode_responses(self.tokenizer, ids)
+        if self.verify is None:
+            from ..verify import verify_batch
+
+            verdicts = list(verify_batch(texts, golds, require_think_end=True))
+        else:
+            verdicts = [bool(v) for v in self.verify(texts, golds)]
+        ended = [bool(row) and row[-1] == self.tokenizer.eos_token_id for row in ids]  # else truncated: wrong
+        correct = [v and e for v, e in zip(verdicts, ended, strict=True)]
+        scores = tnt_token_scores(
+            responses, mask, data.non_tensor_batch["uid"], correct, self.think_end_id, config=self.config
+        )
+        if not return_dict:
+            return scores
+        return {"reward_tensor": scores, "reward_extra_info": {"correct": correct}}
