@@ -44,7 +44,8 @@ import torch
 from fasttnt_kernels import linear_policy_loss, linear_token_logprobs
 
 from ..rewards import PackedResponses, RewardConfig, compute_rewards
-from ..rollout import decode_responses, pack
+from ..rollout import pack
+from . import judge
 
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
@@ -129,12 +130,6 @@ def packed_completions(completion_ids: torch.Tensor, completion_mask: torch.Tens
     return valid, completion_ids[valid], cu
 
 
-def _grpo_trainer_class():
-    from trl import GRPOTrainer
-
-    return GRPOTrainer
-
-
 def __getattr__(name: str):
     """``FastTNTGRPOTrainer`` is built on first use, so that importing this module does not import TRL."""
     if name == "FastTNTGRPOTrainer":
@@ -156,7 +151,7 @@ def _make_trainer_class():
 
     if Version(version("trl")) < Version(TRL_VERSION):
         raise ImportError(f"fasttnt.integrations.trl needs trl>={TRL_VERSION} (found {version('trl')})")
-    GRPOTrainer = _grpo_trainer_class()
+    from trl import GRPOTrainer
 
     class FastTNTGRPOTrainer(GRPOTrainer):
         """TRL's GRPOTrainer whose policy loss and log-probs are fasttnt's fused lm_head ops (module docstring)."""
@@ -350,15 +345,7 @@ class TNTReward:
                 "across processes or steps): its limit needs all of a prompt's responses. Make "
                 "per_device_train_batch_size * steps_per_generation a multiple of num_generations"
             )
-        texts = decode_responses(self.tokenizer, completion_ids)
-        if self.verify is None:
-            from ..verify import verify_batch
-
-            correct = list(verify_batch(texts, golds, require_think_end=True))
-        else:
-            correct = [bool(c) for c in self.verify(texts, golds)]
-        eos = self.tokenizer.eos_token_id
-        truncated = torch.tensor([not ids or ids[-1] != eos for ids in completion_ids])
+        correct = judge(self.tokenizer, completion_ids, golds, self.verify)
         ids, cu_seqlens = pack(completion_ids)
-        batch = PackedResponses(ids, cu_seqlens, truncated, k)
+        batch = PackedResponses(ids, cu_seqlens, torch.zeros(n, dtype=torch.bool), k)  # truncated: in `correct`
         return compute_rewards(batch, torch.tensor(correct), self.think_end_id, self.config).rewards.tolist()

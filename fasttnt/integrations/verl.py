@@ -29,6 +29,7 @@ import torch
 from fasttnt_kernels import clipped_policy_loss, group_advantages, tnt_rewards
 
 from ..rewards import RewardConfig
+from . import judge
 
 NAME = "fasttnt"
 
@@ -149,8 +150,8 @@ def grpo_advantages(
     reward, group-relative among the responses sharing a ``uid`` (``index``)."""
     if index is None:
         raise ValueError("fasttnt's GRPO advantages group responses by verl's uid; the batch has none")
-    epsilon = _option(config, "epsilon", 1e-6) if config is not None else 1e-6
-    by_std = _option(config, "norm_adv_by_std_in_grpo", True) if config is not None else True
+    epsilon = _option(config, "epsilon", 1e-6)  # a missing config (None) reads as the defaults
+    by_std = _option(config, "norm_adv_by_std_in_grpo", True)
     scores = token_level_rewards.sum(-1)  # (B,)
     order, group_size = _group_order(index)
     advantages = torch.empty_like(scores)
@@ -235,23 +236,13 @@ class TNTRewardManager:
             raise ValueError(f"{think_end!r} is not a single token of this tokenizer")
 
     def __call__(self, data, return_dict: bool = False):
-        from ..rollout import decode_responses
-
         responses = data.batch["responses"]  # (B, T)
         prompt_length = data.batch["prompts"].shape[-1]
         mask = data.batch["attention_mask"][:, prompt_length:].bool()  # (B, T)
         lengths = mask.sum(1).tolist()
         ids = [row[:n].tolist() for row, n in zip(responses, lengths, strict=True)]
         golds = [str(item["ground_truth"]) for item in data.non_tensor_batch["reward_model"]]
-        texts = decode_responses(self.tokenizer, ids)
-        if self.verify is None:
-            from ..verify import verify_batch
-
-            verdicts = list(verify_batch(texts, golds, require_think_end=True))
-        else:
-            verdicts = [bool(v) for v in self.verify(texts, golds)]
-        ended = [bool(row) and row[-1] == self.tokenizer.eos_token_id for row in ids]  # else truncated: wrong
-        correct = [v and e for v, e in zip(verdicts, ended, strict=True)]
+        correct = judge(self.tokenizer, ids, golds, self.verify)
         scores = tnt_token_scores(
             responses, mask, data.non_tensor_batch["uid"], correct, self.think_end_id, config=self.config
         )
