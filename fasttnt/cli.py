@@ -26,6 +26,11 @@ def main(argv: list[str] | None = None) -> int:
         "a tiny Qwen2 model warmed up on the synthetic task (cached), then GRPO with the TNT reward.",
     )
     train.add_argument("--config", help="a YAML config (configs/*.yaml); default: the embedded tiny setup")
+    train.add_argument(
+        "--variant",
+        help="a named variant applied over the config, before the overrides: SCHEME[+ALGORITHM][:key=value,...], "
+        "e.g. tnt+dapo, tnt+drgrpo, tnt:omega=1 (fasttnt.variants)",
+    )
     train.add_argument("--output-dir", default="runs/train", help="where config, metrics, checkpoints go")
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
     train.add_argument(
@@ -59,16 +64,26 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--save-responses", action="store_true", help="write every response as jsonl")
     cmp = commands.add_parser(
         "compare",
-        help="train the embedded model with each reward scheme and compare them (the TNT paper in miniature)",
-        description="From one shared warm-up, trains the embedded model with each reward scheme (same steps, seeds "
-        "and prompts), evaluates each on the synthetic held-out split, and writes compare.json, compare.md and "
-        "compare.png. Finished runs are kept, so a rerun with the same --output-dir skips them.",
+        help="train the embedded model with each reward scheme and variant and compare them (the TNT paper in "
+        "miniature, and what it left open)",
+        description="From shared warm-ups, trains the embedded model with each variant (same steps, seeds and "
+        "prompts), evaluates each on the synthetic held-out split, and writes compare.json (every run), compare.md "
+        "(mean ± standard error over runs) and compare.png. Finished runs are kept, so a rerun with the same "
+        "--output-dir skips them. A variant is SCHEME[+ALGORITHM][:key=value,...], e.g. tnt, tnt+dapo, "
+        "tnt+drgrpo, tnt:omega=1, uniform-limit:cap=64 (fasttnt.variants).",
     )
-    cmp.add_argument("--schemes", default="tnt,no-limit,uniform-limit,binary")
-    cmp.add_argument("--seeds", type=int, default=2)
+    cmp.add_argument(
+        "--variants", "--schemes", dest="variants", default="tnt,no-limit,uniform-limit,binary",
+        help="comma-separated variants (default: the four reward schemes)",
+    )  # fmt: skip
+    cmp.add_argument("--variants-file", help="YAML of your own variants: name: {dotted.key: value, ...}")
+    cmp.add_argument("--seeds", type=int, default=2, help="training seeds per warm-up")
+    cmp.add_argument("--warmup-seeds", type=int, default=1, help="warm-ups, each from its own seed")
     cmp.add_argument("--steps", type=int, default=80, help="GRPO steps per run")
     cmp.add_argument("--uniform-limit", type=float, default=32.0, help="the uniform-limit scheme's cap, in tokens")
     cmp.add_argument("--samples", type=int, default=4, help="evaluation samples per held-out problem")
+    cmp.add_argument("--jobs", type=int, default=None, help="runs at once, one process each (default: one per core, "
+                     "at most 8)")  # fmt: skip
     cmp.add_argument("--output-dir", default="runs/compare")
     cmp.add_argument("overrides", nargs="*", metavar="key=value", help="training config overrides (all runs)")
     args = parser.parse_args(argv)
@@ -100,12 +115,20 @@ def _train(args) -> int:
     from .data import DataError
     from .plots import summary_table
     from .trainer import EXIT_PREEMPTED, Preempted, ResumeError, Trainer, VerificationError
+    from .variants import VariantError, variant_overrides
     from .verify import VerifierStartupError
 
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.variant:
+            variant = variant_overrides(args.variant, cfg)
+            cfg = load_config(args.config, [*variant, *args.overrides])  # the user's overrides have the last word
+    except VariantError as err:
+        print(f"fasttnt train: --variant {err}", file=sys.stderr)
+        return 2
     except ConfigError as err:
-        print(f"fasttnt train: config error: {err}", file=sys.stderr)
+        where = f"--variant {args.variant}: " if args.variant else ""
+        print(f"fasttnt train: config error: {where}{err}", file=sys.stderr)
         return 2
     problem = _not_creatable("--output-dir", args.output_dir)
     if problem:
@@ -162,18 +185,27 @@ def _compare(args) -> int:
 
     from transformers.utils import logging as hf_logging
 
-    from .compare import CompareSettings, run_compare
+    from .compare import CompareSettings, default_jobs, run_compare
     from .config import ConfigError, load_config
-    from .rewards import REWARD_SCHEMES
+    from .variants import VariantError, check_variant, read_variants_file
 
-    schemes = tuple(s.strip() for s in args.schemes.split(",") if s.strip())
-    unknown = [s for s in schemes if s not in REWARD_SCHEMES]
-    problems = [f"--schemes: unknown {', '.join(unknown)}"] if unknown or not schemes else []
-    problems += [f"--{name}: must be >= 1" for name in ("seeds", "steps", "samples") if getattr(args, name) < 1]
+    variants = tuple(dict.fromkeys(v.strip() for v in args.variants.split(",") if v.strip()))
+    problems = [] if variants else ["--variants is empty"]
+    problems += [
+        f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}"
+        for name in ("seeds", "warmup_seeds", "steps", "samples", "jobs")
+        if getattr(args, name) is not None and getattr(args, name) < 1
+    ]
     if not args.uniform_limit >= 0:
         problems.append(f"--uniform-limit: must be >= 0, got {args.uniform_limit}")
+    user_variants = None
     try:
         load_config(None, args.overrides)  # check the overrides before hours of training
+        user_variants = read_variants_file(args.variants_file) if args.variants_file else None
+        for variant in variants:  # and every variant on top of them
+            check_variant(variant, [*args.overrides, f"reward.uniform_limit={args.uniform_limit}"], user_variants)
+    except VariantError as err:  # before ConfigError, of which it is a kind
+        problems.append(f"--variants: {err}" if not str(err).startswith("--") else str(err))
     except ConfigError as err:
         problems.append(f"config error: {err}")
     if not problems:
@@ -185,16 +217,18 @@ def _compare(args) -> int:
     base = CompareSettings()
     settings = replace(
         base,
-        schemes=schemes,
+        variants=variants,
         seeds=args.seeds,
+        warmup_seeds=args.warmup_seeds,
         steps=args.steps,
         uniform_limit=args.uniform_limit,
+        jobs=args.jobs or default_jobs(),
         eval=replace(base.eval, samples=args.samples),
     )
     out = Path(args.output_dir)
-    run_compare(settings, out, args.overrides)
+    summary = run_compare(settings, out, args.overrides, user_variants)
     print((out / "compare.md").read_text())
-    print(f"compare.json, compare.md, compare.png in {out}")
+    print(f"compare.json, compare.md, compare.png in {out} ({summary['wall_seconds'] / 60:.1f} min)")
     return 0
 
 

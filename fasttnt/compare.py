@@ -1,151 +1,404 @@
-"""``fasttnt compare``: the TNT paper in miniature. The embedded model is trained from one shared warm-up with each
-reward scheme (same steps, seeds and prompts; the schemes differ only in the reward), each result is evaluated on
-the synthetic held-out split, and the table and figure say which scheme hacks, which over-thinks, and which
-learns when to think.
+"""``fasttnt compare``: the TNT paper in miniature, and what it left open. The embedded model is trained from
+shared warm-ups with each variant (a reward scheme, optionally DAPO or Dr. GRPO, optionally other parameters:
+``fasttnt.variants``), over several warm-up seeds and training seeds; every run is evaluated on the synthetic
+held-out split, and every number is reported as a mean with its standard error over the runs.
 
-Each run and each evaluation is kept under the output directory when it finishes, so a rerun skips them.
+Why several warm-ups: the warm-up decides how well the model can answer each level directly, and the reward table
+decides when a direct answer pays. With the paper's table (thinking 1/0, direct 2/-1) a direct answer is worth
+more on average when its accuracy p_d exceeds (1 + p_t) / 3, p_t the thinking accuracy; TNT stops the hack (a
+"direct" answer that thinks anyway), not that trade. Each warm-up is therefore also evaluated forced to think and
+forced to answer directly, and the report shows the threshold beside what each variant chose.
+
+Runs are independent processes (``--jobs``); each run and each evaluation is kept under the output directory when
+it finishes, so a rerun skips them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
 import shutil
-from dataclasses import dataclass, field
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field
+from multiprocessing import get_context
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .config import load_config, to_dict
+from .config import TrainConfig, load_config, to_dict
 from .evaluate import SYNTHETIC, EvalSettings, run_eval
 from .trainer import Trainer, _read_jsonl
+from .variants import slug as variant_slug
+from .variants import variant_overrides
 
 SCHEME_ORDER = ("tnt", "no-limit", "uniform-limit", "binary")
 TABLE_KEYS = ("acc", "len", "te", "non_thinking_ratio", "hack_rate", "len_non_thinking")
+TRAIN_KEYS = ("step", "reward", "acc", "non_thinking_ratio", "hack_rate", "len", "time_step", "draws")
+SOLVED_ACC = 0.9  # steps-to-solve: the first step whose 5-step mean training accuracy reaches this
 
 
 @dataclass(frozen=True)
 class CompareSettings:
-    schemes: tuple[str, ...] = SCHEME_ORDER
-    seeds: int = 2
+    variants: tuple[str, ...] = SCHEME_ORDER
+    seeds: int = 2  # training seeds per warm-up (the prompts and samples)
+    warmup_seeds: int = 1  # warm-ups (the starting model), each trained from its own seed
     steps: int = 80
     # one cap for every query: longer than any honest direct answer (11-14 tokens with EOS) and shorter than every
     # 3- or 4-digit hacked one (40+ tokens), but not than most 2-digit hacks (29-35): it stops some hacks and not
     # others, as a uniform cap does
     uniform_limit: float = 32.0
+    jobs: int = 1  # runs trained at once, each in its own process
     eval: EvalSettings = field(
         default_factory=lambda: EvalSettings(samples=4, max_new_tokens=96, synthetic_per_level=50)
     )
 
 
-def run_dir(output_dir: Path, scheme: str, seed: int) -> Path:
-    return output_dir / "runs" / f"{scheme}-seed{seed}"
+@dataclass(frozen=True)
+class Run:
+    variant: str
+    warmup: int
+    seed: int
+    out: Path
+    cfg: TrainConfig
+
+    @property
+    def name(self) -> str:
+        return f"{self.variant} warm-up {self.warmup} seed {self.seed}"
 
 
-def train_all(settings: CompareSettings, output_dir: Path, overrides: list[str]) -> dict[tuple[str, int], Path]:
-    """Train every (scheme, seed), skipping those whose ``final/`` already exists; returns their output folders."""
-    done: dict[tuple[str, int], Path] = {}
-    for seed in range(settings.seeds):
-        for scheme in settings.schemes:
-            out = run_dir(output_dir, scheme, seed)
-            key = (scheme, seed)
-            cfg = load_config(
-                None,
-                [
-                    *overrides,
-                    f"steps={settings.steps}",
-                    f"save_every={settings.steps}",
-                    f"seed={seed}",
-                    f"reward.scheme={scheme}",
-                    f"reward.uniform_limit={settings.uniform_limit}",
-                ],
-            )
-            # the run's identity is its resolved config: a finished run is kept only if it was trained with it
-            fingerprint = hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()
-            stamp = out / "compare_run.json"
-            finished = (out / "final" / "config.json").is_file() and stamp.is_file()
-            if finished and json.loads(stamp.read_text()).get("config_sha256") == fingerprint:
-                tqdm.write(f"{scheme} seed {seed}: trained before with this config, kept ({out})")
-                done[key] = out
-                continue
-            shutil.rmtree(out, ignore_errors=True)  # interrupted, or trained with other settings: start over
-            tqdm.write(f"{scheme} seed {seed}: {settings.steps} GRPO steps -> {out}")
-            Trainer(cfg, out).run()
-            stamp.write_text(json.dumps({"config_sha256": fingerprint}))
-            done[key] = out
-    return done
+def default_jobs() -> int:
+    """Runs at once: one per core, at most 8. On 2 cores, two runs at one thread each did 1.76x the work of one
+    at two threads (the tiny model's steps are mostly Python and small kernels)."""
+    return max(1, min(8, os.cpu_count() or 1))
 
 
-def summarize_runs(settings: CompareSettings, runs: dict[tuple[str, int], Path], report: dict) -> dict:
-    """compare.json's content: per scheme, every seed's evaluation and training curves, and their means."""
-    out: dict = {"settings": {**settings.__dict__, "eval": settings.eval.__dict__}, "schemes": {}}
-    for scheme in settings.schemes:
-        seeds = []
+def plan_runs(
+    settings: CompareSettings, output_dir: Path, overrides: list[str], user_variants: dict | None = None
+) -> list[Run]:
+    """Every (warm-up, seed, variant) with its resolved config; the variants of one warm-up and seed see the same
+    prompts (the seed orders them) from the same starting model."""
+    base_overrides = [*overrides, f"reward.uniform_limit={settings.uniform_limit}"]
+    base = load_config(None, base_overrides)
+    runs = []
+    for w in range(settings.warmup_seeds):
         for seed in range(settings.seeds):
-            path = runs[(scheme, seed)]
-            metrics = report["results"][str(path / "final")][SYNTHETIC]
-            rows = _read_jsonl(path / "metrics.jsonl")
-            seeds.append(
+            for variant in settings.variants:
+                cfg = load_config(
+                    None,
+                    [
+                        *base_overrides,
+                        *variant_overrides(variant, base, user_variants),
+                        f"steps={settings.steps}",
+                        f"save_every={settings.steps}",
+                        f"seed={seed}",
+                        f"warmup.seed={base.warmup.seed + w}",
+                    ],
+                )
+                out = output_dir / "runs" / f"w{w}-seed{seed}" / variant_slug(variant)
+                runs.append(Run(variant, w, seed, out, cfg))
+    return runs
+
+
+def _fingerprint(cfg: TrainConfig) -> str:
+    return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()
+
+
+def _trained_before(run: Run) -> bool:
+    stamp = run.out / "compare_run.json"
+    if not ((run.out / "final" / "config.json").is_file() and stamp.is_file()):
+        return False
+    return json.loads(stamp.read_text()).get("config_sha256") == _fingerprint(run.cfg)
+
+
+def train_and_evaluate(run: Run, eval_settings: EvalSettings, *, progress: bool = True) -> dict:
+    """One run: trained (unless its ``final/`` was trained with this config before), then evaluated on the
+    synthetic split (kept when done before). Returns its evaluation and what it took."""
+    if _trained_before(run):
+        tqdm.write(f"{run.name}: trained before with this config, kept ({run.out})")
+    else:
+        shutil.rmtree(run.out, ignore_errors=True)  # interrupted, or trained with other settings: start over
+        Trainer(run.cfg, run.out, progress=progress).run()
+        (run.out / "compare_run.json").write_text(json.dumps({"config_sha256": _fingerprint(run.cfg)}))
+    report = run_eval([str(run.out / "final")], [SYNTHETIC], eval_settings, run.out / "eval")
+    return report["results"][str(run.out / "final")][SYNTHETIC]
+
+
+def warmup_model(cfg: TrainConfig) -> str:
+    """The warm-up a run starts from, built (and cached) if needed; its folder, or the model name for hub models."""
+    if cfg.model.name != "tiny":
+        return cfg.model.name
+    from .tiny import warmed_up_model
+
+    _, _, path = warmed_up_model(Path(cfg.cache_dir).expanduser(), cfg.model.tiny, cfg.warmup)
+    return str(path)
+
+
+def _warmup_cached(cfg: TrainConfig) -> bool:
+    from .tiny import warmup_cache_path
+
+    path = warmup_cache_path(Path(cfg.cache_dir).expanduser(), cfg.model.tiny, cfg.warmup)
+    return cfg.model.name != "tiny" or (path / "config.json").is_file()
+
+
+def evaluate_warmup(cfg: TrainConfig, mode: str, eval_settings: EvalSettings, out: Path) -> dict:
+    """The warm-up's synthetic evaluation forced to one mode ("thinking" or "non-thinking")."""
+    from dataclasses import replace
+
+    model = warmup_model(cfg)
+    return run_eval([model], [SYNTHETIC], replace(eval_settings, mode=mode), out / mode)["results"][model][SYNTHETIC]
+
+
+def _job(kind: str, args: tuple, threads: int | None):
+    """A unit of work in a worker process (one thread count per job, so the jobs share the cores)."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    if kind == "warmup":
+        return warmup_model(*args)
+    if kind == "warmup-eval":
+        return evaluate_warmup(*args)
+    run, eval_settings = args
+    start = time.perf_counter()
+    metrics = train_and_evaluate(run, eval_settings, progress=threads is None)
+    return {"metrics": metrics, "seconds": time.perf_counter() - start}
+
+
+def _run_jobs(jobs: list[tuple[str, tuple, str]], n_jobs: int, desc: str) -> list:
+    """Results of ``(kind, args, label)`` jobs, in order: inline when ``n_jobs`` is 1, else in worker processes."""
+    results: list = [None] * len(jobs)
+    bar = tqdm(total=len(jobs), desc=desc, unit="job")
+    try:
+        if n_jobs <= 1 or len(jobs) <= 1:
+            for i, (kind, args, _) in enumerate(jobs):
+                results[i] = _job(kind, args, None)
+                bar.update(1)
+            return results
+        workers = min(n_jobs, len(jobs))
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
+            futures = {pool.submit(_job, kind, args, threads): i for i, (kind, args, _) in enumerate(jobs)}
+            for future in as_completed(futures):
+                i = futures[future]
+                results[i] = future.result()  # a failed job raises here, naming its traceback
+                bar.update(1)
+                tqdm.write(f"{jobs[i][2]}: done")
+        return results
+    finally:
+        bar.close()
+
+
+# -- statistics --------------------------------------------------------------------------------------------------
+
+
+def mean_se(values: list[float | None]) -> dict:
+    """Mean and standard error (sample std / sqrt(n)) of the values that exist; n = how many."""
+    xs = [float(v) for v in values if v is not None and math.isfinite(v)]
+    n = len(xs)
+    if n == 0:
+        return {"mean": None, "se": None, "n": 0}
+    mean = sum(xs) / n
+    se = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1) / n) if n > 1 else 0.0
+    return {"mean": mean, "se": se, "n": n}
+
+
+def direct_threshold(cfg: TrainConfig, p_think: float) -> float:
+    """The direct-answer accuracy above which a direct answer earns more reward on average than thinking, under
+    the run's reward table, for thinking accuracy ``p_think`` (0..1). binary pays both modes alike; a direct
+    answer over the limit (the hack) is left out: this is the honest direct answer's trade."""
+    r = cfg.reward
+    if r.scheme == "binary":
+        return p_think
+    expected_thinking = r.think_wrong + p_think * (r.think_correct - r.think_wrong)
+    return (expected_thinking - r.direct_wrong) / (r.direct_correct - r.direct_wrong)
+
+
+def seconds_to(step: int | None, times: list[float]) -> float | None:
+    """Training seconds (summed step times) up to and including ``step``."""
+    return None if step is None else sum(times[:step])
+
+
+def steps_to_solve(acc: list[float], window: int = 5) -> int | None:
+    """The first step whose mean training accuracy over the last ``window`` steps reaches ``SOLVED_ACC``."""
+    for i in range(window, len(acc) + 1):
+        if sum(acc[i - window : i]) / window >= SOLVED_ACC:
+            return i
+    return None
+
+
+def summarize_runs(
+    settings: CompareSettings, runs: list[Run], results: list[dict], warmups: dict[int, dict[str, dict]]
+) -> dict:
+    """compare.json's content: per variant every run's evaluation and training curves, and mean +- SE of each
+    number; per warm-up its forced-mode accuracies by level."""
+    out: dict = {
+        "settings": {**asdict(settings), "variants": list(settings.variants)},
+        "warmups": {},
+        "variants": {},
+    }
+    levels = None
+    for w, by_mode in warmups.items():
+        lv = sorted(by_mode["thinking"]["by_level"], key=int)
+        levels = levels or lv
+        out["warmups"][str(w)] = {
+            "p_think": {level: by_mode["thinking"]["by_level"][level]["acc"] / 100 for level in lv},
+            "p_direct": {level: by_mode["non-thinking"]["by_level"][level]["acc"] / 100 for level in lv},
+        }
+    for variant in settings.variants:
+        rows = []
+        for run, result in zip(runs, results, strict=True):
+            if run.variant != variant:
+                continue
+            metrics = result["metrics"]
+            train_rows = _read_jsonl(run.out / "metrics.jsonl")
+            train = {key: [r.get(key) for r in train_rows] for key in TRAIN_KEYS}
+            by = metrics["by_level"]
+            levels = levels or sorted(by, key=int)
+            wu = out["warmups"].get(str(run.warmup))
+            rows.append(
                 {
-                    "seed": seed,
+                    "warmup": run.warmup,
+                    "seed": run.seed,
                     **{k: metrics[k] for k in TABLE_KEYS},
-                    "non_thinking_ratio_by_level": {
-                        lv: m["non_thinking_ratio"] for lv, m in metrics["by_level"].items()
+                    "by_level": {
+                        lv: {
+                            "acc": by[lv]["acc"],
+                            "non_thinking_ratio": by[lv]["non_thinking_ratio"],
+                            "acc_thinking": by[lv].get("acc_thinking"),
+                            "acc_non_thinking": by[lv].get("acc_non_thinking"),
+                            # does the warm-up's direct accuracy clear this variant's threshold?
+                            "direct_pays": (
+                                wu["p_direct"][lv] > direct_threshold(run.cfg, wu["p_think"][lv]) if wu else None
+                            ),
+                            "threshold": direct_threshold(run.cfg, wu["p_think"][lv]) if wu else None,
+                        }
+                        for lv in sorted(by, key=int)
                     },
-                    "acc_by_level": {lv: m["acc"] for lv, m in metrics["by_level"].items()},
-                    "train": {
-                        key: [r[key] for r in rows]
-                        for key in ("step", "reward", "acc", "non_thinking_ratio", "hack_rate", "len")
-                    },
+                    "train_seconds": sum(t for t in train["time_step"] if t is not None),
+                    "run_seconds": result["seconds"],
+                    "steps_to_solve": steps_to_solve(train["acc"]),
+                    "seconds_to_solve": seconds_to(steps_to_solve(train["acc"]), train["time_step"]),
+                    "draws_per_step": mean_se(train["draws"])["mean"] if any(train["draws"]) else 1.0,
+                    "train_hacked_share_last10": mean_se(_train_curve(train, "hacked_share")[-10:])["mean"],
+                    "train": train,
                 }
             )
-        n = len(seeds)
-        levels = sorted(seeds[0]["non_thinking_ratio_by_level"], key=int)
-        out["schemes"][scheme] = {
-            "mean": {
-                **{k: sum(s[k] for s in seeds) / n for k in TABLE_KEYS},
-                "non_thinking_ratio_by_level": {
-                    lv: sum(s["non_thinking_ratio_by_level"][lv] for s in seeds) / n for lv in levels
-                },
-                "acc_by_level": {lv: sum(s["acc_by_level"][lv] for s in seeds) / n for lv in levels},
-            },
-            "seeds": seeds,
-        }
+        keys = (*TABLE_KEYS, "train_seconds", "draws_per_step", "seconds_to_solve")
+        stats = {k: mean_se([r[k] for r in rows]) for k in keys}
+        stats["train_hacked_share_last10"] = mean_se([r["train_hacked_share_last10"] for r in rows])
+        solved = [r["steps_to_solve"] for r in rows]
+        stats["steps_to_solve"] = {**mean_se(solved), "unsolved": sum(s is None for s in solved)}
+        stats["by_level"] = {}
+        for lv in levels:
+            level_rows = [r["by_level"][lv] for r in rows]
+            stats["by_level"][lv] = {
+                key: mean_se([b[key] for b in level_rows])
+                for key in ("acc", "non_thinking_ratio", "acc_thinking", "acc_non_thinking")
+            }
+            pays = [float(b["direct_pays"]) for b in level_rows if b["direct_pays"] is not None]
+            stats["by_level"][lv]["direct_pays"] = mean_se(pays)
+        out["variants"][variant] = {"stats": stats, "runs": rows}
     return out
+
+
+# -- report ------------------------------------------------------------------------------------------------------
+
+
+def _pm(stat: dict, fmt: str = "{:.1f}", scale: float = 1.0) -> str:
+    if stat["mean"] is None:
+        return "-"
+    text = fmt.format(stat["mean"] * scale)
+    return text if stat["n"] < 2 else f"{text} ± {fmt.format(stat['se'] * scale)}"
 
 
 def markdown(summary: dict) -> str:
     s = summary["settings"]
+    n_runs = s["seeds"] * s["warmup_seeds"]
     lines = [
-        "| scheme | acc (%) | len | TE | non-thinking | hack rate | len non-thinking "
-        "| non-thinking by level 1 / 2 / 3 / 4 |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| variant | acc (%) | len | TE | non-thinking | hack rate | len non-thinking | steps to 90% train acc "
+        "| s to 90% | draws / step | train s / run |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for scheme, data in summary["schemes"].items():
-        m = data["mean"]
-        by = " / ".join(f"{v:.2f}" for v in m["non_thinking_ratio_by_level"].values())
+    for variant, data in summary["variants"].items():
+        st = data["stats"]
+        solved = _pm(st["steps_to_solve"], "{:.0f}")
+        if st["steps_to_solve"]["unsolved"]:
+            solved += f" ({st['steps_to_solve']['unsolved']} never)"
         lines.append(
-            f"| {scheme} | {m['acc']:.1f} | {m['len']:.1f} | {m['te']:.2f} | {m['non_thinking_ratio']:.2f} | "
-            f"{m['hack_rate']:.2f} | {m['len_non_thinking']:.1f} | {by} |"
+            f"| {variant} | {_pm(st['acc'])} | {_pm(st['len'])} | {_pm(st['te'], '{:.2f}')} | "
+            f"{_pm(st['non_thinking_ratio'], '{:.2f}')} | {_pm(st['hack_rate'], '{:.2f}')} | "
+            f"{_pm(st['len_non_thinking'])} | {solved} | {_pm(st['seconds_to_solve'], '{:.0f}')} | "
+            f"{_pm(st['draws_per_step'], '{:.2f}')} | "
+            f"{_pm(st['train_seconds'], '{:.0f}')} |"
         )
+    e = s["eval"]
     lines += [
         "",
-        f"Means over {s['seeds']} seeds; each seed's run: the shared warm-up, then {s['steps']} GRPO steps, evaluated "
-        f"on the synthetic held-out split ({s['eval']['synthetic_per_level']} problems per level, 10 at level 1; "
-        f"{s['eval']['samples']} samples each, temperature {s['eval']['temperature']}). uniform-limit caps every "
-        f"non-thinking response at {s['uniform_limit']:.0f} tokens. Hack rate: the share of non-thinking responses "
-        "that write column steps after </think>.",
-        "",
-        "Per seed:",
-        "",
-        "| scheme | seed | acc (%) | len | TE | non-thinking | hack rate | len non-thinking |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"Mean ± standard error over {n_runs} runs per variant ({s['warmup_seeds']} warm-up(s) x {s['seeds']} "
+        f"seed(s)); each run: its warm-up, then {s['steps']} GRPO steps, evaluated on the synthetic held-out split "
+        f"({e['synthetic_per_level']} problems per level, 10 at level 1; {e['samples']} samples each, temperature "
+        f"{e['temperature']}). uniform-limit caps every non-thinking response at {s['uniform_limit']:.0f} tokens "
+        "unless the variant says otherwise. Hack rate: the share of non-thinking responses that write column steps "
+        f"after </think>. Steps to 90% train acc: the first step whose 5-step mean training accuracy reaches "
+        f"{SOLVED_ACC:.0%} (s to 90%: the training seconds up to it; unsolved runs left out of both). Train s / run: "
+        "the summed step times of one run (runs shared the cores with --jobs).",
     ]
-    for scheme, data in summary["schemes"].items():
-        for r in data["seeds"]:
+    levels = next(iter(summary["variants"].values()))["stats"]["by_level"]
+    if summary["warmups"]:
+        lines += [
+            "",
+            "What a direct answer can do: each warm-up evaluated forced to think (p_t) and forced to answer directly "
+            "(p_d), accuracy by level; with the paper's reward table a direct answer pays more when "
+            "p_d > (1 + p_t) / 3.",
+            "",
+            "| warm-up | " + " | ".join(f"level {lv} p_t / p_d / (1+p_t)/3" for lv in levels) + " |",
+            "| --- |" + " --- |" * len(levels),
+        ]
+        for w, wu in summary["warmups"].items():
+            cells = [
+                f"{wu['p_think'][lv]:.2f} / {wu['p_direct'][lv]:.2f} / {(1 + wu['p_think'][lv]) / 3:.2f}"
+                for lv in levels
+            ]
+            lines.append(f"| {w} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "By level: accuracy (%) / non-thinking ratio after training; then the accuracy of the direct answers the "
+        "trained models gave (- where none), and in how many runs the warm-up's direct accuracy cleared the "
+        "variant's threshold (direct pays).",
+        "",
+        "| variant | "
+        + " | ".join(f"level {lv}: acc / non-thinking | direct acc | direct pays" for lv in levels)
+        + " |",
+        "| --- |" + " ---: | ---: | ---: |" * len(levels),
+    ]
+    for variant, data in summary["variants"].items():
+        cells = []
+        for lv in levels:
+            b = data["stats"]["by_level"][lv]
+            pays = b["direct_pays"]
+            cells += [
+                f"{_pm(b['acc'], '{:.0f}')} / {_pm(b['non_thinking_ratio'], '{:.2f}')}",
+                _pm(b["acc_non_thinking"], "{:.0f}"),
+                "-" if pays["mean"] is None else f"{round(pays['mean'] * pays['n'])}/{pays['n']}",
+            ]
+        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Per run:",
+        "",
+        "| variant | warm-up | seed | acc (%) | len | TE | non-thinking | hack rate | non-thinking by level | "
+        "train s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+    ]
+    for variant, data in summary["variants"].items():
+        for r in data["runs"]:
+            by = " / ".join(f"{v['non_thinking_ratio']:.2f}" for v in r["by_level"].values())
             lines.append(
-                f"| {scheme} | {r['seed']} | {r['acc']:.1f} | {r['len']:.1f} | {r['te']:.2f} | "
-                f"{r['non_thinking_ratio']:.2f} | {r['hack_rate']:.2f} | {r['len_non_thinking']:.1f} |"
+                f"| {variant} | {r['warmup']} | {r['seed']} | {r['acc']:.1f} | {r['len']:.1f} | {r['te']:.2f} | "
+                f"{r['non_thinking_ratio']:.2f} | {r['hack_rate']:.2f} | {by} | {r['train_seconds']:.0f} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -157,54 +410,88 @@ def _train_curve(train: dict, key: str) -> list[float]:
 
 
 def plot(summary: dict, path: Path) -> None:
+    """Training curves (mean over runs, a band of +- one standard error), and by level the non-thinking ratio and
+    accuracy after training with error bars."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5), constrained_layout=True)
+    fig, axes = plt.subplots(2, 2, figsize=(15, 9), constrained_layout=True)
+    axes = axes.flat
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, (scheme, data) in enumerate(summary["schemes"].items()):
+    variants = list(summary["variants"].items())
+    width = 0.8 / len(variants)
+    for i, (variant, data) in enumerate(variants):
         colour = colours[i % len(colours)]
+        style = "-" if i < len(colours) else "--"
         for j, key in enumerate(("hacked_share", "non_thinking_ratio")):
-            ax = axes[j]
-            curves = [_train_curve(r["train"], key) for r in data["seeds"]]
-            steps = data["seeds"][0]["train"]["step"]
-            for c in curves:
-                ax.plot(steps, c, color=colour, alpha=0.25, linewidth=0.8)
-            mean = [sum(vals) / len(vals) for vals in zip(*curves, strict=True)]
-            ax.plot(steps, mean, color=colour, linewidth=2, label=scheme)
-        by = data["mean"]["non_thinking_ratio_by_level"]
+            curves = [_train_curve(r["train"], key) for r in data["runs"]]
+            steps = data["runs"][0]["train"]["step"]
+            stats = [mean_se(list(vals)) for vals in zip(*curves, strict=True)]
+            mean = [st["mean"] for st in stats]
+            se = [st["se"] for st in stats]
+            axes[j].plot(steps, mean, color=colour, linestyle=style, linewidth=1.6, label=variant)
+            axes[j].fill_between(
+                steps, [m - e for m, e in zip(mean, se, strict=True)], [m + e for m, e in zip(mean, se, strict=True)],
+                color=colour, alpha=0.15, linewidth=0,
+            )  # fmt: skip
+        by = data["stats"]["by_level"]
         levels = [int(lv) for lv in by]
-        width = 0.8 / len(summary["schemes"])
-        axes[2].bar([lv + (i - 1.5) * width for lv in levels], list(by.values()), width, color=colour, label=scheme)
-    # hack rate x non-thinking ratio: the hack rate alone swings 0 <-> 1 when a scheme has one or two
-    # non-thinking responses in a step (binary), which says nothing
-    axes[0].set_title(
-        "hacked responses during training (non-thinking ones\nthat write steps after </think>, share of all)"
-    )
+        x = [lv + (i - (len(variants) - 1) / 2) * width for lv in levels]
+        for ax, key, scale in ((axes[2], "non_thinking_ratio", 1.0), (axes[3], "acc", 1.0)):
+            vals = [by[lv][key] for lv in by]
+            ax.bar(
+                x, [v["mean"] * scale for v in vals], width, yerr=[v["se"] * scale for v in vals],
+                color=colour, label=variant, capsize=2, error_kw={"linewidth": 0.8},
+            )  # fmt: skip
+    n = summary["settings"]["seeds"] * summary["settings"]["warmup_seeds"]
+    axes[0].set_title(f"hacked responses during training (share of all; mean ± SE over {n} runs)")
     axes[1].set_title("non-thinking ratio during training")
     for ax in axes[:2]:
         ax.set_xlabel("GRPO step")
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    axes[2].set_title("non-thinking ratio by difficulty after training (eval)")
-    axes[2].set_xlabel("level (digits per operand)")
-    axes[2].set_xticks(levels)
-    axes[2].set_ylim(0, 1.02)
-    axes[2].legend(fontsize=8)
-    axes[2].grid(alpha=0.3, axis="y")
+    axes[1].legend(fontsize=7, ncol=2)
+    axes[2].set_title("non-thinking ratio by level after training (eval, ± SE)")
+    axes[2].set_ylim(0, 1.05)
+    axes[3].set_title("accuracy (%) by level after training (eval, ± SE)")
+    lows = [v["acc"]["mean"] - v["acc"]["se"] for _, d in variants for v in d["stats"]["by_level"].values()]
+    axes[3].set_ylim(max(0, min(lows) - 5), 101)
+    for ax in axes[2:]:
+        ax.set_xlabel("level (digits per operand)")
+        ax.set_xticks(levels)
+        ax.grid(alpha=0.3, axis="y")
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def run_compare(settings: CompareSettings, output_dir: Path, overrides: list[str] = ()) -> dict:
+def run_compare(
+    settings: CompareSettings, output_dir: Path, overrides: list[str] = (), user_variants: dict | None = None
+) -> dict:
     output_dir.mkdir(parents=True, exist_ok=True)
-    runs = train_all(settings, output_dir, list(overrides))
-    models = [str(runs[(scheme, seed)] / "final") for seed in range(settings.seeds) for scheme in settings.schemes]
-    report = run_eval(models, [SYNTHETIC], settings.eval, output_dir / "eval")
-    summary = summarize_runs(settings, runs, report)
+    start = time.perf_counter()
+    runs = plan_runs(settings, output_dir, list(overrides), user_variants)
+    # the warm-ups not cached yet first (one job each), so parallel runs never build the same one twice
+    first_of_warmup = {run.warmup: run.cfg for run in runs}
+    missing = [(w, cfg) for w, cfg in first_of_warmup.items() if not _warmup_cached(cfg)]
+    if missing:
+        _run_jobs([("warmup", (cfg,), f"warm-up {w}") for w, cfg in missing], settings.jobs, "warm-ups")
+    jobs = [
+        ("warmup-eval", (cfg, mode, settings.eval, output_dir / "warmups" / f"w{w}"), f"warm-up {w}, {mode}")
+        for w, cfg in first_of_warmup.items()
+        if cfg.model.name == "tiny"
+        for mode in ("thinking", "non-thinking")
+    ]
+    jobs += [("run", (run, settings.eval), run.name) for run in runs]
+    results = _run_jobs(jobs, settings.jobs, "compare")
+    n_warmup_evals = len(jobs) - len(runs)
+    warmups: dict[int, dict[str, dict]] = {}
+    for (_, args, _), result in zip(jobs[:n_warmup_evals], results[:n_warmup_evals], strict=True):
+        w = int(args[3].name[1:])
+        warmups.setdefault(w, {})[args[1]] = result
+    summary = summarize_runs(settings, runs, results[n_warmup_evals:], warmups)
+    summary["wall_seconds"] = time.perf_counter() - start
     (output_dir / "compare.json").write_text(json.dumps(summary, indent=1))
     (output_dir / "compare.md").write_text(markdown(summary))
     plot(summary, output_dir / "compare.png")

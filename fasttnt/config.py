@@ -59,6 +59,13 @@ class RolloutConfig:
     max_new_tokens: int = 96
     temperature: float = 1.0
     top_p: float = 1.0
+    # DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2; verl's filter_groups with metric seq_reward): a group whose K
+    # rewards are all equal has no advantage to learn from, so more prompts_per_step-prompt batches are drawn until
+    # the step has prompts_per_step groups whose rewards differ (the surplus is dropped), at most max_draws batches
+    # (verl's max_num_gen_batches, 10 in its DAPO scripts). A step that reaches the cap fills its batch with
+    # equal-reward groups, which add no gradient
+    dynamic_sampling: bool = False
+    max_draws: int = 10
     # vllm only
     gpu_memory_utilization: float = 0.5
     sleep_between_rollouts: bool = True
@@ -229,19 +236,7 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
     """The config from a YAML file (or the defaults) with ``key=value`` overrides applied, then validated."""
-    tree: dict = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"--config: {path} does not exist")
-        try:
-            tree = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"--config: {_yaml_error(path, err)}") from None
-        except (OSError, UnicodeDecodeError) as err:
-            raise ConfigError(f"--config: {path}: cannot read ({err.__class__.__name__}: {err})") from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"--config: {path} must hold a mapping of sections")
+    tree = read_yaml_mapping(path, "--config", "a mapping of sections") if path is not None else {}
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -254,6 +249,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
     cfg = _build(TrainConfig, tree)
     validate(cfg)
     return cfg
+
+
+def read_yaml_mapping(path: str | Path, flag: str, what: str) -> dict:
+    """The mapping a YAML file holds (empty for an empty file), or a ConfigError that names ``flag``, the file and,
+    for a syntax error, its line and column; ``what``: what the mapping should hold, for the message."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{flag}: {path} does not exist")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{flag}: {_yaml_error(path, err)}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{flag}: {path}: cannot read ({err.__class__.__name__}: {err})") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{flag}: {path} must hold {what}")
+    return tree
 
 
 def _yaml_error(path: Path, err: yaml.YAMLError) -> str:
@@ -288,6 +300,13 @@ def validate(cfg: TrainConfig) -> None:
         "1 sample per prompt has no group std to scale by; use loss.adv_scale=none or group_size >= 2",
     )
     need(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
+    need(r.max_draws >= 1, "rollout.max_draws", "must be >= 1")
+    need(
+        0 <= cfg.reward.overlong_buffer <= r.max_new_tokens,
+        "reward.overlong_buffer",
+        f"must be in [0, rollout.max_new_tokens={r.max_new_tokens}] tokens",
+    )
+    need(cfg.reward.overlong_penalty >= 0, "reward.overlong_penalty", "must be >= 0")
     need(r.temperature > 0, "rollout.temperature", "must be > 0")
     need(0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
     need(0 < r.gpu_memory_utilization < 1, "rollout.gpu_memory_utilization", "must be in (0, 1)")

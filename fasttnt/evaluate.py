@@ -143,6 +143,10 @@ def summarize(records: list[dict]) -> dict:
             )
         )
         acc = 100 * values["acc"]
+        by_mode = {
+            mode: [r["correct"] for r in rows if bool(r["non_thinking"]) == direct]
+            for mode, direct in (("thinking", False), ("non_thinking", True))
+        }
         return {
             "acc": acc,
             "len": values["len"],
@@ -152,6 +156,8 @@ def summarize(records: list[dict]) -> dict:
             "len_thinking": values["len_thinking"],
             "len_non_thinking": values["len_non_thinking"],
             "truncated_ratio": values["truncated_ratio"],
+            # accuracy (%) among the responses of each mode; None where the model chose that mode for none
+            **{f"acc_{mode}": 100 * sum(c) / len(c) if c else None for mode, c in by_mode.items()},
             "responses": len(rows),
         }
 

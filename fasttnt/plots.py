@@ -69,6 +69,13 @@ def summary_table(history: list[dict[str, float]], *, window: int = 5) -> str:
     for key, fmt in SUMMARY_KEYS:
         lines.append(f"{key:<20}{fmt.format(mean(first, key)):>18}{fmt.format(mean(last, key)):>18}")
     total = sum(r["time_step"] for r in history)
+    if all("draws" in r for r in history):  # dynamic sampling
+        draws = [r["draws"] for r in history]
+        filled = sum(r["filled_groups"] > 0 for r in history)
+        lines.append(
+            f"\ndynamic sampling: {sum(draws) / len(draws):.2f} draws per step (at most {max(draws)}); "
+            f"{filled} step(s) reached rollout.max_draws and filled their batch with equal-reward groups"
+        )
     lines.append("")
     lines.append(f"time over {len(history)} steps: {total:.1f} s")
     for key in ("generate", "verify", "reward", "logprobs", "update", "sync"):

@@ -7,7 +7,8 @@
     uniform-limit  as tnt with one limit, uniform_limit, for every query (AdaptThink-style)
     binary         1/0 for every response (plain GRPO)
 
-A truncated response (no EOS within the length budget) is wrong, whatever its text says.
+A truncated response (no EOS within the length budget) is wrong, whatever its text says. DAPO's overlong reward
+shaping (``overlong_buffer`` > 0) is added to any scheme's reward afterwards.
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ class RewardConfig:
     direct_correct: float = 2.0
     direct_wrong: float = -1.0
     over_limit: float = -2.0
+    # DAPO's overlong reward shaping (Yu et al. 2025, sec. 3.4; verl's DAPO reward manager): a response longer than
+    # max_new_tokens - overlong_buffer loses overlong_penalty * (its excess / overlong_buffer), the whole penalty at
+    # the length budget. 0: off
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
 
     @property
     def values(self) -> RewardValues:
@@ -83,6 +89,29 @@ for _name in ("tnt", "no-limit", "uniform-limit", "binary"):
     REWARD_SCHEMES.add(_name, _kernel_scheme(_name))
 
 
-def compute_rewards(batch: PackedResponses, correct: torch.Tensor, think_end_id: int, cfg: RewardConfig) -> TntRewards:
-    """Rewards, modes, solution lengths and limits of a packed batch under ``cfg.scheme``."""
-    return REWARD_SCHEMES.get(cfg.scheme)(batch, correct, think_end_id, cfg)
+def overlong_shaping(lengths: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment (S,) float32, <= 0: 0 up to ``max_new_tokens - buffer`` tokens, then falling
+    linearly to ``-penalty`` at ``max_new_tokens``. On the lengths' device, no host sync."""
+    if buffer <= 0:
+        raise ValueError(f"overlong buffer must be > 0 tokens, got {buffer}")
+    excess = (lengths.float() - (max_new_tokens - buffer)).clamp(min=0)
+    return -penalty * excess.clamp(max=buffer) / buffer
+
+
+def compute_rewards(
+    batch: PackedResponses,
+    correct: torch.Tensor,
+    think_end_id: int,
+    cfg: RewardConfig,
+    *,
+    max_new_tokens: int | None = None,
+) -> TntRewards:
+    """Rewards, modes, solution lengths and limits of a packed batch under ``cfg.scheme``, with the overlong shaping
+    added when ``cfg.overlong_buffer`` > 0 (it needs the length budget, ``max_new_tokens``)."""
+    out = REWARD_SCHEMES.get(cfg.scheme)(batch, correct, think_end_id, cfg)
+    if cfg.overlong_buffer <= 0:
+        return out
+    if max_new_tokens is None:
+        raise ValueError("reward.overlong_buffer > 0 needs max_new_tokens, the length budget it counts back from")
+    shaping = overlong_shaping(batch.lengths, max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+    return out._replace(rewards=out.rewards + shaping)

@@ -70,6 +70,33 @@ def pack(sequences: list[list[int]], device: torch.device | str = "cpu") -> tupl
     return flat.to(device), cu.to(device)
 
 
+def select_sequences(batch: RolloutBatch, keep: list[int]) -> tuple[RolloutBatch, torch.Tensor]:
+    """Sequences ``keep`` (ascending) of a batch, repacked from 0, and the index (n,) of their tokens in the batch's
+    packed tensors (to take the per-token inputs that go with them)."""
+    device = batch.cu_seqlens.device
+    bounds = batch.bounds
+    lengths = [bounds[i + 1] - bounds[i] for i in keep]
+    new_bounds = [0, *itertools.accumulate(lengths)]
+    keep_t = torch.tensor(keep, dtype=torch.long, device=device)
+    cu = torch.tensor(new_bounds, dtype=batch.cu_seqlens.dtype, device=device)  # (s+1,)
+    # token j of the repacked batch comes from start(seq) + (j - new_start(seq))
+    shift = batch.cu_seqlens[keep_t] - cu[:-1]  # (s,)
+    index = torch.arange(new_bounds[-1], device=device) + torch.repeat_interleave(
+        shift, batch.lengths[keep_t], output_size=new_bounds[-1]
+    )  # (n,)
+    kept = RolloutBatch(
+        [batch.prompt_ids[i] for i in keep],
+        batch.response_ids[index],
+        cu,
+        batch.truncated[keep_t],
+        batch.group_size,
+        rollout_logp=batch.rollout_logp[index] if batch.rollout_logp is not None else None,
+    )
+    kept.responses = [batch.responses[i] for i in keep]  # already on the host: no second read from the device
+    kept.bounds = new_bounds
+    return kept, index
+
+
 def decode_responses(tokenizer, responses: list[list[int]]) -> list[str]:
     """Response texts without their final EOS/pad ids (kept in the ids, which count as tokens), so "the answer
     is 5<eos>" reads as 5; ``</think>`` stays, since it may be a special token."""

@@ -138,6 +138,12 @@ def warmup(model, tokenizer, cfg: WarmupConfig, *, progress=None) -> list[float]
     return losses
 
 
+def warmup_cache_path(cache_dir: Path, model_cfg: TinyModelConfig, warmup_cfg: WarmupConfig) -> Path:
+    """Where the warm-up of this exact recipe is (or will be) cached: the key hashes both configs."""
+    key = hashlib.sha256(json.dumps([asdict(model_cfg), asdict(warmup_cfg)], sort_keys=True).encode()).hexdigest()
+    return Path(cache_dir) / f"tiny-warmup-{key[:16]}"
+
+
 def warmed_up_model(
     cache_dir: Path, model_cfg: TinyModelConfig, warmup_cfg: WarmupConfig, *, progress_factory=None
 ) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast, Path]:
@@ -146,8 +152,7 @@ def warmed_up_model(
     The cache key hashes both configs; the entry is written to a temporary folder and renamed into place, so an
     interrupted warm-up never leaves a half-written model behind.
     """
-    key = hashlib.sha256(json.dumps([asdict(model_cfg), asdict(warmup_cfg)], sort_keys=True).encode()).hexdigest()
-    path = Path(cache_dir) / f"tiny-warmup-{key[:16]}"
+    path = warmup_cache_path(cache_dir, model_cfg, warmup_cfg)
     if (path / "config.json").is_file():
         tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
         return AutoModelForCausalLM.from_pretrained(path), tokenizer, path

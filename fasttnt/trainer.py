@@ -2,6 +2,8 @@
 
     rollout -> verify -> reward -> advantage -> old/ref log-probs -> update -> weight sync -> log (-> checkpoint)
 
+(rollout, verify and reward once per draw: more than one with DAPO's dynamic sampling, fasttnt.dynamic_sampling).
+
 The rewards, advantages, log-probs and loss are the project's kernels; metrics stay on device until one read
 per step.
 """
@@ -39,10 +41,11 @@ from .checkpoint import (
 )
 from .config import TrainConfig, changed_keys, config_yaml, dump_config, rollout_correction, to_dict
 from .data import MATH_INSTRUCTION, DataError, Problem, PromptMode, build_prompt, load_problems, loading_model
+from .dynamic_sampling import Draw, choose_groups, concat_draws, select_groups, varied_groups
 from .metrics import MARKER_SETS, hack_flags, rollout_metrics, to_floats
 from .policy import MicroBatch, PolicyHead, micro_batch_loss, plan_micro_batches, response_logprobs, run_dummy
 from .rewards import PackedResponses, compute_rewards
-from .rollout import ENGINES, RolloutBatch, decode_responses
+from .rollout import ENGINES, RolloutBatch, decode_responses, select_sequences
 from .synthetic import problems as synthetic_problems
 from .tiny import warmed_up_model
 from .verify import VerifierPool, verify_batch
@@ -166,9 +169,17 @@ def _lr_lambda(cfg: TrainConfig):
 
 class Trainer:
     def __init__(
-        self, cfg: TrainConfig, output_dir: Path, *, resume: bool = False, new_config_ok: bool = False
+        self,
+        cfg: TrainConfig,
+        output_dir: Path,
+        *,
+        resume: bool = False,
+        new_config_ok: bool = False,
+        progress: bool = True,
     ) -> None:
+        """``progress``: show the step bar (off where several runs share one terminal, ``fasttnt compare --jobs``)."""
         self.cfg = cfg
+        self.progress = progress
         self.out = Path(output_dir)
         self.ckpt_root = self.out / "checkpoints"
         device_type = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
@@ -286,6 +297,7 @@ class Trainer:
         self.markers = MARKER_SETS[markers]
         self.verifier = VerifierPool(cfg.verify_workers, cfg.verify_timeout)
         self.tb = self._tensorboard() if self.is_main else None
+        self._warned_cap = False
 
     # -- set-up ---------------------------------------------------------------------------------------------------
 
@@ -346,50 +358,30 @@ class Trainer:
         times: dict[str, float] = {}
         clock = time.perf_counter()
 
-        def lap(name: str) -> None:
+        def lap(name: str) -> None:  # a phase that runs once per draw adds up over the draws
             nonlocal clock
             now = time.perf_counter()
-            times[f"time_{name}"] = now - clock
+            times[f"time_{name}"] = times.get(f"time_{name}", 0.0) + now - clock
             clock = now
 
         lr = cfg.optim.lr * self.lr_factor(self.state.step)  # the rate this step's update uses
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-        # rollout: every rank draws the step's prompts and generates its share, seeded per response
-        problems = self.stream.take(r.prompts_per_step)
-        problems = problems[self.rank * self.prompts_per_rank : (self.rank + 1) * self.prompts_per_rank]
-        prompts = [self._prompt(p) for p in problems]
-        with self._generation_context():
-            batch = self.engine.generate(
-                prompts,
-                r.group_size,
-                seed=cfg.seed * 1_000_003 + step,
-                first_row=self.rank * self.prompts_per_rank * r.group_size,
-            )
-        texts = decode_responses(self.tokenizer, batch.responses)
-        lap("generate")
-
-        # verify: a truncated response is wrong whatever it says
-        golds = [p.answer for p in problems for _ in range(r.group_size)]
-        verdicts = verify_batch(texts, golds, pool=self.verifier, require_think_end=True)
-        if verdicts.crashes >= 2 and verdicts.crashes > cfg.verify_max_crash_share * len(texts):
-            # a crashed item counts as wrong: past a few, the rewards would be the verifier's, not the model's
-            raise VerificationError(
-                f"step {step}: the verification of {verdicts.crashes} of {len(texts)} answers crashed (its workers "
-                f"died; more than one and above verify_max_crash_share={cfg.verify_max_crash_share}); not training "
-                "on those rewards. "
-                "Out of memory is the usual cause: lower verify_workers"
-            )
-        correct = torch.tensor(list(verdicts), device=self.device) & ~batch.truncated
-        lap("verify")
-
-        # reward and advantage: all K samples of a prompt are on this rank, so both are local
-        packed = PackedResponses(batch.response_ids, batch.cu_seqlens, batch.truncated, r.group_size)
-        rewards = compute_rewards(packed, correct, self.think_end_id, cfg.reward)
+        # rollout -> verify -> reward, once per draw of prompts_per_step prompts; with dynamic sampling, more draws
+        # until the step has prompts_per_step groups whose rewards differ (or the cap)
+        draws = [self._draw(step, 0, lap)]
+        varied = varied_groups(draws[0].rewards.rewards, r.group_size).tolist()  # sync: one read per draw
+        while r.dynamic_sampling and len(draws) < r.max_draws and self._short_of_groups(sum(varied)):
+            draws.append(self._draw(step, len(draws), lap))
+            varied += varied_groups(draws[-1].rewards.rewards, r.group_size).tolist()
+        drawn = concat_draws(draws)  # every response drawn: what the step's metrics describe
+        trained, filled = drawn, 0
+        if r.dynamic_sampling:
+            groups, filled = choose_groups(varied, self.prompts_per_rank)
+            trained = select_groups(drawn, groups)
+        batch, rewards = trained.batch, trained.rewards
         advantages = group_advantages(rewards.rewards, r.group_size, scale=cfg.loss.adv_scale, eps=cfg.loss.adv_eps)
-        non_thinking = rewards.non_thinking.tolist()  # sync: the hack flags need the text, on the host
-        hacked = torch.tensor(hack_flags(texts, non_thinking, self.markers), device=self.device)
         lap("reward")
 
         # old and reference log-probs
@@ -414,20 +406,29 @@ class Trainer:
 
         # log: every metric over all ranks' responses, so N ranks log what one process would
         per_response = {
-            "correct": correct,
-            "non_thinking": rewards.non_thinking,
-            "lengths": batch.lengths,
-            "hacked": hacked,
-            "truncated": batch.truncated,
-            "limit": rewards.limit,
-            "rewards": rewards.rewards,
+            "correct": drawn.correct,
+            "non_thinking": drawn.rewards.non_thinking,
+            "lengths": drawn.batch.lengths,
+            "hacked": drawn.hacked,
+            "truncated": drawn.batch.truncated,
+            "limit": drawn.rewards.limit,
+            "rewards": drawn.rewards.rewards,
         }
         if self.dist:
             per_response = {k: distributed.all_gather_cat(v) for k, v in per_response.items()}
         metrics = rollout_metrics(**per_response)
         metrics.update(update)
         counts = torch.tensor(
-            [batch.response_ids.numel(), sum(len(p) for p in batch.prompt_ids), verdicts.timeouts, verdicts.crashes],
+            [
+                drawn.batch.response_ids.numel(),
+                batch.response_ids.numel(),
+                sum(len(p) for p in batch.prompt_ids),
+                drawn.timeouts,
+                drawn.crashes,
+                sum(varied),
+                len(varied),
+                filled,
+            ],
             dtype=torch.float64,
             device=self.device,
         )
@@ -436,19 +437,77 @@ class Trainer:
         for name in TOKEN_METRICS:  # measured on no token (every sequence skipped): not written, rather than NaN
             if name in values and not math.isfinite(values[name]):
                 del values[name]
-        n_tokens, prompt_tokens, timeouts, crashes = metrics["_counts"].tolist()
+        drawn_tokens, n_tokens, prompt_tokens, timeouts, crashes, n_varied, n_groups, n_filled = metrics[
+            "_counts"
+        ].tolist()
         values.update(times)
         values.update(
             step=step,
             lr=lr,
             verify_timeouts=int(timeouts),
             verify_crashes=int(crashes),
-            generated_tokens_per_s=n_tokens / max(times["time_generate"], 1e-9),
+            generated_tokens_per_s=drawn_tokens / max(times["time_generate"], 1e-9),
             trained_tokens_per_s=(n_tokens + prompt_tokens) * cfg.loss.ppo_epochs / max(times["time_update"], 1e-9),
             time_step=sum(times.values()),
         )
+        if r.dynamic_sampling:
+            values.update(draws=len(draws), varied_group_frac=n_varied / n_groups, filled_groups=int(n_filled))
+            if n_filled and not self._warned_cap and self.is_main:
+                self._warned_cap = True
+                tqdm.write(
+                    f"step {step}: rollout.max_draws={r.max_draws} draws gave {int(n_varied)} groups with differing "
+                    f"rewards, not {r.prompts_per_step}; training on them and {int(n_filled)} equal-reward groups "
+                    "(no gradient of their own). Logged per step as filled_groups"
+                )
         self.state = TrainerState(step=step, data_position=self.stream.position, world=self.world)
         return values
+
+    def _draw(self, step: int, draw: int, lap) -> Draw:
+        """Draw ``draw`` of a step: the next prompts_per_step prompts, this rank's share generated (seeded per
+        response; draw 0's seeds are those of a step without dynamic sampling), verified and rewarded."""
+        cfg, r = self.cfg, self.cfg.rollout
+        problems = self.stream.take(r.prompts_per_step)  # every rank draws the step's prompts, generates its share
+        problems = problems[self.rank * self.prompts_per_rank : (self.rank + 1) * self.prompts_per_rank]
+        prompts = [self._prompt(p) for p in problems]
+        with self._generation_context():
+            batch = self.engine.generate(
+                prompts,
+                r.group_size,
+                seed=cfg.seed * 1_000_003 + step,
+                first_row=(draw * r.prompts_per_step + self.rank * self.prompts_per_rank) * r.group_size,
+            )
+        texts = decode_responses(self.tokenizer, batch.responses)
+        lap("generate")
+
+        # verify: a truncated response is wrong whatever it says
+        golds = [p.answer for p in problems for _ in range(r.group_size)]
+        verdicts = verify_batch(texts, golds, pool=self.verifier, require_think_end=True)
+        if verdicts.crashes >= 2 and verdicts.crashes > cfg.verify_max_crash_share * len(texts):
+            # a crashed item counts as wrong: past a few, the rewards would be the verifier's, not the model's
+            raise VerificationError(
+                f"step {step}: the verification of {verdicts.crashes} of {len(texts)} answers crashed (its workers "
+                f"died; more than one and above verify_max_crash_share={cfg.verify_max_crash_share}); not training "
+                "on those rewards. "
+                "Out of memory is the usual cause: lower verify_workers"
+            )
+        correct = torch.tensor(list(verdicts), device=self.device) & ~batch.truncated
+        lap("verify")
+
+        # reward: all K samples of a prompt are on this rank, so it is local
+        packed = PackedResponses(batch.response_ids, batch.cu_seqlens, batch.truncated, r.group_size)
+        rewards = compute_rewards(packed, correct, self.think_end_id, cfg.reward, max_new_tokens=r.max_new_tokens)
+        non_thinking = rewards.non_thinking.tolist()  # sync: the hack flags need the text, on the host
+        hacked = torch.tensor(hack_flags(texts, non_thinking, self.markers), device=self.device)
+        lap("reward")
+        return Draw(batch, correct, rewards, hacked, verdicts.timeouts, verdicts.crashes)
+
+    def _short_of_groups(self, varied: int) -> bool:
+        """Whether this rank, or any other, has fewer than its share of groups with differing rewards (every rank
+        then draws again, so the ranks stay in step)."""
+        short = float(varied < self.prompts_per_rank)
+        if self.dist:
+            short = distributed.all_max_tensor(torch.tensor([short], device=self.device)).item()  # sync: one read
+        return short > 0
 
     def _sum(self, t: torch.Tensor) -> torch.Tensor:
         return distributed.all_sum(t) if self.dist else t
@@ -619,7 +678,7 @@ class Trainer:
         skipped = advantages.numel() - len(keep)
         if skipped == 0:
             return part, advantages, per_token, 0
-        kept, index = _select_sequences(part, keep)
+        kept, index = select_sequences(part, keep)
         keep_t = torch.tensor(keep, dtype=torch.long, device=advantages.device)
         return kept, advantages[keep_t], tuple(t[index] if t is not None else None for t in per_token), skipped
 
@@ -671,7 +730,13 @@ class Trainer:
         """Train to ``steps``; raises ``Preempted`` when a signal stopped the run (after a checkpoint)."""
         cfg = self.cfg
         history = self._read_history() if self.is_main else []
-        bar = tqdm(total=cfg.steps, initial=self.state.step, desc="GRPO", unit="step", disable=not self.is_main)
+        bar = tqdm(
+            total=cfg.steps,
+            initial=self.state.step,
+            desc="GRPO",
+            unit="step",
+            disable=not (self.is_main and self.progress),
+        )
         log = (self.out / "metrics.jsonl").open("a") if self.is_main else None
         last_save = time.monotonic()
         try:
@@ -853,33 +918,6 @@ def _select_groups(batch: RolloutBatch, first: int, last: int) -> RolloutBatch:
     part.responses = batch.responses[a:b]  # already on the host: no second read from the device
     part.bounds = [x - lo for x in batch.bounds[a : b + 1]]
     return part
-
-
-def _select_sequences(batch: RolloutBatch, keep: list[int]) -> tuple[RolloutBatch, torch.Tensor]:
-    """Sequences ``keep`` (ascending) of a batch, repacked from 0, and the index (n,) of their tokens in the batch's
-    packed tensors (to take the per-token inputs that go with them)."""
-    device = batch.cu_seqlens.device
-    bounds = batch.bounds
-    lengths = [bounds[i + 1] - bounds[i] for i in keep]
-    new_bounds = [0, *itertools.accumulate(lengths)]
-    keep_t = torch.tensor(keep, dtype=torch.long, device=device)
-    cu = torch.tensor(new_bounds, dtype=batch.cu_seqlens.dtype, device=device)  # (s+1,)
-    # token j of the repacked batch comes from start(seq) + (j - new_start(seq))
-    shift = batch.cu_seqlens[keep_t] - cu[:-1]  # (s,)
-    index = torch.arange(new_bounds[-1], device=device) + torch.repeat_interleave(
-        shift, batch.lengths[keep_t], output_size=new_bounds[-1]
-    )  # (n,)
-    kept = RolloutBatch(
-        [batch.prompt_ids[i] for i in keep],
-        batch.response_ids[index],
-        cu,
-        batch.truncated[keep_t],
-        batch.group_size,
-        rollout_logp=batch.rollout_logp[index] if batch.rollout_logp is not None else None,
-    )
-    kept.responses = [batch.responses[i] for i in keep]  # already on the host: no second read from the device
-    kept.bounds = new_bounds
-    return kept, index
 
 
 def _bar_callback(bar):

@@ -1,22 +1,28 @@
-"""fasttnt compare on a very small model: one scheme pair, a few steps, every output, and reruns that skip."""
+"""fasttnt compare on a very small model: variants over two warm-ups, every output with its error bars, parallel
+runs, and reruns that skip what is done."""
 
 from __future__ import annotations
 
 import json
+import math
+import statistics
 
 import pytest
 from small import SMALL
 
 import fasttnt.compare as compare
 from fasttnt.cli import main as cli_main
+from fasttnt.config import load_config
 
 
 def _args(tmp_path, *extra):
     return [
         "compare",
-        "--schemes",
-        "tnt,no-limit",
+        "--variants",
+        "tnt,tnt:omega=1,tnt+dapo",
         "--seeds",
+        "1",
+        "--warmup-seeds",
         "2",
         "--steps",
         "3",
@@ -31,42 +37,77 @@ def _args(tmp_path, *extra):
 
 
 def test_compare_writes_the_table_the_json_and_the_figure(tmp_path, monkeypatch):
-    assert cli_main(_args(tmp_path)) == 0
+    assert cli_main(_args(tmp_path, "--jobs", "2")) == 0  # runs in 2 worker processes
     out = tmp_path / "cmp"
     summary = json.loads((out / "compare.json").read_text())
-    assert list(summary["schemes"]) == ["tnt", "no-limit"]
-    for data in summary["schemes"].values():
-        assert [s["seed"] for s in data["seeds"]] == [0, 1]
+    assert list(summary["variants"]) == ["tnt", "tnt:omega=1", "tnt+dapo"]
+    assert set(summary["warmups"]) == {"0", "1"}
+    for wu in summary["warmups"].values():  # each warm-up forced into each mode
+        assert set(wu["p_think"]) == set(wu["p_direct"]) == {"1", "2", "3", "4"}
+        assert all(0 <= p <= 1 for p in [*wu["p_think"].values(), *wu["p_direct"].values()])
+    for variant, data in summary["variants"].items():
+        runs = data["runs"]
+        assert [(r["warmup"], r["seed"]) for r in runs] == [(0, 0), (1, 0)]
         for key in ("acc", "len", "te", "non_thinking_ratio", "hack_rate", "len_non_thinking"):
-            values = [s[key] for s in data["seeds"]]
-            assert data["mean"][key] == pytest.approx(sum(values) / 2)
-        assert set(data["mean"]["non_thinking_ratio_by_level"]) == {"1", "2", "3", "4"}
-        assert data["seeds"][0]["train"]["step"] == [1, 2, 3]
+            values = [r[key] for r in runs]
+            stat = data["stats"][key]
+            assert stat["mean"] == pytest.approx(statistics.fmean(values)) and stat["n"] == 2
+            assert stat["se"] == pytest.approx(statistics.stdev(values) / math.sqrt(2))
+        cfg = load_config(out / "runs" / "w0-seed0" / variant.replace(":", "_") / "config.yaml")
+        for run in runs:
+            wu = summary["warmups"][str(run["warmup"])]
+            for lv, b in run["by_level"].items():
+                assert b["threshold"] == pytest.approx(compare.direct_threshold(cfg, wu["p_think"][lv]))
+                assert b["direct_pays"] == (wu["p_direct"][lv] > b["threshold"])
+        assert runs[0]["train"]["step"] == [1, 2, 3]
+        assert runs[0]["train_seconds"] > 0
+    assert summary["variants"]["tnt+dapo"]["runs"][0]["train"]["draws"][0] >= 1
+    # same warm-up and seed: the same prompts and the same first samples, whatever the reward
+    first = {v: d["runs"][0]["train"]["len"][0] for v, d in summary["variants"].items() if "dapo" not in v}
+    assert first["tnt"] == first["tnt:omega=1"]
     table = (out / "compare.md").read_text()
-    assert "| tnt |" in table and "| no-limit |" in table and "Per seed" in table
+    assert "| tnt+dapo |" in table and " ± " in table and "p_t / p_d" in table and "Per run" in table
     assert (out / "compare.png").stat().st_size > 10_000
-    # the schemes differ only in the reward: same prompts, so the first step's samples are the same
-    first = {s: d["seeds"][0]["train"]["len"][0] for s, d in summary["schemes"].items()}
-    assert first["tnt"] == first["no-limit"]
 
-    # a rerun trains nothing again
+    # a rerun trains nothing again (inline, one job)
     real_trainer = compare.Trainer
     monkeypatch.setattr(compare, "Trainer", lambda *a, **k: pytest.fail("a finished run was trained again"))
-    assert cli_main(_args(tmp_path)) == 0
-    # other settings are other runs: --steps 4 retrains all of them, and the evaluation follows the new models
+    assert cli_main(_args(tmp_path, "--jobs", "1")) == 0
+    # other settings are other runs: --steps 4 retrains them (tnt's, from both warm-ups), and the evaluation follows
     trained = []
-    monkeypatch.setattr(compare, "Trainer", lambda cfg, out: trained.append(out) or real_trainer(cfg, out))
-    args = _args(tmp_path)
+    monkeypatch.setattr(compare, "Trainer", lambda cfg, out, **k: trained.append(out) or real_trainer(cfg, out, **k))
+    args = _args(tmp_path, "--jobs", "1")
     args[args.index("--steps") + 1] = "4"
+    args[args.index("--variants") + 1] = "tnt"
     assert cli_main(args) == 0
-    assert len(trained) == 4
+    assert len(trained) == 2
     summary = json.loads((out / "compare.json").read_text())
-    assert summary["schemes"]["tnt"]["seeds"][0]["train"]["step"] == [1, 2, 3, 4]
+    assert summary["variants"]["tnt"]["runs"][1]["train"]["step"] == [1, 2, 3, 4]
+
+
+def test_the_numbers_behind_the_report():
+    assert compare.mean_se([1.0, 2.0, 3.0]) == {"mean": 2.0, "se": pytest.approx(1 / math.sqrt(3)), "n": 3}
+    assert compare.mean_se([5.0, None]) == {"mean": 5.0, "se": 0.0, "n": 1}
+    assert compare.mean_se([None])["mean"] is None
+    # the paper's table: direct pays above (1 + p_t) / 3; a direct reward of 1.5: (1 + p_t) / 2.5; binary: p_t
+    assert compare.direct_threshold(load_config(), 0.95) == pytest.approx(1.95 / 3)
+    assert compare.direct_threshold(load_config(None, ["reward.direct_correct=1.5"]), 0.95) == pytest.approx(1.95 / 2.5)
+    assert compare.direct_threshold(load_config(None, ["reward.scheme=binary"]), 0.7) == pytest.approx(0.7)
+    assert compare.steps_to_solve([0.5] * 4 + [1.0] * 5) == 8  # steps 4-8: 0.5, 1, 1, 1, 1
+    assert compare.steps_to_solve([0.88, 0.9, 0.92, 0.9, 0.9]) == 5
+    assert compare.steps_to_solve([0.5] * 10) is None
+    assert compare.seconds_to(2, [1.5, 2.0, 4.0]) == 3.5 and compare.seconds_to(None, [1.0]) is None
 
 
 def test_bad_arguments_fail_before_training(tmp_path, capsys):
-    assert cli_main(["compare", "--schemes", "tnt,adaptive", "--output-dir", str(tmp_path / "x")]) == 2
-    assert "--schemes: unknown adaptive" in capsys.readouterr().err
+    assert cli_main(["compare", "--variants", "tnt,adaptive", "--output-dir", str(tmp_path / "x")]) == 2
+    assert "--variants: adaptive: unknown scheme or variant 'adaptive'" in capsys.readouterr().err
+    assert cli_main(["compare", "--variants", "tnt:omega=-1", "--output-dir", str(tmp_path / "x")]) == 2
+    assert "tnt:omega=-1: reward.omega: must be > 0" in capsys.readouterr().err
+    assert cli_main(["compare", "--warmup-seeds", "0", "--output-dir", str(tmp_path / "x")]) == 2
+    assert "--warmup-seeds: must be >= 1" in capsys.readouterr().err
+    assert cli_main(["compare", "--variants-file", str(tmp_path / "no.yaml"), "--output-dir", str(tmp_path / "x")]) == 2
+    assert "--variants-file: " in capsys.readouterr().err
     assert cli_main(["compare", "--output-dir", str(tmp_path / "x"), "rollout.group_size=one"]) == 2
     assert "rollout.group_size: expected an int" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()

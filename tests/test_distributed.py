@@ -175,3 +175,17 @@ def test_zero3_ranks_with_different_micro_batch_counts_match_one_process(tmp_pat
     expected, got = _metrics(tmp_path / "single"), _metrics(tmp_path / "ranks")
     _assert_same_run(got, expected)
     assert all(r["micro_batches"] == 5 for r in got)  # 1 + 4 per pass over the ranks: the construction holds
+
+
+def test_dynamic_sampling_keeps_the_ranks_in_step(tmp_path):
+    # each rank fills its own share of groups whose rewards differ; a rank that has enough draws again while another
+    # is short, so both run the same draws (and the same ZeRO collectives after them) and read the same prompts
+    from fasttnt.checkpoint import read_trainer_state
+
+    extra = ("rollout.dynamic_sampling=true", "rollout.max_draws=3", "steps=2", "save_every=2")
+    result = _launch("torchrun", tmp_path / "ranks", tmp_path / "cache", *extra)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    rows = _metrics(tmp_path / "ranks")
+    assert [r["step"] for r in rows] == [1, 2] and all(1 <= r["draws"] <= 3 for r in rows)
+    state = read_trainer_state(tmp_path / "ranks" / "checkpoints" / "step-000002")
+    assert state.data_position == 4 * sum(r["draws"] for r in rows)  # 4 prompts a draw (tests/small.py)

@@ -163,3 +163,15 @@ def test_a_model_that_cannot_load_is_one_line(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert code == 2 and "--model fasttnt-tests/no-such-model: cannot load it" in err
     assert "Traceback" not in err
+
+
+def test_accuracy_by_mode_counts_each_modes_own_responses():
+    def record(level, non_thinking, correct):
+        return {"level": level, "non_thinking": non_thinking, "correct": correct, "tokens": 10, "hacked": False,
+                "truncated": False}  # fmt: skip
+
+    rows = [record(1, True, True), record(1, True, False), record(1, False, True), record(2, False, False)]
+    out = summarize(rows)
+    assert out["acc_thinking"] == 50.0 and out["acc_non_thinking"] == 50.0
+    assert out["by_level"]["1"]["acc_non_thinking"] == 50.0 and out["by_level"]["1"]["acc_thinking"] == 100.0
+    assert out["by_level"]["2"]["acc_non_thinking"] is None  # no direct answer at that level: no accuracy, not 0

@@ -1,0 +1,94 @@
+"""DAPO's dynamic sampling (Yu et al. 2025, "DAPO", sec. 3.2; verl's ``filter_groups``): a group whose K rewards are
+all equal has a zero advantage and teaches nothing, so a step draws more batches of prompts until it has
+``prompts_per_step`` groups whose rewards differ (``rollout.dynamic_sampling``, capped by ``rollout.max_draws``).
+
+A ``Draw`` is one batch of prompts after rollout, verification and reward; the trainer makes them, this module
+joins them and picks the groups a step trains on.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from fasttnt_kernels import TntRewards
+
+from .rollout import RolloutBatch, select_sequences
+
+
+@dataclass
+class Draw:
+    """One batch of prompts on this rank, through rollout, verify and reward. S responses, G = S / K groups."""
+
+    batch: RolloutBatch
+    correct: torch.Tensor  # (S,) bool
+    rewards: TntRewards  # rewards, non_thinking, solution_len (S,); limit (G,)
+    hacked: torch.Tensor  # (S,) bool
+    timeouts: int = 0
+    crashes: int = 0
+
+    @property
+    def groups(self) -> int:
+        return self.batch.lengths.numel() // self.batch.group_size
+
+
+def varied_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(G,) bool: the groups whose K rewards are not all equal (the ones with a nonzero advantage)."""
+    r = rewards.view(-1, group_size)  # (G, K)
+    return r.amax(dim=1) != r.amin(dim=1)
+
+
+def choose_groups(varied: list[bool], quota: int) -> tuple[list[int], int]:
+    """The groups a step trains on, ascending (draw order): the first ``quota`` varied ones; when there are fewer
+    (the draw cap was reached), filled up with equal-reward groups, first drawn first, so the step keeps its batch
+    shape (its mini-batches and ranks divide it as configured). Returns them and how many were fills. A fill has a
+    zero advantage: it adds no gradient, but its tokens count in a token-mean loss's normaliser, as they would
+    without dynamic sampling."""
+    kept = [g for g, v in enumerate(varied) if v][:quota]
+    fills = [g for g, v in enumerate(varied) if not v][: quota - len(kept)]
+    return sorted(kept + fills), len(fills)
+
+
+def concat_draws(draws: list[Draw]) -> Draw:
+    """The draws as one, in order (the groups of draw 0 first)."""
+    if len(draws) == 1:
+        return draws[0]
+    batches = [d.batch for d in draws]
+    offsets = [0, *itertools.accumulate(b.bounds[-1] for b in batches)]
+    shifted = [b.cu_seqlens[1:] + off for b, off in zip(batches, offsets, strict=False)]
+    cu = torch.cat([batches[0].cu_seqlens[:1], *shifted])  # (S+1,)
+    logps = [b.rollout_logp for b in batches]
+    batch = RolloutBatch(
+        [p for b in batches for p in b.prompt_ids],
+        torch.cat([b.response_ids for b in batches]),
+        cu,
+        torch.cat([b.truncated for b in batches]),
+        batches[0].group_size,
+        rollout_logp=torch.cat(logps) if all(lp is not None for lp in logps) else None,
+    )
+    batch.responses = [r for b in batches for r in b.responses]  # already on the host: no second read
+    batch.bounds = [0] + [x + off for b, off in zip(batches, offsets, strict=False) for x in b.bounds[1:]]
+    rewards = TntRewards(*(torch.cat([getattr(d.rewards, f) for d in draws]) for f in TntRewards._fields))
+    return Draw(
+        batch,
+        torch.cat([d.correct for d in draws]),
+        rewards,
+        torch.cat([d.hacked for d in draws]),
+        sum(d.timeouts for d in draws),
+        sum(d.crashes for d in draws),
+    )
+
+
+def select_groups(draw: Draw, groups: list[int]) -> Draw:
+    """Groups ``groups`` (ascending) of a draw, all K responses each, repacked from 0."""
+    k = draw.batch.group_size
+    seqs = [g * k + j for g in groups for j in range(k)]
+    batch, _ = select_sequences(draw.batch, seqs)
+    device = draw.correct.device
+    s = torch.tensor(seqs, dtype=torch.long, device=device)
+    g = torch.tensor(groups, dtype=torch.long, device=draw.rewards.limit.device)
+    r = draw.rewards
+    rewards = TntRewards(r.rewards[s], r.non_thinking[s], r.solution_len[s], r.limit[g])
+    return Draw(batch, draw.correct[s], rewards, draw.hacked[s])

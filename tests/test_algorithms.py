@@ -1,0 +1,266 @@
+"""DAPO's dynamic sampling and overlong reward shaping, Dr. GRPO, and the named variants that combine them with a
+reward scheme: the pieces against their definitions, and real training steps of a very small model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from small import SMALL
+
+from fasttnt.cli import main as cli_main
+from fasttnt.config import ConfigError, load_config
+from fasttnt.dynamic_sampling import Draw, choose_groups, concat_draws, select_groups, varied_groups
+from fasttnt.rewards import PackedResponses, RewardConfig, compute_rewards, overlong_shaping
+from fasttnt.rollout import RolloutBatch, pack
+from fasttnt.trainer import Trainer
+from fasttnt.variants import VariantError, check_variant, read_variants_file, variant_overrides
+from fasttnt_kernels import TntRewards
+
+
+def _small(tmp_path, *extra: str) -> list[str]:
+    return [f"cache_dir={tmp_path / 'cache'}", *SMALL, "warmup.steps=3", "warmup.batch_size=8",
+            "rollout.max_new_tokens=16", "steps=2", "save_every=2", *extra]  # fmt: skip
+
+
+def _rows(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+# -- overlong reward shaping --------------------------------------------------------------------------------------
+
+
+def _dapo_overlong_reference(length: int, max_len: int, buffer: int, factor: float) -> float:
+    """DAPO's soft overlong punishment, eq. 13 of the paper, piecewise in float64."""
+    if length <= max_len - buffer:
+        return 0.0
+    if length <= max_len:
+        return ((max_len - buffer) - length) / buffer * factor
+    return -factor
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_overlong_shaping_is_dapos_piecewise_penalty(trial):
+    g = torch.Generator().manual_seed(100 + trial)
+    max_len = int(torch.randint(8, 200, (1,), generator=g))
+    buffer = int(torch.randint(1, max_len + 1, (1,), generator=g))
+    factor = float(torch.rand((), generator=g) * 2)
+    lengths = torch.randint(0, max_len + 1, (64,), generator=g)
+    lengths[:3] = torch.tensor([max_len, max_len - buffer, max_len - buffer + 1])  # the corners
+    got = overlong_shaping(lengths, max_len, buffer, factor)
+    expected = torch.tensor(
+        [_dapo_overlong_reference(int(n), max_len, buffer, factor) for n in lengths], dtype=torch.float64
+    )
+    torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6)
+    assert got[0] == pytest.approx(-factor) and got[1] == 0
+
+
+def test_compute_rewards_adds_the_shaping_to_any_scheme():
+    ids, cu = pack([[5, 6, 7, 2], [5] * 12, [5] * 15 + [2], [9, 2]])  # lengths 4, 12, 16, 2
+    batch = PackedResponses(ids, cu, torch.tensor([False, False, False, False]), group_size=2)
+    correct = torch.tensor([True, True, False, True])
+    for scheme in ("tnt", "binary"):
+        plain = compute_rewards(batch, correct, think_end_id=3, cfg=RewardConfig(scheme=scheme))
+        cfg = RewardConfig(scheme=scheme, overlong_buffer=8, overlong_penalty=0.5)
+        shaped = compute_rewards(batch, correct, think_end_id=3, cfg=cfg, max_new_tokens=16)
+        # lengths 12 and 16 are past 16 - 8: -0.5 * 4/8 and -0.5
+        torch.testing.assert_close(shaped.rewards - plain.rewards, torch.tensor([0.0, -0.25, -0.5, 0.0]))
+        torch.testing.assert_close(shaped.limit, plain.limit)
+        with pytest.raises(ValueError, match="needs max_new_tokens"):
+            compute_rewards(batch, correct, think_end_id=3, cfg=cfg)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("reward.overlong_buffer=97", "reward.overlong_buffer: must be in [0, rollout.max_new_tokens=96]"),
+        ("reward.overlong_penalty=-1", "reward.overlong_penalty: must be >= 0"),
+        ("rollout.max_draws=0", "rollout.max_draws: must be >= 1"),
+        ("rollout.dynamic_sampling=sometimes", "rollout.dynamic_sampling: expected true or false"),
+    ],
+)
+def test_bad_algorithm_options_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_config(None, [override])
+
+
+# -- dynamic sampling, its pieces ------------------------------------------------------------------------------
+
+
+def _draw(lengths: list[int], rewards: list[float], k: int, first_token: int = 10) -> Draw:
+    seqs = [[first_token + i] * n for i, n in enumerate(lengths)]
+    ids, cu = pack(seqs)
+    s = len(lengths)
+    batch = RolloutBatch([[1, 2]] * s, ids, cu, torch.zeros(s, dtype=torch.bool), k,
+                         rollout_logp=torch.arange(ids.numel(), dtype=torch.float32))  # fmt: skip
+    r = torch.tensor(rewards)
+    out = TntRewards(r, r > 1, torch.full((s,), -1, dtype=torch.int32), torch.arange(s // k, dtype=torch.float32))
+    return Draw(batch, r > 0, out, torch.zeros(s, dtype=torch.bool), timeouts=1)
+
+
+def test_varied_groups_and_the_choice_of_groups():
+    assert varied_groups(torch.tensor([1.0, 1.0, 0.0, 1.0, 2.0, 2.0]), 2).tolist() == [False, True, False]
+    assert choose_groups([False, True, True, False, True], quota=2) == ([1, 2], 0)
+    # short of the quota (the draw cap): filled with equal-reward groups, first drawn first, in draw order
+    assert choose_groups([False, True, False, False], quota=3) == ([0, 1, 2], 2)
+    assert choose_groups([True, True], quota=2) == ([0, 1], 0)
+
+
+def test_concat_and_select_keep_each_groups_responses_together():
+    k = 2
+    a = _draw([3, 1, 2, 2], [0.0, 1.0, 1.0, 1.0], k, first_token=10)
+    b = _draw([1, 4, 2, 3], [2.0, 0.0, -1.0, -1.0], k, first_token=20)
+    both = concat_draws([a, b])
+    assert both.groups == 4 and both.timeouts == 2
+    assert both.batch.bounds == both.batch.cu_seqlens.tolist() == [0, 3, 4, 6, 8, 9, 13, 15, 18]
+    assert both.batch.responses == a.batch.responses + b.batch.responses
+    torch.testing.assert_close(both.batch.rollout_logp, torch.cat([a.batch.rollout_logp, b.batch.rollout_logp]))
+    assert varied_groups(both.rewards.rewards, k).tolist() == [True, False, True, False]
+    picked = select_groups(both, [0, 2])  # group 0 of a, group 0 of b
+    assert picked.batch.responses == a.batch.responses[:2] + b.batch.responses[:2]
+    assert picked.batch.bounds == picked.batch.cu_seqlens.tolist() == [0, 3, 4, 5, 9]
+    assert picked.batch.response_ids.tolist() == [t for r in picked.batch.responses for t in r]
+    expected_logp = torch.cat([a.batch.rollout_logp[:4], b.batch.rollout_logp[:5]])
+    torch.testing.assert_close(picked.batch.rollout_logp, expected_logp)
+    assert picked.rewards.rewards.tolist() == [0.0, 1.0, 2.0, 0.0]
+    assert picked.rewards.limit.tolist() == [0.0, 0.0]  # each draw's own group 0
+    assert picked.correct.tolist() == [False, True, True, False]
+
+
+# -- dynamic sampling in the trainer ----------------------------------------------------------------------------
+
+
+def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tmp_path, monkeypatch):
+    cfg = load_config(None, _small(tmp_path, "rollout.dynamic_sampling=true", "rollout.max_draws=4", "steps=3"))
+    trainer = Trainer(cfg, tmp_path / "run")
+    seen = []
+    real_update, real_draw = Trainer._update, Trainer._draw
+    draws = []
+
+    def update(self, batch, advantages, old_logp, ref_logp):
+        seen.append((batch, advantages.clone()))
+        return real_update(self, batch, advantages, old_logp, ref_logp)
+
+    def draw(self, step, index, lap):
+        out = real_draw(self, step, index, lap)
+        draws.append((step, index, out.rewards.rewards.clone()))
+        return out
+
+    monkeypatch.setattr(Trainer, "_update", update)
+    monkeypatch.setattr(Trainer, "_draw", draw)
+    rows = trainer.run()
+    k, p = cfg.rollout.group_size, cfg.rollout.prompts_per_step
+    positions = 0
+    for row, (batch, advantages) in zip(rows, seen, strict=True):
+        mine = [(i, r) for step, i, r in draws if step == row["step"]]
+        assert [i for i, _ in mine] == list(range(row["draws"])) and 1 <= row["draws"] <= 4
+        varied = torch.cat([varied_groups(r, k) for _, r in mine])
+        assert row["varied_group_frac"] == pytest.approx(float(varied.float().mean()))
+        assert batch.lengths.numel() == p * k  # the step keeps its batch shape
+        flat = advantages.view(-1, k)
+        zero_groups = int((flat == 0).all(dim=1).sum())
+        assert zero_groups == row["filled_groups"]  # only fills have no advantage
+        if row["draws"] < 4:  # it stopped drawing because it had enough
+            assert row["filled_groups"] == 0 and int(varied.sum()) >= p
+        positions += row["draws"] * p
+    assert trainer.state.data_position == positions  # every draw took its prompts from the stream
+
+
+def test_dynamic_sampling_with_one_draw_changes_nothing(tmp_path):
+    # one draw and no more: the varied groups and the fills are the whole draw, in order, so the run is the plain
+    # run's to the bit (weights and every deterministic metric)
+    def run(name, *extra):
+        cfg = load_config(None, _small(tmp_path, *extra))
+        rows = Trainer(cfg, tmp_path / name).run()
+        from safetensors.torch import load_file
+
+        return rows, load_file(tmp_path / name / "final" / "model.safetensors")
+
+    plain, w_plain = run("plain")
+    dynamic, w_dynamic = run("dynamic", "rollout.dynamic_sampling=true", "rollout.max_draws=1")
+    for a, b in zip(plain, dynamic, strict=True):
+        for key, value in a.items():
+            if not key.startswith("time_") and not key.endswith("_per_s"):
+                assert b[key] == value, key
+        assert b["draws"] == 1
+    assert all(torch.equal(w_plain[k], w_dynamic[k]) for k in w_plain)
+
+
+def test_resume_reproduces_a_dynamically_sampled_run(tmp_path):
+    extra = ("rollout.dynamic_sampling=true", "rollout.max_draws=3", "reward.overlong_buffer=4", "steps=4")
+
+    def run(name, *more, resume=False):
+        Trainer(load_config(None, _small(tmp_path, *extra, *more)), tmp_path / name, resume=resume).run()
+        return [
+            {k: v for k, v in r.items() if not k.startswith("time_") and not k.endswith("_per_s")}
+            for r in _rows(tmp_path / name)
+        ]
+
+    straight = run("straight")
+    run("resumed", "steps=2")
+    assert run("resumed", resume=True) == straight
+
+
+# -- variants ----------------------------------------------------------------------------------------------------
+
+
+def test_variant_names_resolve_to_overrides():
+    base = load_config(None, ["rollout.max_new_tokens=80"])
+    assert variant_overrides("binary", base) == ["reward.scheme=binary"]
+    dapo = variant_overrides("tnt+dapo", base)
+    assert dapo[0] == "reward.scheme=tnt"
+    assert {"rollout.dynamic_sampling=true", "loss.clip_high=0.28", "reward.overlong_buffer=16"} <= set(dapo)
+    dr = load_config(None, ["rollout.max_new_tokens=80", *variant_overrides("tnt+drgrpo", base)])
+    assert (dr.loss.adv_scale, dr.loss.agg, dr.loss.norm_length) == ("none", "seq-mean-token-sum-norm", 80.0)
+    cfg = load_config(None, variant_overrides("uniform-limit:cap=64,direct_correct=1.5", base))
+    assert (cfg.reward.scheme, cfg.reward.uniform_limit, cfg.reward.direct_correct) == ("uniform-limit", 64.0, 1.5)
+    cfg = load_config(None, variant_overrides("no-limit+dapo:rollout.max_draws=3,omega=1", base))
+    assert (cfg.rollout.max_draws, cfg.reward.omega, cfg.rollout.dynamic_sampling) == (3, 1.0, True)
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("adaptive", "unknown scheme or variant 'adaptive'"),
+        ("tnt+ppo", "^tnt\\+ppo: unknown algorithm 'ppo'"),
+        ("tnt:omga=1", "'omga' is no reward parameter"),
+        ("tnt:omega", "parameters are key=value"),
+        ("tnt:omega=0", "tnt:omega=0: reward.omega: must be > 0"),
+        ("tnt:loss.agg=sum", "loss.agg: 'sum' is not one of"),
+    ],
+)
+def test_bad_variants_are_named(name, message):
+    with pytest.raises(VariantError, match=message):
+        check_variant(name, [])
+
+
+def test_variants_from_a_yaml_file(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("short-tnt:\n  reward.scheme: tnt\n  reward.omega: 1.5\n")
+    mine = read_variants_file(path)
+    cfg = load_config(None, variant_overrides("short-tnt+drgrpo:fallback_limit=50", load_config(), mine))
+    assert (cfg.reward.omega, cfg.reward.fallback_limit, cfg.loss.adv_scale) == (1.5, 50.0, "none")
+    path.write_text("bad name:\n  reward.omega: 1\n")
+    with pytest.raises(VariantError, match="a name may not contain"):
+        read_variants_file(path)
+    path.write_text("x: [1, 2]\n")
+    with pytest.raises(VariantError, match="x: expected a mapping"):
+        read_variants_file(path)
+    path.write_text("x:\n  reward.omega: [1\n")
+    with pytest.raises(VariantError, match="mine.yaml:3:1: not valid YAML"):
+        read_variants_file(path)
+    with pytest.raises(VariantError, match="does not exist"):
+        read_variants_file(tmp_path / "none.yaml")
+
+
+def test_train_takes_a_variant_and_the_overrides_win(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["train", "--variant", "tnt+dapo", "--output-dir", str(out), *_small(tmp_path, "rollout.max_draws=2")]
+    assert cli_main(args) == 0
+    assert "dynamic sampling: " in capsys.readouterr().out  # the end-of-run summary says how many draws it took
+    cfg = load_config(out / "config.yaml")
+    assert cfg.rollout.dynamic_sampling and cfg.rollout.max_draws == 2 and cfg.reward.overlong_buffer == 3
+    assert all(1 <= r["draws"] <= 2 for r in _rows(out))
+    assert cli_main(["train", "--variant", "tnt+ppo", "--output-dir", str(tmp_path / "x")]) == 2
+    assert "--variant tnt+ppo: unknown algorithm 'ppo'" in capsys.readouterr().err
