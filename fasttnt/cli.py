@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         help="a named variant applied over the config, before the overrides: SCHEME[+ALGORITHM][:key=value,...], "
         "e.g. tnt+dapo, tnt+drgrpo, tnt:omega=1 (fasttnt.variants)",
     )
+    train.add_argument("--variants-file", help="YAML of your own variants for --variant: name: {dotted.key: value}")
     train.add_argument("--output-dir", default="runs/train", help="where config, metrics, checkpoints go")
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
     train.add_argument(
@@ -115,21 +116,26 @@ def _train(args) -> int:
     from .data import DataError
     from .plots import summary_table
     from .trainer import EXIT_PREEMPTED, Preempted, ResumeError, Trainer, VerificationError
-    from .variants import VariantError, variant_overrides
+    from .variants import VariantError, read_variants_file, variant_overrides
     from .verify import VerifierStartupError
 
     try:
         cfg = load_config(args.config, args.overrides)
-        if args.variant:
-            variant = variant_overrides(args.variant, cfg)
-            cfg = load_config(args.config, [*variant, *args.overrides])  # the user's overrides have the last word
-    except VariantError as err:
-        print(f"fasttnt train: --variant {err}", file=sys.stderr)
-        return 2
     except ConfigError as err:
-        where = f"--variant {args.variant}: " if args.variant else ""
-        print(f"fasttnt train: config error: {where}{err}", file=sys.stderr)
+        print(f"fasttnt train: config error: {err}", file=sys.stderr)
         return 2
+    if args.variant:
+        try:
+            mine = read_variants_file(args.variants_file) if args.variants_file else None
+            variant = variant_overrides(args.variant, cfg, mine)
+            cfg = load_config(args.config, [*variant, *args.overrides])  # the user's overrides have the last word
+        except VariantError as err:
+            print(f"fasttnt train: {err}" if str(err).startswith("--") else f"fasttnt train: --variant {err}",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        except ConfigError as err:
+            print(f"fasttnt train: config error: --variant {args.variant}: {err}", file=sys.stderr)
+            return 2
     problem = _not_creatable("--output-dir", args.output_dir)
     if problem:
         print(f"fasttnt train: {problem}", file=sys.stderr)
@@ -185,11 +191,11 @@ def _compare(args) -> int:
 
     from transformers.utils import logging as hf_logging
 
-    from .compare import CompareSettings, default_jobs, run_compare
+    from .compare import RUN_KEYS, CompareSettings, default_jobs, run_compare
     from .config import ConfigError, load_config
-    from .variants import VariantError, check_variant, read_variants_file
+    from .variants import VariantError, check_variant, read_variants_file, split_variants
 
-    variants = tuple(dict.fromkeys(v.strip() for v in args.variants.split(",") if v.strip()))
+    variants = tuple(dict.fromkeys(split_variants(args.variants)))
     problems = [] if variants else ["--variants is empty"]
     problems += [
         f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}"
@@ -203,7 +209,12 @@ def _compare(args) -> int:
         load_config(None, args.overrides)  # check the overrides before hours of training
         user_variants = read_variants_file(args.variants_file) if args.variants_file else None
         for variant in variants:  # and every variant on top of them
-            check_variant(variant, [*args.overrides, f"reward.uniform_limit={args.uniform_limit}"], user_variants)
+            check_variant(
+                variant,
+                [*args.overrides, f"reward.uniform_limit={args.uniform_limit}"],
+                user_variants,
+                reserved=RUN_KEYS,
+            )
     except VariantError as err:  # before ConfigError, of which it is a kind
         problems.append(f"--variants: {err}" if not str(err).startswith("--") else str(err))
     except ConfigError as err:

@@ -36,7 +36,11 @@ from .variants import variant_overrides
 
 SCHEME_ORDER = ("tnt", "no-limit", "uniform-limit", "binary")
 TABLE_KEYS = ("acc", "len", "te", "non_thinking_ratio", "hack_rate", "len_non_thinking")
-TRAIN_KEYS = ("step", "reward", "acc", "non_thinking_ratio", "hack_rate", "len", "time_step", "draws")
+TRAIN_KEYS = (
+    "step", "reward", "acc", "non_thinking_ratio", "hack_rate", "len", "time_step", "draws", "varied_group_frac",
+    "filled_groups",
+)  # fmt: skip
+RUN_KEYS = ("steps", "save_every", "seed", "warmup.seed")  # set per run by compare, never by a variant
 SOLVED_ACC = 0.9  # steps-to-solve: the first step whose 5-step mean training accuracy reaches this
 
 
@@ -136,11 +140,13 @@ def warmup_model(cfg: TrainConfig) -> str:
     return str(path)
 
 
-def _warmup_cached(cfg: TrainConfig) -> bool:
+def _warmup_path(cfg: TrainConfig) -> Path | None:
+    """Where a run's warm-up is cached; None for a hub model, which has none."""
     from .tiny import warmup_cache_path
 
-    path = warmup_cache_path(Path(cfg.cache_dir).expanduser(), cfg.model.tiny, cfg.warmup)
-    return cfg.model.name != "tiny" or (path / "config.json").is_file()
+    if cfg.model.name != "tiny":
+        return None
+    return warmup_cache_path(Path(cfg.cache_dir).expanduser(), cfg.model.tiny, cfg.warmup)
 
 
 def evaluate_warmup(cfg: TrainConfig, mode: str, eval_settings: EvalSettings, out: Path) -> dict:
@@ -179,13 +185,19 @@ def _run_jobs(jobs: list[tuple[str, tuple, str]], n_jobs: int, desc: str) -> lis
             return results
         workers = min(n_jobs, len(jobs))
         threads = max(1, (os.cpu_count() or 1) // workers)
-        with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
+        pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"))
+        try:
             futures = {pool.submit(_job, kind, args, threads): i for i, (kind, args, _) in enumerate(jobs)}
             for future in as_completed(futures):
                 i = futures[future]
                 results[i] = future.result()  # a failed job raises here, naming its traceback
                 bar.update(1)
                 tqdm.write(f"{jobs[i][2]}: done")
+        except BaseException:
+            # a failed run (or Ctrl-C) ends the command now, not after every queued run; finished runs are kept
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
         return results
     finally:
         bar.close()
@@ -205,13 +217,16 @@ def mean_se(values: list[float | None]) -> dict:
     return {"mean": mean, "se": se, "n": n}
 
 
-def direct_threshold(cfg: TrainConfig, p_think: float) -> float:
+def direct_threshold(cfg: TrainConfig, p_think: float) -> float | None:
     """The direct-answer accuracy above which a direct answer earns more reward on average than thinking, under
-    the run's reward table, for thinking accuracy ``p_think`` (0..1). binary pays both modes alike; a direct
-    answer over the limit (the hack) is left out: this is the honest direct answer's trade."""
+    the run's reward table, for thinking accuracy ``p_think`` (0..1); None when a right direct answer does not pay
+    more than a wrong one (no accuracy makes the trade). binary pays both modes alike. The limit is left out: this
+    is the trade of an honest direct answer within it (with omega = 1 on the synthetic task none is)."""
     r = cfg.reward
     if r.scheme == "binary":
         return p_think
+    if r.direct_correct <= r.direct_wrong:
+        return None
     expected_thinking = r.think_wrong + p_think * (r.think_correct - r.think_wrong)
     return (expected_thinking - r.direct_wrong) / (r.direct_correct - r.direct_wrong)
 
@@ -243,9 +258,12 @@ def summarize_runs(
     for w, by_mode in warmups.items():
         lv = sorted(by_mode["thinking"]["by_level"], key=int)
         levels = levels or lv
+        direct = by_mode["non-thinking"]["by_level"]
         out["warmups"][str(w)] = {
             "p_think": {level: by_mode["thinking"]["by_level"][level]["acc"] / 100 for level in lv},
-            "p_direct": {level: by_mode["non-thinking"]["by_level"][level]["acc"] / 100 for level in lv},
+            # right and not hacked: a hacked direct answer (steps after </think>) is not the trade the threshold
+            # describes, and TNT's limit punishes it
+            "p_direct": {level: direct[level].get("acc_honest", direct[level]["acc"]) / 100 for level in lv},
         }
     for variant in settings.variants:
         rows = []
@@ -258,6 +276,7 @@ def summarize_runs(
             by = metrics["by_level"]
             levels = levels or sorted(by, key=int)
             wu = out["warmups"].get(str(run.warmup))
+            thresholds = {lv: direct_threshold(run.cfg, wu["p_think"][lv]) if wu else None for lv in by}
             rows.append(
                 {
                     "warmup": run.warmup,
@@ -270,10 +289,8 @@ def summarize_runs(
                             "acc_thinking": by[lv].get("acc_thinking"),
                             "acc_non_thinking": by[lv].get("acc_non_thinking"),
                             # does the warm-up's direct accuracy clear this variant's threshold?
-                            "direct_pays": (
-                                wu["p_direct"][lv] > direct_threshold(run.cfg, wu["p_think"][lv]) if wu else None
-                            ),
-                            "threshold": direct_threshold(run.cfg, wu["p_think"][lv]) if wu else None,
+                            "direct_pays": wu["p_direct"][lv] > thresholds[lv] if thresholds[lv] is not None else None,
+                            "threshold": thresholds[lv],
                         }
                         for lv in sorted(by, key=int)
                     },
@@ -344,15 +361,18 @@ def markdown(summary: dict) -> str:
         "unless the variant says otherwise. Hack rate: the share of non-thinking responses that write column steps "
         f"after </think>. Steps to 90% train acc: the first step whose 5-step mean training accuracy reaches "
         f"{SOLVED_ACC:.0%} (s to 90%: the training seconds up to it; unsolved runs left out of both). Train s / run: "
-        "the summed step times of one run (runs shared the cores with --jobs).",
+        "the summed step times of one run (runs shared the cores with --jobs). The runs of one warm-up share "
+        "their starting model, so they are not independent draws: with few warm-ups the ± understates the spread "
+        "between warm-ups (the per-run rows below show it).",
     ]
     levels = next(iter(summary["variants"].values()))["stats"]["by_level"]
     if summary["warmups"]:
         lines += [
             "",
-            "What a direct answer can do: each warm-up evaluated forced to think (p_t) and forced to answer directly "
-            "(p_d), accuracy by level; with the paper's reward table a direct answer pays more when "
-            "p_d > (1 + p_t) / 3.",
+            "What a direct answer can do: each warm-up evaluated forced to think (p_t, accuracy) and forced to answer "
+            "directly (p_d, the share right without thinking after </think>), by level; with the paper's reward "
+            "table a direct answer pays more when p_d > (1 + p_t) / 3. The threshold leaves the limit out: a direct "
+            "answer over it earns the over-limit reward whatever it says.",
             "",
             "| warm-up | " + " | ".join(f"level {lv} p_t / p_d / (1+p_t)/3" for lv in levels) + " |",
             "| --- |" + " --- |" * len(levels),
@@ -472,11 +492,19 @@ def run_compare(
     output_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     runs = plan_runs(settings, output_dir, list(overrides), user_variants)
-    # the warm-ups not cached yet first (one job each), so parallel runs never build the same one twice
-    first_of_warmup = {run.warmup: run.cfg for run in runs}
-    missing = [(w, cfg) for w, cfg in first_of_warmup.items() if not _warmup_cached(cfg)]
+    # every distinct warm-up not cached yet first (one job each; a variant may change the warm-up), so parallel runs
+    # never build the same one at once
+    missing: dict[Path, TrainConfig] = {}
+    for run in runs:
+        path = _warmup_path(run.cfg)
+        if path is not None and not (path / "config.json").is_file():
+            missing.setdefault(path, run.cfg)
     if missing:
-        _run_jobs([("warmup", (cfg,), f"warm-up {w}") for w, cfg in missing], settings.jobs, "warm-ups")
+        _run_jobs([("warmup", (cfg,), f"warm-up {p.name}") for p, cfg in missing.items()], settings.jobs, "warm-ups")
+    # each warm-up seed's model forced into each mode, as the variants without warm-up settings of their own see it
+    first_of_warmup: dict[int, TrainConfig] = {}
+    for run in runs:
+        first_of_warmup.setdefault(run.warmup, run.cfg)
     jobs = [
         ("warmup-eval", (cfg, mode, settings.eval, output_dir / "warmups" / f"w{w}"), f"warm-up {w}, {mode}")
         for w, cfg in first_of_warmup.items()

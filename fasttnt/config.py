@@ -59,11 +59,12 @@ class RolloutConfig:
     max_new_tokens: int = 96
     temperature: float = 1.0
     top_p: float = 1.0
-    # DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2; verl's filter_groups with metric seq_reward): a group whose K
-    # rewards are all equal has no advantage to learn from, so more prompts_per_step-prompt batches are drawn until
-    # the step has prompts_per_step groups whose rewards differ (the surplus is dropped), at most max_draws batches
-    # (verl's max_num_gen_batches, 10 in its DAPO scripts). A step that reaches the cap fills its batch with
-    # equal-reward groups, which add no gradient
+    # DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2, which filters on accuracy; here on the reward, verl's
+    # filter_groups metric seq_reward, since TNT's rewards differ between right answers of either mode, and with
+    # overlong shaping between lengths): a group whose K rewards are all equal has no advantage to learn from, so
+    # more prompts_per_step-prompt batches are drawn until the step has prompts_per_step groups whose rewards differ
+    # (the surplus is dropped), at most max_draws batches (verl's max_num_gen_batches, 10 in its DAPO scripts). A
+    # step that reaches the cap fills its batch with equal-reward groups: zero advantage, no policy-gradient term
     dynamic_sampling: bool = False
     max_draws: int = 10
     # vllm only
@@ -237,6 +238,21 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
     """The config from a YAML file (or the defaults) with ``key=value`` overrides applied, then validated."""
     tree = read_yaml_mapping(path, "--config", "a mapping of sections") if path is not None else {}
+    _apply_overrides(tree, overrides)
+    cfg = _build(TrainConfig, tree)
+    validate(cfg)
+    return cfg
+
+
+def with_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
+    """``cfg`` with ``key=value`` overrides applied, types checked but not validated (a config being assembled, as
+    a named variant does before its algorithm's values, which depend on it)."""
+    tree = to_dict(cfg)
+    _apply_overrides(tree, overrides)
+    return _build(TrainConfig, tree)
+
+
+def _apply_overrides(tree: dict, overrides: list[str]) -> None:
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -246,9 +262,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
         except yaml.YAMLError:
             value = raw
         _set_dotted(tree, key.strip(), value)
-    cfg = _build(TrainConfig, tree)
-    validate(cfg)
-    return cfg
 
 
 def read_yaml_mapping(path: str | Path, flag: str, what: str) -> dict:

@@ -29,10 +29,6 @@ class Draw:
     timeouts: int = 0
     crashes: int = 0
 
-    @property
-    def groups(self) -> int:
-        return self.batch.lengths.numel() // self.batch.group_size
-
 
 def varied_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """(G,) bool: the groups whose K rewards are not all equal (the ones with a nonzero advantage)."""
@@ -44,8 +40,8 @@ def choose_groups(varied: list[bool], quota: int) -> tuple[list[int], int]:
     """The groups a step trains on, ascending (draw order): the first ``quota`` varied ones; when there are fewer
     (the draw cap was reached), filled up with equal-reward groups, first drawn first, so the step keeps its batch
     shape (its mini-batches and ranks divide it as configured). Returns them and how many were fills. A fill has a
-    zero advantage: it adds no gradient, but its tokens count in a token-mean loss's normaliser, as they would
-    without dynamic sampling."""
+    zero advantage: no policy-gradient term (an entropy bonus or KL term still acts on it), and its tokens count in
+    a token-mean loss's normaliser, as they would without dynamic sampling."""
     kept = [g for g, v in enumerate(varied) if v][:quota]
     fills = [g for g, v in enumerate(varied) if not v][: quota - len(kept)]
     return sorted(kept + fills), len(fills)

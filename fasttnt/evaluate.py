@@ -158,6 +158,8 @@ def summarize(records: list[dict]) -> dict:
             "truncated_ratio": values["truncated_ratio"],
             # accuracy (%) among the responses of each mode; None where the model chose that mode for none
             **{f"acc_{mode}": 100 * sum(c) / len(c) if c else None for mode, c in by_mode.items()},
+            # the share (%) right without writing thinking after </think> (a hacked right answer does not count)
+            "acc_honest": 100 * sum(r["correct"] and not r["hacked"] for r in rows) / max(len(rows), 1),
             "responses": len(rows),
         }
 

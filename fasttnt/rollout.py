@@ -106,8 +106,16 @@ def decode_responses(tokenizer, responses: list[list[int]]) -> list[str]:
 
 
 class RolloutEngine(Protocol):
-    def generate(self, prompts: list[Prompt], group_size: int, *, seed: int, first_row: int = 0) -> RolloutBatch:
-        """K samples per prompt; ``first_row`` is the global index of the first response (ranks' shares)."""
+    def generate(
+        self, prompts: list[Prompt], group_size: int, *, seed: int, first_row: int = 0, keep_awake: bool = False
+    ) -> RolloutBatch:
+        """K samples per prompt; ``first_row`` is the global index of the first response (ranks' shares).
+        ``keep_awake``: more rollouts follow before the update (dynamic sampling's draws), so an engine that
+        releases its memory after a rollout keeps it until ``rest``."""
+        ...
+
+    def rest(self) -> None:
+        """Release the rollout's memory for the update, as ``generate`` does unless told to keep awake."""
         ...
 
     def sync_weights(self, model: torch.nn.Module) -> None: ...
@@ -221,8 +229,11 @@ class HFEngine:
         self.last_logits_only = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
 
     @torch.no_grad()
-    def generate(self, prompts: list[Prompt], group_size: int, *, seed: int, first_row: int = 0) -> RolloutBatch:
-        """``first_row``: the global index of this batch's first response, when ranks generate shares of a step."""
+    def generate(
+        self, prompts: list[Prompt], group_size: int, *, seed: int, first_row: int = 0, keep_awake: bool = False
+    ) -> RolloutBatch:
+        """``first_row``: the global index of this batch's first response, when ranks generate shares of a step.
+        ``keep_awake``: nothing to keep (the engine is the training model)."""
         device = next(self.model.parameters()).device
         encoded = [self.tokenizer(p.text + p.response_prefix, add_special_tokens=False)["input_ids"] for p in prompts]
         prefixes = [
@@ -344,6 +355,9 @@ class HFEngine:
         )
         return out.logits[:, -1].float()  # (B, V)
 
+    def rest(self) -> None:
+        pass  # holds no memory of its own between rollouts
+
     def sync_weights(self, model) -> None:
         pass  # generates with the trained model itself
 
@@ -433,7 +447,10 @@ class VLLMEngine:
         if sleep_between_rollouts:
             self._sleep()
 
-    def generate(self, prompts: list[Prompt], group_size: int, *, seed: int, first_row: int = 0) -> RolloutBatch:
+    def generate(
+        self, prompts: list[Prompt], group_size: int, *, seed: int, first_row: int = 0, keep_awake: bool = False
+    ) -> RolloutBatch:
+        """``keep_awake``: stay awake after this rollout (more draws follow); ``rest`` puts the engine to sleep."""
         if any(p.forbid_think_end_first for p in prompts):
             raise NotImplementedError("forced thinking is not implemented for the vllm engine; use engine=hf")
         if not self.weights_current:  # the first rollout, and every one after a level-2 sleep
@@ -471,7 +488,7 @@ class VLLMEngine:
                 token_lp = [lp[t].logprob for t, lp in zip(tokens, completion.logprobs, strict=True)]
                 logprobs.extend([0.0] * len(prefixes[i]) + token_lp)
                 rows.append(prompt_ids[i][: len(prompt_ids[i]) - len(prefixes[i])])
-        if self.sleep_between_rollouts:
+        if self.sleep_between_rollouts and not keep_awake:
             self._sleep()
         ids, cu = pack(responses, self.device)
         return RolloutBatch(
@@ -482,6 +499,12 @@ class VLLMEngine:
             group_size,
             rollout_logp=torch.tensor(logprobs, dtype=torch.float32, device=self.device),
         )
+
+    def rest(self) -> None:
+        """Asleep for the update after rollouts that kept the engine awake (a level-2 sleep discards the weights, so
+        draws that each slept would push the same weights again)."""
+        if self.sleep_between_rollouts and not self.asleep:
+            self._sleep()
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Push ``model``'s weights into the engine (every rank at once: under ZeRO-3 the gathers are collective)."""

@@ -375,6 +375,8 @@ class Trainer:
         while r.dynamic_sampling and len(draws) < r.max_draws and self._short_of_groups(sum(varied)):
             draws.append(self._draw(step, len(draws), lap))
             varied += varied_groups(draws[-1].rewards.rewards, r.group_size).tolist()
+        if r.dynamic_sampling:
+            self.engine.rest()  # the rollout memory back for the update
         drawn = concat_draws(draws)  # every response drawn: what the step's metrics describe
         trained, filled = drawn, 0
         if r.dynamic_sampling:
@@ -451,13 +453,18 @@ class Trainer:
             time_step=sum(times.values()),
         )
         if r.dynamic_sampling:
-            values.update(draws=len(draws), varied_group_frac=n_varied / n_groups, filled_groups=int(n_filled))
+            values.update(
+                draws=len(draws),
+                varied_group_frac=n_varied / n_groups,  # of the groups drawn, those whose rewards differ
+                kept_group_frac=(r.prompts_per_step - n_filled) / n_groups,  # of the groups drawn, those trained on
+                filled_groups=int(n_filled),
+            )
             if n_filled and not self._warned_cap and self.is_main:
                 self._warned_cap = True
                 tqdm.write(
-                    f"step {step}: rollout.max_draws={r.max_draws} draws gave {int(n_varied)} groups with differing "
-                    f"rewards, not {r.prompts_per_step}; training on them and {int(n_filled)} equal-reward groups "
-                    "(no gradient of their own). Logged per step as filled_groups"
+                    f"step {step}: after rollout.max_draws={r.max_draws} draws, {int(n_filled)} of the step's "
+                    f"{r.prompts_per_step} groups are equal-reward fills (zero advantage, no policy-gradient term); "
+                    "logged per step as filled_groups"
                 )
         self.state = TrainerState(step=step, data_position=self.stream.position, world=self.world)
         return values
@@ -475,6 +482,7 @@ class Trainer:
                 r.group_size,
                 seed=cfg.seed * 1_000_003 + step,
                 first_row=(draw * r.prompts_per_step + self.rank * self.prompts_per_rank) * r.group_size,
+                keep_awake=r.dynamic_sampling,  # more draws may follow: one weight push per step, not per draw
             )
         texts = decode_responses(self.tokenizer, batch.responses)
         lap("generate")

@@ -3,33 +3,34 @@
 
     SCHEME[+ALGORITHM][:key=value,...]
 
-    tnt                   the TNT reward with the default GRPO loss
-    tnt+dapo              DAPO: dynamic sampling, clip-higher, token-mean loss, overlong reward shaping
+    tnt                   the TNT reward with fasttnt's default loss (GRPO advantages, clip 0.2 / 0.28, token-mean)
+    tnt+dapo              DAPO: dynamic sampling and overlong reward shaping, with its clip-higher and token-mean
     tnt+drgrpo            Dr. GRPO: no std scaling of advantages, a constant length normaliser
-    tnt:omega=1           a parameter of the reward (any ``reward.*`` field), or a dotted config key
+    tnt:omega=1           a parameter of the reward (any ``reward.*`` field), a top-level or dotted config key
     uniform-limit:cap=64  ``cap`` is the uniform limit
 
-SCHEME is a reward scheme or a variant defined in a YAML file (``name: {dotted.key: value, ...}``). A variant is
-a list of ``key=value`` overrides applied after the user's config; its name is kept with the run.
+SCHEME is a reward scheme or a variant defined in a YAML file (``--variants-file``: ``name: {dotted.key: value,
+...}``). A variant is a list of ``key=value`` overrides: ``fasttnt train`` applies them after the config file and
+before the command line's overrides, ``fasttnt compare`` after its overrides for all runs (so a variant's own
+settings win there), before the steps and seeds it sets itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from pathlib import Path
 
 import yaml
 
-from .config import ConfigError, TrainConfig, load_config, read_yaml_mapping
+from .config import ConfigError, TrainConfig, load_config, read_yaml_mapping, with_overrides
 from .rewards import REWARD_SCHEMES, RewardConfig
 
 # algorithm -> its overrides, given the config they apply to (Dr. GRPO's normaliser is the length budget)
 ALGORITHMS: dict[str, Callable[[TrainConfig], dict[str, object]]] = {
-    # the project's default loss, named for symmetry
-    "grpo": lambda cfg: {},
     # Yu et al. 2025 (DAPO): clip-higher (0.2 / 0.28), dynamic sampling, token-level loss, overlong reward shaping
-    # with a buffer of a fifth of the length budget (their 4,096 of 20,480 tokens) and penalty 1
+    # with a buffer of a fifth of the length budget (their 4,096 of 20,480 tokens) and penalty 1. fasttnt's default
+    # loss already clips at 0.2 / 0.28 with a token-mean: against it, +dapo adds the sampling and the shaping
     "dapo": lambda cfg: {
         "rollout.dynamic_sampling": True,
         "loss.clip_low": 0.2,
@@ -48,6 +49,8 @@ ALGORITHMS: dict[str, Callable[[TrainConfig], dict[str, object]]] = {
 }
 ALIASES = {"cap": "reward.uniform_limit"}
 _REWARD_FIELDS = {f.name for f in fields(RewardConfig)}
+# seed, steps, micro_batch_tokens, ...: the config's own values (its sections are made by default factories)
+_TOP_LEVEL_KEYS = {f.name for f in fields(TrainConfig) if f.default_factory is MISSING}
 
 
 class VariantError(ConfigError):
@@ -70,8 +73,22 @@ def read_variants_file(path: str | Path) -> dict[str, dict[str, object]]:
     return out
 
 
+def split_variants(text: str) -> list[str]:
+    """Variant names from a comma-separated list. A piece with ``=`` and no ``:`` continues the parameters of the
+    variant before it: ``tnt,uniform-limit:cap=64,direct_correct=1.5`` is two variants."""
+    out: list[str] = []
+    for piece in filter(None, (p.strip() for p in text.split(","))):
+        if out and ":" in out[-1] and "=" in piece and ":" not in piece:
+            out[-1] += "," + piece
+        else:
+            out.append(piece)
+    return out
+
+
 def variant_overrides(name: str, base: TrainConfig, user: dict[str, dict] | None = None) -> list[str]:
-    """The ``key=value`` overrides of variant ``name`` on top of config ``base``."""
+    """The ``key=value`` overrides of variant ``name`` on top of config ``base``: the scheme's (or the user
+    variant's) keys, then the algorithm's, computed on the config those and the parameters make (Dr. GRPO's
+    normaliser is that config's length budget), then the parameters, which have the last word."""
     user = user or {}
     head, _, params = name.partition(":")
     scheme, _, algorithm = head.partition("+")
@@ -82,20 +99,29 @@ def variant_overrides(name: str, base: TrainConfig, user: dict[str, dict] | None
     else:
         known = ", ".join([*REWARD_SCHEMES.names(), *user])
         raise VariantError(f"{name}: unknown scheme or variant {scheme!r} (known: {known})")
-    if algorithm:
-        if algorithm not in ALGORITHMS:
-            raise VariantError(f"{name}: unknown algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
-        keys.update(ALGORITHMS[algorithm](base))
+    parameters = {}
     for item in filter(None, (p.strip() for p in params.split(","))):
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise VariantError(f"{name}: {item!r}: parameters are key=value, e.g. tnt:omega=1")
         key = ALIASES.get(key, key)
-        if "." not in key:
+        if "." not in key and key not in _TOP_LEVEL_KEYS:
             if key not in _REWARD_FIELDS:
                 raise VariantError(f"{name}: {key!r} is no reward parameter ({', '.join(sorted(_REWARD_FIELDS))})")
             key = f"reward.{key}"
-        keys[key] = yaml.safe_load(value) if value else ""
+        parameters[key] = yaml.safe_load(value) if value else ""
+    if algorithm:
+        if algorithm not in ALGORITHMS:
+            raise VariantError(f"{name}: unknown algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
+        try:
+            own = with_overrides(base, _as_overrides({**keys, **parameters}))
+        except ConfigError as err:
+            raise VariantError(f"{name}: {err}") from None
+        keys.update(ALGORITHMS[algorithm](own))
+    return _as_overrides({**keys, **parameters})
+
+
+def _as_overrides(keys: dict[str, object]) -> list[str]:
     return [f"{k}={_yaml_scalar(v)}" for k, v in keys.items()]
 
 
@@ -108,10 +134,16 @@ def slug(name: str) -> str:
     return name.replace(":", "_").replace(",", "_").replace("/", "_")
 
 
-def check_variant(name: str, base_overrides: list[str], user: dict[str, dict] | None = None) -> None:
+def check_variant(
+    name: str, base_overrides: list[str], user: dict[str, dict] | None = None, *, reserved: tuple[str, ...] = ()
+) -> None:
     """Resolve ``name`` against the config of ``base_overrides`` and validate the result; a VariantError names
-    what is wrong."""
+    what is wrong. ``reserved``: keys the caller sets itself, which a variant may not."""
     overrides = variant_overrides(name, load_config(None, base_overrides), user)
+    for item in overrides:
+        key = item.partition("=")[0]
+        if key in reserved:
+            raise VariantError(f"{name}: {key} is set for every run by the command itself, not by a variant")
     try:
         load_config(None, [*base_overrides, *overrides])
     except ConfigError as err:

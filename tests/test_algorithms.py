@@ -15,7 +15,7 @@ from fasttnt.dynamic_sampling import Draw, choose_groups, concat_draws, select_g
 from fasttnt.rewards import PackedResponses, RewardConfig, compute_rewards, overlong_shaping
 from fasttnt.rollout import RolloutBatch, pack
 from fasttnt.trainer import Trainer
-from fasttnt.variants import VariantError, check_variant, read_variants_file, variant_overrides
+from fasttnt.variants import VariantError, check_variant, read_variants_file, split_variants, variant_overrides
 from fasttnt_kernels import TntRewards
 
 
@@ -112,7 +112,7 @@ def test_concat_and_select_keep_each_groups_responses_together():
     a = _draw([3, 1, 2, 2], [0.0, 1.0, 1.0, 1.0], k, first_token=10)
     b = _draw([1, 4, 2, 3], [2.0, 0.0, -1.0, -1.0], k, first_token=20)
     both = concat_draws([a, b])
-    assert both.groups == 4 and both.timeouts == 2
+    assert both.batch.lengths.numel() == 8 and both.timeouts == 2
     assert both.batch.bounds == both.batch.cu_seqlens.tolist() == [0, 3, 4, 6, 8, 9, 13, 15, 18]
     assert both.batch.responses == a.batch.responses + b.batch.responses
     torch.testing.assert_close(both.batch.rollout_logp, torch.cat([a.batch.rollout_logp, b.batch.rollout_logp]))
@@ -248,7 +248,7 @@ def test_variants_from_a_yaml_file(tmp_path):
     with pytest.raises(VariantError, match="x: expected a mapping"):
         read_variants_file(path)
     path.write_text("x:\n  reward.omega: [1\n")
-    with pytest.raises(VariantError, match="mine.yaml:3:1: not valid YAML"):
+    with pytest.raises(VariantError, match=r"mine\.yaml:3:1: not valid YAML"):
         read_variants_file(path)
     with pytest.raises(VariantError, match="does not exist"):
         read_variants_file(tmp_path / "none.yaml")
@@ -264,3 +264,32 @@ def test_train_takes_a_variant_and_the_overrides_win(tmp_path, capsys):
     assert all(1 <= r["draws"] <= 2 for r in _rows(out))
     assert cli_main(["train", "--variant", "tnt+ppo", "--output-dir", str(tmp_path / "x")]) == 2
     assert "--variant tnt+ppo: unknown algorithm 'ppo'" in capsys.readouterr().err
+
+
+def test_variant_lists_and_an_algorithm_on_the_variants_own_config():
+    assert split_variants("tnt, uniform-limit:cap=64,direct_correct=1.5,tnt+dapo:omega=1") == [
+        "tnt", "uniform-limit:cap=64,direct_correct=1.5", "tnt+dapo:omega=1",
+    ]  # fmt: skip
+    # DAPO's buffer and Dr. GRPO's normaliser follow the variant's own length budget, not the base config's
+    base = load_config()
+    dapo = load_config(None, variant_overrides("tnt+dapo:rollout.max_new_tokens=40", base))
+    assert (dapo.rollout.max_new_tokens, dapo.reward.overlong_buffer) == (40, 8)
+    dr = load_config(None, variant_overrides("tnt+drgrpo:rollout.max_new_tokens=40", base))
+    assert dr.loss.norm_length == 40.0
+    with pytest.raises(VariantError, match="tnt:seed=3: seed is set for every run by the command"):
+        check_variant("tnt:seed=3", [], reserved=("steps", "seed"))
+
+
+def test_verls_tnt_scores_shape_back_from_the_padded_width():
+    from fasttnt.integrations.verl import tnt_token_scores
+
+    lengths = [3, 10, 12, 5]  # two groups of two, padded to T = 12
+    responses = torch.full((4, 12), 7)
+    mask = torch.arange(12)[None] < torch.tensor(lengths)[:, None]  # (B, T)
+    correct, uids = [True, False, True, True], ["a", "a", "b", "b"]
+    plain = tnt_token_scores(responses, mask, uids, correct, think_end_id=3)
+    shaped = tnt_token_scores(responses, mask, uids, correct, 3, config=RewardConfig(overlong_buffer=4))
+    rows = torch.arange(4)
+    last = torch.tensor(lengths) - 1
+    torch.testing.assert_close(shaped[rows, last] - plain[rows, last], torch.tensor([0.0, -0.5, -1.0, 0.0]))
+    assert (shaped.sum(1) == shaped[rows, last]).all()  # the score sits at each response's last token only

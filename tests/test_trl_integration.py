@@ -15,7 +15,7 @@ from datasets import Dataset  # noqa: E402
 from fasttnt.char_tokenizer import build_char_tokenizer  # noqa: E402
 from fasttnt.data import build_prompt  # noqa: E402
 from fasttnt.integrations.trl import SUPPORTED_LOSS_TYPES, FastTNTGRPOTrainer, TNTReward  # noqa: E402
-from fasttnt.rewards import PackedResponses, RewardConfig, compute_rewards  # noqa: E402
+from fasttnt.rewards import PackedResponses, RewardConfig, compute_rewards, overlong_shaping  # noqa: E402
 from fasttnt.rollout import pack  # noqa: E402
 from fasttnt.synthetic import held_out  # noqa: E402
 from fasttnt.tiny import TinyModelConfig, build_tiny_model  # noqa: E402
@@ -207,6 +207,15 @@ def test_the_tnt_reward_equals_fasttnts_on_the_same_responses():
     assert got[:4] == [1.0, 0.0, 2.0, -2.0] and got[7] == 0.0  # over the limit; truncated is wrong
     binary = TNTReward(tok, 4, config=RewardConfig(scheme="binary"))
     assert binary(prompts, [], completion_ids, answer=golds) == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
+    # DAPO's overlong shaping on top, counted back from TRL's max_completion_length
+    budget, shaping = max(len(c) for c in completion_ids), RewardConfig(overlong_buffer=20)
+    shaped = TNTReward(tok, 4, config=shaping, max_completion_length=budget)
+    lengths = torch.tensor([len(c) for c in completion_ids])
+    expected = torch.tensor(want) + overlong_shaping(lengths, budget, 20, 1.0)
+    assert shaped(prompts, [], completion_ids, answer=golds) == pytest.approx(expected.tolist())
+    assert (expected < torch.tensor(want)).any()  # some response is long enough to be shaped
+    with pytest.raises(ValueError, match="pass max_completion_length"):
+        TNTReward(tok, 4, config=shaping)
 
 
 def test_the_tnt_reward_refuses_a_split_group_and_names_a_missing_column():

@@ -125,3 +125,21 @@ def test_evaluation_builds_one_engine_per_model_and_frees_it(tmp_path, standin):
     # failed the stand-in's memory check)
     assert [b["model"] for b in standin.LLM.built] == models
     assert set(report["results"][models[1]]) == {"synthetic", str(bench)}
+
+
+def test_dynamic_sampling_pushes_the_weights_once_per_step(tmp_path, standin):
+    # the engine stays awake across a step's draws and sleeps before the update: a level-2 sleep after every draw
+    # would push the same weights again for each. Every reward is 0 by construction (binary, a right answer pays
+    # 0), so no group's rewards differ and every step takes all 3 draws
+    extra = ("rollout.dynamic_sampling=true", "rollout.max_draws=3", "steps=2", "reward.scheme=binary",
+             "reward.think_correct=0")  # fmt: skip
+    _, rows = _train(tmp_path, "run", *extra)
+    assert [(r["draws"], r["filled_groups"]) for r in rows] == [(3, 4), (3, 4)]
+    log = standin.LLM.logs[0]
+    assert "sleep-ignored" not in log
+    assert log.count("generate") == sum(r["draws"] for r in rows)
+    # one push per step (the first rollout's, then the one after each update, as without dynamic sampling)
+    assert log.count("wake(weights)") == log.count("reset_prefix_cache") == len(rows) + 1, " ".join(log)
+    assert log.count("sleep(2)") == len(rows) + 1  # at the start, and before each step's update
+    for row in rows:  # every draw sampled from the current weights
+        assert row["rollout_logp_diff"] < 1e-4, row

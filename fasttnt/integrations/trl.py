@@ -306,7 +306,9 @@ class TNTReward:
     under ``config`` (scheme tnt, or a baseline: no-limit, uniform-limit, binary), with each prompt's limit from its
     own group of K thinking responses. TRL lays a prompt's K completions out together; a process whose share does
     not hold whole groups is refused (the limit would be computed from part of a group): make
-    ``per_device_train_batch_size * steps_per_generation`` a multiple of ``num_generations``.
+    ``per_device_train_batch_size * steps_per_generation`` a multiple of ``num_generations``. DAPO's overlong
+    shaping (``config.overlong_buffer`` > 0) counts back from the length budget: pass ``max_completion_length`` (the
+    same as GRPOConfig's).
     """
 
     __name__ = "tnt_reward"  # TRL names a reward function's metrics by it
@@ -320,11 +322,18 @@ class TNTReward:
         answer_column: str = "answer",
         verify: Callable[[list[str], list[str]], Sequence[bool]] | None = None,
         think_end: str = "</think>",
+        max_completion_length: int | None = None,
     ) -> None:
         if num_generations < 1:
             raise ValueError(f"num_generations must be >= 1, got {num_generations}")
         self.tokenizer, self.num_generations = tokenizer, num_generations
         self.config = config or RewardConfig()
+        if self.config.overlong_buffer > 0 and max_completion_length is None:
+            raise ValueError(
+                "TNTReward: config.overlong_buffer > 0 shapes rewards back from the length budget: pass "
+                "max_completion_length (GRPOConfig.max_completion_length)"
+            )
+        self.max_completion_length = max_completion_length
         self.answer_column, self.verify = answer_column, verify
         self.think_end_id = tokenizer.convert_tokens_to_ids(think_end)
         if self.think_end_id is None or self.think_end_id == tokenizer.unk_token_id:
@@ -348,4 +357,7 @@ class TNTReward:
         correct = judge(self.tokenizer, completion_ids, golds, self.verify)
         ids, cu_seqlens = pack(completion_ids)
         batch = PackedResponses(ids, cu_seqlens, torch.zeros(n, dtype=torch.bool), k)  # truncated: in `correct`
-        return compute_rewards(batch, torch.tensor(correct), self.think_end_id, self.config).rewards.tolist()
+        rewards = compute_rewards(
+            batch, torch.tensor(correct), self.think_end_id, self.config, max_new_tokens=self.max_completion_length
+        )
+        return rewards.rewards.tolist()

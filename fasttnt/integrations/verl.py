@@ -28,7 +28,7 @@ import torch
 
 from fasttnt_kernels import clipped_policy_loss, group_advantages, tnt_rewards
 
-from ..rewards import RewardConfig
+from ..rewards import RewardConfig, overlong_shaping
 from . import judge
 
 NAME = "fasttnt"
@@ -185,7 +185,8 @@ def tnt_token_scores(
     """The TNT reward over a verl batch, as verl's reward managers lay a score out: (B, T), each response's reward
     at its last valid token. ``responses`` (B, T) token ids, ``response_mask`` (B, T), ``index`` the uids (the
     group of a response: all sharing its uid, groups of one size), ``correct`` (B,) the verifier's verdicts (a
-    truncated response must be marked wrong by the caller). ``config``: the scheme (tnt or a baseline) and values.
+    truncated response must be marked wrong by the caller). ``config``: the scheme (tnt or a baseline) and values;
+    its overlong shaping counts back from T, verl's response length budget (its batches are padded to it).
     """
     cfg = config or RewardConfig()
     order, group_size = _group_order(index)
@@ -196,8 +197,12 @@ def tnt_token_scores(
         responses[order][mask], cu_seqlens, correct[order], group_size, think_end_id, omega=cfg.omega,
         fallback_limit=cfg.fallback_limit, scheme=cfg.scheme, uniform_limit=cfg.uniform_limit, values=cfg.values,
     )  # fmt: skip
+    shaped = out.rewards
+    if cfg.overlong_buffer > 0:
+        lengths = response_mask[order].sum(1)  # (B,) in group order
+        shaped = shaped + overlong_shaping(lengths, responses.shape[1], cfg.overlong_buffer, cfg.overlong_penalty)
     rewards = torch.empty(len(order), dtype=torch.float32, device=responses.device)
-    rewards[order] = out.rewards
+    rewards[order] = shaped
     valid = response_mask.bool()
     last = valid.shape[1] - 1 - valid.flip(1).int().argmax(1)  # (B,) each response's last valid token
     scores = torch.zeros(valid.shape, dtype=torch.float32, device=responses.device)
