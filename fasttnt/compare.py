@@ -20,6 +20,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
@@ -212,9 +213,8 @@ def mean_se(values: list[float | None]) -> dict:
     n = len(xs)
     if n == 0:
         return {"mean": None, "se": None, "n": 0}
-    mean = sum(xs) / n
-    se = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1) / n) if n > 1 else 0.0
-    return {"mean": mean, "se": se, "n": n}
+    se = statistics.stdev(xs) / math.sqrt(n) if n > 1 else 0.0
+    return {"mean": statistics.fmean(xs), "se": se, "n": n}
 
 
 def direct_threshold(cfg: TrainConfig, p_think: float) -> float | None:
@@ -277,6 +277,7 @@ def summarize_runs(
             levels = levels or sorted(by, key=int)
             wu = out["warmups"].get(str(run.warmup))
             thresholds = {lv: direct_threshold(run.cfg, wu["p_think"][lv]) if wu else None for lv in by}
+            solved = steps_to_solve(train["acc"])
             rows.append(
                 {
                     "warmup": run.warmup,
@@ -296,8 +297,8 @@ def summarize_runs(
                     },
                     "train_seconds": sum(t for t in train["time_step"] if t is not None),
                     "run_seconds": result["seconds"],
-                    "steps_to_solve": steps_to_solve(train["acc"]),
-                    "seconds_to_solve": seconds_to(steps_to_solve(train["acc"]), train["time_step"]),
+                    "steps_to_solve": solved,
+                    "seconds_to_solve": seconds_to(solved, train["time_step"]),
                     "draws_per_step": mean_se(train["draws"])["mean"] if any(train["draws"]) else 1.0,
                     "train_hacked_share_last10": mean_se(_train_curve(train, "hacked_share")[-10:])["mean"],
                     "train": train,
