@@ -12,6 +12,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 _PREFIX = "step-"
@@ -24,8 +25,21 @@ class TrainerState:
     world: int = 1  # the ranks that wrote it (a distributed checkpoint holds one optimizer shard per rank)
 
 
+def seed_rngs(seed: int) -> None:
+    """The global RNGs a run starts from: torch's (and CUDA's), Python's and NumPy's."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    """The global RNG states as tensors and plain values (``torch.load(weights_only=True)`` reads them back)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -34,6 +48,8 @@ def rng_state() -> dict:
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 

@@ -37,6 +37,7 @@ from .checkpoint import (
     read_trainer_state,
     remove_partial,
     save_checkpoint,
+    seed_rngs,
     write_trainer_files,
 )
 from .config import TrainConfig, changed_keys, config_yaml, dump_config, rollout_correction, to_dict
@@ -277,8 +278,7 @@ class Trainer:
             self.state = load_training_state(resume_from, None if self.ds_engine else self.optimizer, rank=self.rank)
             self.stream.seek(self.state.data_position)
         else:
-            torch.manual_seed(cfg.seed)
-            random.seed(cfg.seed)
+            seed_rngs(cfg.seed)
         if self.is_main:
             self._truncate_metrics(self.state.step)
 

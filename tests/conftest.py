@@ -20,6 +20,13 @@ if not HAS_CUDA:
 SEED = int(os.environ.get("FASTTNT_TEST_SEED", random.SystemRandom().randrange(2**31)))
 
 
+def pytest_configure(config):
+    # the reward scheme whose rewards vary by construction (tests/varied.py), for the trainer tests
+    import varied
+
+    varied.register()
+
+
 def pytest_report_header(config):
     where = "CUDA (native Triton)" if HAS_CUDA else "CPU (Triton interpreter)"
     return f"fasttnt: kernels on {where}; FASTTNT_TEST_SEED={SEED}"

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+import varied
 from small import SMALL
 
 from fasttnt.cli import main as cli_main
@@ -131,8 +132,13 @@ def test_concat_and_select_keep_each_groups_responses_together():
 # -- dynamic sampling in the trainer ----------------------------------------------------------------------------
 
 
-def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tmp_path, monkeypatch):
-    cfg = load_config(None, _small(tmp_path, "rollout.dynamic_sampling=true", "rollout.max_draws=4", "steps=3"))
+@pytest.mark.parametrize("max_draws", [4, 1])
+def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tmp_path, monkeypatch, max_draws):
+    # tests/varied.py: in every draw of 4 prompts, groups 0 and 2 have rewards that differ and 1 and 3 do not, by
+    # construction. With 4 draws allowed each step takes exactly 2 draws and trains on their 4 varied groups; with
+    # 1, the step reaches the cap and fills its batch with the 2 equal-reward groups (zero advantage)
+    extra = ("rollout.dynamic_sampling=true", f"rollout.max_draws={max_draws}", "steps=3", varied.OVERRIDE)
+    cfg = load_config(None, _small(tmp_path, *extra))
     trainer = Trainer(cfg, tmp_path / "run")
     seen = []
     real_update, real_draw = Trainer._update, Trainer._draw
@@ -144,25 +150,30 @@ def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tmp_path, m
 
     def draw(self, step, index, lap):
         out = real_draw(self, step, index, lap)
-        draws.append((step, index, out.rewards.rewards.clone()))
+        draws.append((step, index, out))
         return out
 
     monkeypatch.setattr(Trainer, "_update", update)
     monkeypatch.setattr(Trainer, "_draw", draw)
     rows = trainer.run()
     k, p = cfg.rollout.group_size, cfg.rollout.prompts_per_step
+    assert all(r["grad_norm"] > 0 for r in rows), "a step without a gradient"
+    expected_draws, expected_fills = (2, 0) if max_draws == 4 else (1, 2)
+    assert [(r["draws"], r["filled_groups"]) for r in rows] == [(expected_draws, expected_fills)] * 3
     positions = 0
     for row, (batch, advantages) in zip(rows, seen, strict=True):
-        mine = [(i, r) for step, i, r in draws if step == row["step"]]
-        assert [i for i, _ in mine] == list(range(row["draws"])) and 1 <= row["draws"] <= 4
-        varied = torch.cat([varied_groups(r, k) for _, r in mine])
-        assert row["varied_group_frac"] == pytest.approx(float(varied.float().mean()))
+        mine = [(i, d) for step, i, d in draws if step == row["step"]]
+        assert [i for i, _ in mine] == list(range(row["draws"]))
+        varied_flags = torch.cat([varied_groups(d.rewards.rewards, k) for _, d in mine])
+        assert row["varied_group_frac"] == pytest.approx(float(varied_flags.float().mean())) == 0.5
         assert batch.lengths.numel() == p * k  # the step keeps its batch shape
         flat = advantages.view(-1, k)
         zero_groups = int((flat == 0).all(dim=1).sum())
         assert zero_groups == row["filled_groups"]  # only fills have no advantage
-        if row["draws"] < 4:  # it stopped drawing because it had enough
-            assert row["filled_groups"] == 0 and int(varied.sum()) >= p
+        # the trained groups, in draw order: the even groups of both draws, or the one draw's every group
+        drawn = [d.batch.responses[g * k : (g + 1) * k] for _, d in mine for g in range(p)]
+        chosen = [0, 2, 4, 6] if max_draws == 4 else [0, 1, 2, 3]
+        assert [batch.responses[g * k : (g + 1) * k] for g in range(p)] == [drawn[g] for g in chosen]
         positions += row["draws"] * p
     assert trainer.state.data_position == positions  # every draw took its prompts from the stream
 
@@ -171,13 +182,14 @@ def test_dynamic_sampling_with_one_draw_changes_nothing(tmp_path):
     # one draw and no more: the varied groups and the fills are the whole draw, in order, so the run is the plain
     # run's to the bit (weights and every deterministic metric)
     def run(name, *extra):
-        cfg = load_config(None, _small(tmp_path, *extra))
+        cfg = load_config(None, _small(tmp_path, varied.OVERRIDE, *extra))
         rows = Trainer(cfg, tmp_path / name).run()
         from safetensors.torch import load_file
 
         return rows, load_file(tmp_path / name / "final" / "model.safetensors")
 
     plain, w_plain = run("plain")
+    assert all(r["grad_norm"] > 0 for r in plain), "a step without a gradient"
     dynamic, w_dynamic = run("dynamic", "rollout.dynamic_sampling=true", "rollout.max_draws=1")
     for a, b in zip(plain, dynamic, strict=True):
         for key, value in a.items():
@@ -188,7 +200,8 @@ def test_dynamic_sampling_with_one_draw_changes_nothing(tmp_path):
 
 
 def test_resume_reproduces_a_dynamically_sampled_run(tmp_path):
-    extra = ("rollout.dynamic_sampling=true", "rollout.max_draws=3", "reward.overlong_buffer=4", "steps=4")
+    # 2 draws a step by construction (tests/varied.py): the resumed stream must continue after every draw's prompts
+    extra = ("rollout.dynamic_sampling=true", "rollout.max_draws=3", "steps=4", varied.OVERRIDE)
 
     def run(name, *more, resume=False):
         Trainer(load_config(None, _small(tmp_path, *extra, *more)), tmp_path / name, resume=resume).run()
@@ -198,8 +211,22 @@ def test_resume_reproduces_a_dynamically_sampled_run(tmp_path):
         ]
 
     straight = run("straight")
+    assert all(r["grad_norm"] > 0 and r["draws"] == 2 for r in straight)
     run("resumed", "steps=2")
     assert run("resumed", resume=True) == straight
+
+
+def test_overlong_shaping_in_a_run(tmp_path):
+    # the shaping is added to the scheme's reward in the trainer: with a buffer as long as the budget every token
+    # costs penalty / budget, so the logged reward is the scheme's mean minus penalty * mean length / budget
+    shaping = ("reward.overlong_buffer=16", "reward.overlong_penalty=0.5")
+    rows = [
+        Trainer(load_config(None, _small(tmp_path, "steps=1", *extra)), tmp_path / name).run()
+        for name, extra in (("plain", ()), ("shaped", shaping))
+    ]
+    for plain, shaped in zip(*rows, strict=True):
+        assert shaped["len"] == plain["len"]  # the same samples: the reward does not change the rollout
+        assert shaped["reward"] == pytest.approx(plain["reward"] - 0.5 * plain["len"] / 16, abs=1e-5)
 
 
 # -- variants ----------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import varied
 from small import SMALL, launch_command
 
 from fasttnt.checkpoint import list_checkpoints
@@ -19,10 +20,10 @@ from fasttnt.cli import main as cli_main
 from fasttnt.trainer import EXIT_PREEMPTED
 
 # 30 steps of a run of seconds: the signal comes after the first step is logged, long before the last
-RUN = [*SMALL, "warmup.steps=3", "warmup.batch_size=8", "rollout.max_new_tokens=12", "steps=30", "save_every=1000",
-       "loss.entropy_coef=0.01", "optim.lr=1e-2"]  # fmt: skip
+RUN = [*SMALL, varied.OVERRIDE, "warmup.steps=3", "warmup.batch_size=8", "rollout.max_new_tokens=12", "steps=30",
+       "save_every=1000", "loss.entropy_coef=0.01", "optim.lr=1e-2"]  # fmt: skip
 # one thread everywhere: runs in different processes must compute bit for bit the same
-ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": varied.PYTHONPATH}
 
 
 def _args(out: Path, cache: Path, *extra: str) -> list[str]:
@@ -52,13 +53,14 @@ def _signal_after_first_step(cmd: list[str], out: Path, sig: int = signal.SIGTER
 def test_sigterm_saves_and_resume_reproduces_the_run(tmp_path, launcher):
     cache = tmp_path / "cache"
     straight = subprocess.run(
-        launch_command(launcher, "fasttnt", *_args(tmp_path / "straight", cache)),
+        launch_command(launcher, varied.MODULE, *_args(tmp_path / "straight", cache)),
         capture_output=True, text=True, env=ENV, timeout=300,
     )  # fmt: skip
     assert straight.returncode == 0, straight.stderr[-3000:]
+    assert all(r["grad_norm"] > 0 for r in _metrics(tmp_path / "straight")), "a step without a gradient"
     out = tmp_path / "stopped"
     # torchrun passes the SIGTERM on to its ranks, which agree on the step to stop at
-    stopped = _signal_after_first_step(launch_command(launcher, "fasttnt", *_args(out, cache)), out)
+    stopped = _signal_after_first_step(launch_command(launcher, varied.MODULE, *_args(out, cache)), out)
     if launcher == "single":
         assert stopped.returncode == EXIT_PREEMPTED, stopped.stderr[-3000:]
         assert "stopped by SIGTERM after step" in stopped.stderr and "fasttnt train --resume" in stopped.stderr
@@ -68,7 +70,7 @@ def test_sigterm_saves_and_resume_reproduces_the_run(tmp_path, launcher):
     assert 1 <= len(done) < 30, "stopped after a step, before the end"
     assert [p.name for p in list_checkpoints(out / "checkpoints")] == [f"step-{len(done):06d}"]
     resumed = subprocess.run(
-        launch_command(launcher, "fasttnt", *_args(out, cache), "--resume"),
+        launch_command(launcher, varied.MODULE, *_args(out, cache), "--resume"),
         capture_output=True, text=True, env=ENV, timeout=300,
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -78,7 +80,7 @@ def test_sigterm_saves_and_resume_reproduces_the_run(tmp_path, launcher):
 
 def test_a_second_sigint_stops_at_once(tmp_path):
     out = tmp_path / "run"
-    cmd = launch_command("single", "fasttnt", *_args(out, tmp_path / "cache", "steps=100000"))
+    cmd = launch_command("single", varied.MODULE, *_args(out, tmp_path / "cache", "steps=100000"))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     deadline = time.monotonic() + 240
     while not _metrics(out) and time.monotonic() < deadline:

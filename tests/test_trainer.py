@@ -1,15 +1,19 @@
 """The GRPO trainer end to end on a very small tiny model: outputs, packing, the update's direction, configs,
-resume equality and a crash during a checkpoint save. Real runs, seconds each."""
+resume equality and a crash during a checkpoint save. Real runs, seconds each. Tests of what the update does run
+with rewards that vary by construction (tests/varied.py) and first assert that their steps had a gradient."""
 
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import varied
 from small import SMALL
 from transformers import AutoModelForCausalLM
 
@@ -110,12 +114,46 @@ def test_one_update_lowers_the_loss_on_its_batch(tmp_path):
     trainer.verifier.close()
 
 
-def test_resume_reproduces_the_uninterrupted_run(tmp_path):
-    straight = _run(tmp_path, "straight")
-    _run(tmp_path, "resumed", "steps=2")
-    resumed = _run(tmp_path, "resumed", resume=True)
+def _draw_after_each_step(monkeypatch) -> list[tuple]:
+    """Every step followed by one draw from each global RNG (torch, random, numpy), recorded: nothing in the
+    trainer draws from them today, so this is what shows that a resume restores their states (and a checkpoint
+    saved after a step then holds the state after its draws, not the seed's)."""
+    draws: list[tuple] = []
+    real_step = Trainer.step
+
+    def step(self):
+        values = real_step(self)
+        draws.append((values["step"], torch.rand(1).item(), random.random(), float(np.random.rand())))
+        return values
+
+    monkeypatch.setattr(Trainer, "step", step)
+    return draws
+
+
+def _scramble_global_rngs() -> None:
+    """What a new process would hold: the resumed run must not inherit the state the first part left behind."""
+    torch.manual_seed(987654321)
+    random.seed(987654321)
+    np.random.seed(98765)
+
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, monkeypatch):
+    # rewards that vary by construction: every step before the resume point moves the weights and AdamW's moments,
+    # so a resume that skips any restored piece (model, optimizer, the step that sets the learning rate, the data
+    # position, the RNG states) changes the metrics of steps 3 and 4, or the draws after them
+    draws = _draw_after_each_step(monkeypatch)
+    straight = _run(tmp_path, "straight", varied.OVERRIDE)
+    assert all(r["grad_norm"] > 0 and r["skipped_seq_frac"] < 1 for r in straight), "a step without a gradient"
+    straight_draws = list(draws)
+    draws.clear()
+    _run(tmp_path, "resumed", varied.OVERRIDE, "steps=2")
+    _scramble_global_rngs()
+    resumed = _run(tmp_path, "resumed", varied.OVERRIDE, resume=True)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert [_deterministic(r) for r in resumed] == [_deterministic(r) for r in straight]
+    assert draws == straight_draws, "the global RNG states after a resume are not the uninterrupted run's"
+    state = json.loads((tmp_path / "resumed" / "checkpoints" / "step-000004" / "trainer_state.json").read_text())
+    assert state["data_position"] == 4 * 4  # 4 steps of 4 prompts (tests/small.py)
 
 
 def test_a_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -195,24 +233,47 @@ def test_cli_train_runs(tmp_path):
 
 
 def test_mini_batches_epochs_and_kl_run(tmp_path):
-    # the real configs' update path: several optimizer steps per rollout, old log-probs, a reference model. The
-    # policy must move whatever the sampled rewards (all equal on some machines, and then every advantage is 0):
-    # the entropy bonus has a gradient of its own, and AdamW's first steps move every weight by ~lr
+    # several optimizer steps per rollout, old log-probs, a reference model, and the entropy bonus
     rows = _run(
-        tmp_path, "run", "loss.mini_batches=2", "loss.ppo_epochs=2", "loss.kl_coef=0.05", "steps=2",
-        "loss.entropy_coef=0.01", "optim.lr=1e-2", "optim.warmup_steps=0",
+        tmp_path, "run", varied.OVERRIDE, "loss.mini_batches=2", "loss.ppo_epochs=2", "loss.kl_coef=0.05",
+        "steps=2", "loss.entropy_coef=0.01", "optim.lr=1e-2", "optim.warmup_steps=0",
     )  # fmt: skip
     assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["grad_norm"] > 0 for r in rows)
     assert rows[1]["kl_ref"] > 0  # the policy moved away from the reference
     assert all(r["loss"] == r["loss"] for r in rows)
+
+
+def test_the_real_configs_mini_batches_train_against_the_old_log_probs(tmp_path, monkeypatch):
+    # configs/r1-distill-qwen-*.yaml: 4 mini-batches, one epoch. After the first mini-batch's optimizer step the
+    # policy has moved, so the later mini-batches are off-policy: their ratio against the old log-probs (computed
+    # once, before the update) must move off 1. Were the old log-probs not computed, each mini-batch would take its
+    # own detached log-probs as old: ratio exactly 1, no clipping, approx_kl exactly 0
+    passes = []
+    real_logprobs = Trainer._logprobs
+
+    def logprobs(self, model, batch, **kw):
+        passes.append(batch.lengths.numel())
+        return real_logprobs(self, model, batch, **kw)
+
+    monkeypatch.setattr(Trainer, "_logprobs", logprobs)
+    rows = _run(
+        tmp_path, "run", varied.OVERRIDE, "loss.mini_batches=2", "loss.ppo_epochs=1", "optim.lr=0.05",
+        "optim.warmup_steps=0", "steps=2",
+    )  # fmt: skip
+    assert all(r["grad_norm"] > 0 for r in rows), "a step without a gradient"
+    assert passes == [16, 16], "the old log-probs of each step's whole batch (4 prompts x 4 samples)"
+    for row in rows:
+        assert row["kl"] > 0 and row["clip_frac"] > 0, row
 
 
 def test_resume_from_a_dataset_file(tmp_path):
     # a file-backed problem stream: the position after a resume continues the seeded epoch order
     data = tmp_path / "sums.jsonl"
     data.write_text("".join(json.dumps({"problem": f"{a}+{a + 1}", "answer": str(2 * a + 1)}) + "\n" for a in range(7)))
-    extra = (f"data.train={data}", "data.hack_markers=synthetic", "data.instruction=")
+    extra = (f"data.train={data}", "data.hack_markers=synthetic", "data.instruction=", varied.OVERRIDE)
     straight = _run(tmp_path, "straight", *extra)
+    assert all(r["grad_norm"] > 0 for r in straight), "a step without a gradient"
     _run(tmp_path, "resumed", *extra, "steps=2")
     resumed = _run(tmp_path, "resumed", *extra, resume=True)
     assert [_deterministic(r) for r in resumed] == [_deterministic(r) for r in straight]
@@ -256,6 +317,7 @@ def test_micro_batched_update_equals_the_one_forward_update(tmp_path, agg):
         trainer.verifier.close()
     (n_one, one, w_one), (n_many, many, w_many) = results
     assert n_one == 1 and n_many >= 3
+    assert one["grad_norm"] > 0 and one["clip_frac"] == 0  # a gradient to compare; on-policy, nothing clipped
     for name in ("loss", "grad_norm", "entropy", "clip_frac", "rollout_logp_diff", "rollout_is_mean"):
         assert one[name] == pytest.approx(many[name], rel=1e-5, abs=1e-7), name
     torch.testing.assert_close(w_many, w_one, rtol=1e-5, atol=1e-7)
@@ -302,6 +364,41 @@ def test_skipping_zero_advantage_sequences_leaves_the_update_unchanged(tmp_path,
         for name in ("rollout_logp_diff", "rollout_is_mean", "rollout_is_clipped_frac"):
             assert skipped[name] == pytest.approx(straight[name], rel=1e-5, abs=1e-9), name
     # the same sums in another order (fewer, differently packed micro-batches): float32 rounding apart
+    torch.testing.assert_close(g_skipped, g_straight, rtol=1e-6, atol=1e-6 * float(g_straight.abs().max()))
+
+
+@pytest.mark.parametrize("term", ["entropy", "kl"])
+def test_the_skip_keeps_zero_advantage_sequences_that_still_have_a_gradient(tmp_path, term):
+    # with the entropy bonus or the KL term on, a sequence whose advantage is 0 still pulls on the weights: the skip
+    # must leave it in, and the update equals the unskipped one
+    extra = ("loss.entropy_coef=0.01",) if term == "entropy" else ("loss.kl_coef=0.1",)
+    results = []
+    for skip in (False, True):
+        cfg = load_config(
+            None, small(tmp_path, "optim.warmup_steps=0", f"loss.skip_zero_advantage={skip}", *extra),
+        )  # fmt: skip
+        trainer = Trainer(cfg, tmp_path / f"run-{skip}")
+        prompts = [build_prompt(trainer.tokenizer, p.problem) for p in held_out(3)]
+        batch = trainer.engine.generate(prompts, 4, seed=3)
+        ref_logp = None
+        if term == "kl":  # a reference the policy has moved away from: the k3 term has a gradient on every token
+            logp = trainer._logprobs(trainer.model, batch, zero3_collectives=False)
+            ref_logp = logp + 0.3 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(0))
+        zeros = torch.zeros(batch.lengths.numel())
+        only_the_term = trainer._update(batch, zeros, None, ref_logp)  # every advantage 0: the term alone
+        if not skip:
+            assert float(only_the_term["grad_norm"]) > 0, "the term must have a gradient of its own"
+        advantages = torch.linspace(-1.5, 1.5, batch.lengths.numel())  # (S,)
+        advantages[4:8] = 0.0  # a whole group
+        advantages[[0, 9, 11]] = 0.0  # single sequences
+        metrics = {k: float(v) for k, v in trainer._update(batch, advantages, None, ref_logp).items()}
+        grads = torch.cat([p.grad.flatten() for p in trainer.model.parameters()])
+        results.append((metrics, grads))
+        trainer.verifier.close()
+    (straight, g_straight), (skipped, g_skipped) = results
+    assert skipped["skipped_seq_frac"] == straight["skipped_seq_frac"] == 0.0
+    for name in ("loss", "grad_norm"):
+        assert skipped[name] == pytest.approx(straight[name], rel=1e-5, abs=1e-7), name
     torch.testing.assert_close(g_skipped, g_straight, rtol=1e-6, atol=1e-6 * float(g_straight.abs().max()))
 
 

@@ -90,6 +90,27 @@ CASES = [
     # text answers
     ("\\text{even}", "even", True),
     ("odd", "even", False),
+    # near misses, both ways round, next to their true twins: a tolerance of any size on decimals (within 1%,
+    # within 0.1%) turns one of these wrong answers right
+    ("3.15", "3.14", False),
+    ("3.14", "3.15", False),
+    ("3.140", "3.14", True),
+    ("0.334", "\\frac{1}{3}", False),
+    ("\\frac{1}{3}", "0.334", False),
+    ("\\frac{1}{3}", "0.333", False),
+    ("\\frac{2}{6}", "\\frac{1}{3}", True),
+    ("1.001", "1", False),
+    ("1", "1.001", False),
+    ("1.000", "1", True),
+    ("100.5", "100", False),
+    ("99.9", "100", False),
+    ("100.0", "100", True),
+    # percent near misses: 50.1% is neither 0.5 nor 50, 49.9% is not 50%
+    ("50.1\\%", "0.5", False),
+    ("0.501", "50\\%", False),
+    ("49.9\\%", "50\\%", False),
+    ("0.5", "50\\%", True),
+    ("50.0\\%", "50\\%", True),
 ]
 
 

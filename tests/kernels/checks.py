@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -42,3 +44,86 @@ def assert_no_worse_than(actual, lowp_ref, truth, *, slack: float = 2.0, atol: f
 def assert_bool_written(t: torch.Tensor, name: str) -> None:
     raw = t.view(torch.uint8)
     assert bool((raw <= 1).all()), f"{name}: bytes other than 0/1 (an element was never written)"
+
+
+# -- a hand-worked clipped-loss case that breaks every symmetry -------------------------------------------------
+# clip_low != clip_high, ratios beyond each bound and inside, advantages of both signs and several magnitudes,
+# sequences of different lengths (so the three aggregations differ), a dual-clip case and a zero advantage. A
+# bound used on the wrong side, a sign flipped, a length or a normaliser swapped changes the expected numbers.
+HAND_CLIP_LOW, HAND_CLIP_HIGH, HAND_DUAL_CLIP, HAND_KL_COEF, HAND_NORM_LENGTH = 0.1, 0.3, 3.0, 0.1, 8.0
+# (advantage, [(ratio, pg, dpg/dlogp, clip side, pg and dpg when the dual clip of 3 binds)])
+#   pg = -min(r A, clip(r, 0.9, 1.3) A); dpg = -r A where the unclipped branch is taken, else 0
+# fmt: off
+HAND_SEQUENCES = [
+    (2.0, [  # A > 0: the high bound 1.3 binds above it; below 0.9 r A is the smaller, unclipped
+        (1.5, -2.6, 0.0, "high", None),  # -1.3 * 2
+        (1.2, -2.4, -2.4, None, None),  # inside (0.9, 1.3); clip_low on the high side (1.1) would clip it
+        (0.85, -1.7, -1.7, None, None),
+        (1.0, -2.0, -2.0, None, None),
+    ]),
+    (-0.5, [  # A < 0: the low bound 0.9 binds below it
+        (0.85, 0.45, 0.0, "low", None),  # -0.9 * -0.5; clip_high on the low side (0.7) would not clip it
+        (0.95, 0.475, 0.475, None, None),
+        (0.5, 0.45, 0.0, "low", None),
+    ]),
+    (-1.0, [(1.5, 1.5, 1.5, None, None)]),  # A < 0 above the range: r A is the smaller, unclipped
+    (-1.0, [
+        (4.0, 4.0, 4.0, None, (3.0, 0.0)),  # the dual clip bounds the loss of a negative advantage by -3 A
+        (2.5, 2.5, 2.5, None, None),
+    ]),
+    (0.0, [(1.7, 0.0, 0.0, None, None)]),  # no advantage, no policy-gradient term
+]
+# fmt: on
+HAND_REF_SHIFTS = [0.2, -0.3, 0.0, 0.5, -0.1, 0.4, 0.25, -0.6, 0.1, -0.2, 0.3]  # ref - logp, one per token
+
+
+def hand_worked_case(*, dual_clip: bool, kl: bool, agg: str) -> dict:
+    """The case's inputs (float64, as lists) and the loss, dloss/dlogp and statistics worked out by hand."""
+    ratios, pg, dpg, lengths, advantages, low, high, dual = [], [], [], [], [], 0, 0, 0
+    for a, tokens in HAND_SEQUENCES:
+        advantages.append(a)
+        lengths.append(len(tokens))
+        for r, p, d, side, dual_value in tokens:
+            if dual_clip and dual_value is not None:
+                p, d = dual_value
+                dual += 1
+            ratios.append(r)
+            pg.append(p)
+            dpg.append(d)
+            low += side == "low"
+            high += side == "high"
+    n, s = len(ratios), len(lengths)
+    seq_len = [length for length in lengths for _ in range(length)]
+    if agg == "token-mean":
+        weights = [1.0 / n] * n
+    elif agg == "seq-mean-token-mean":
+        weights = [1.0 / (s * length) for length in seq_len]
+    else:
+        weights = [1.0 / (s * HAND_NORM_LENGTH)] * n
+    k3 = [math.exp(d) - d - 1.0 if kl else 0.0 for d in HAND_REF_SHIFTS]
+    dk3 = [1.0 - math.exp(d) if kl else 0.0 for d in HAND_REF_SHIFTS]  # d/dlogp of exp(d) - d - 1, d = ref - logp
+    c = HAND_KL_COEF if kl else 0.0
+    return {
+        "ratios": ratios,
+        "lengths": lengths,
+        "advantages": advantages,
+        "ref_shifts": HAND_REF_SHIFTS if kl else None,
+        "options": dict(
+            clip_low=HAND_CLIP_LOW,
+            clip_high=HAND_CLIP_HIGH,
+            dual_clip=HAND_DUAL_CLIP if dual_clip else None,
+            kl_coef=c,
+            agg=agg,
+            norm_length=HAND_NORM_LENGTH,
+        ),
+        "loss": sum(w * (p + c * k) for w, p, k in zip(weights, pg, k3, strict=True)),
+        "grad": [w * (d + c * dk) for w, d, dk in zip(weights, dpg, dk3, strict=True)],
+        "stats": {
+            "clip_frac_low": low / n,
+            "clip_frac_high": high / n,
+            "dual_clip_frac": dual / n,
+            "approx_kl": sum(r - 1.0 - math.log(r) for r in ratios) / n,
+            "ratio_mean": sum(ratios) / n,
+            "kl_ref": sum(k3) / n,
+        },
+    }

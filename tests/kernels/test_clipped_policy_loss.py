@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -10,12 +11,13 @@ import torch
 from fasttnt_kernels import (
     STAT_NAMES,
     PolicyLossConfig,
+    _common,
     clipped_policy_loss,
     clipped_policy_loss_reference,
     rollout_correction_weights,
 )
 
-from checks import DEVICE, assert_close
+from checks import DEVICE, assert_close, hand_worked_case
 
 
 def _packed_batch(lengths, dtype=torch.float32, *, spread=0.4):
@@ -222,6 +224,31 @@ def test_hand_worked_tokens(triton_path):
     assert math.isclose(stats["clip_frac_low"].item(), 1 / 6, rel_tol=1e-6)
     assert math.isclose(stats["dual_clip_frac"].item(), 1 / 6, rel_tol=1e-6)
     assert math.isclose(stats["ratio_mean"].item(), ratios.mean().item(), rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("path", ["triton", "torch"])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("dual_clip", [False, True])
+@pytest.mark.parametrize("kl", [False, True])
+def test_asymmetric_clips_by_hand(monkeypatch, path, agg, dual_clip, kl):
+    # clip 0.1 / 0.3, ratios past each bound and inside, both advantage signs, uneven lengths (tests/kernels/checks.py
+    # works every token out): a bound on the wrong side or a mixed-up aggregation fails here, in both paths, where a
+    # comparison of the kernel with the reference would not see a mistake that both make
+    monkeypatch.setenv(_common.BACKEND_ENV, path)
+    case = hand_worked_case(dual_clip=dual_clip, kl=kl, agg=agg)
+    old = torch.full((len(case["ratios"]),), -1.5, dtype=torch.float64)
+    logp = (old + torch.tensor(case["ratios"], dtype=torch.float64).log()).float().to(DEVICE)
+    cu = torch.tensor([0, *itertools.accumulate(case["lengths"])], device=DEVICE)
+    ref = None
+    if case["ref_shifts"] is not None:
+        ref = logp + torch.tensor(case["ref_shifts"], device=DEVICE)
+    adv = torch.tensor(case["advantages"], device=DEVICE)
+    loss, stats, grad = _run(logp, old.float().to(DEVICE), adv, cu, ref_logp=ref, **case["options"])
+    assert math.isclose(loss.item(), case["loss"], rel_tol=1e-5, abs_tol=1e-7)
+    torch.testing.assert_close(grad.double().cpu(), torch.tensor(case["grad"], dtype=torch.float64), rtol=1e-5,
+                               atol=1e-7)  # fmt: skip
+    for name, value in case["stats"].items():
+        assert math.isclose(stats[name].item(), value, rel_tol=1e-5, abs_tol=1e-7), name
 
 
 def test_aggregations_by_hand(triton_path):

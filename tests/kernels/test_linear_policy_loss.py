@@ -3,6 +3,9 @@ against the materialised reference in float64."""
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import pytest
 import torch
 
@@ -15,7 +18,7 @@ from fasttnt_kernels import (
     linear_token_logprobs,
 )
 
-from checks import DEVICE, assert_close, assert_no_worse_than
+from checks import DEVICE, assert_close, assert_no_worse_than, hand_worked_case
 
 V, H = 300, 24
 ROWS_PER_CHUNK = 16
@@ -155,6 +158,41 @@ def test_matches_the_float64_reference(monkeypatch, variant, path):
         assert_close(got[1][stat], truth[1][stat], tol="fp32-matmul", name=stat)
     assert_close(got[2], truth[2], tol="fp32-matmul", name="grad hidden")
     assert_close(got[3], truth[3], tol="fp32-matmul", name="grad weight")
+
+
+@pytest.mark.parametrize("path", ["triton", "torch"])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("dual_clip", [False, True])
+@pytest.mark.parametrize("kl", [False, True])
+def test_asymmetric_clips_by_hand(monkeypatch, path, agg, dual_clip, kl):
+    # the clipped loss's hand-worked tokens (tests/kernels/checks.py) behind a two-word lm_head: weight I, hidden
+    # (x_t, 0), token 0, so logp_t = log sigmoid(x_t) and dlogp_t/dlogits_t = (1 - p_t, -(1 - p_t)); hence
+    # dL/dhidden_t = g_t (1 - p_t) (1, -1) and dL/dweight = sum_t dL/dlogits_t (x) hidden_t, g_t = dL/dlogp_t
+    monkeypatch.setenv("FASTTNT_KERNELS", path)
+    case = hand_worked_case(dual_clip=dual_clip, kl=kl, agg=agg)
+    n = len(case["ratios"])
+    x = torch.linspace(-1.0, 2.0, n, dtype=torch.float64)
+    p = torch.sigmoid(x)
+    logp = torch.log(p)  # (n,) float64, by hand
+    old = (logp - torch.tensor(case["ratios"], dtype=torch.float64).log()).float().to(DEVICE)
+    ref = None
+    if case["ref_shifts"] is not None:
+        ref = (logp + torch.tensor(case["ref_shifts"], dtype=torch.float64)).float().to(DEVICE)
+    hidden = torch.stack([x, torch.zeros(n, dtype=torch.float64)], 1).float().to(DEVICE).requires_grad_()  # (n, 2)
+    weight = torch.eye(2, device=DEVICE).requires_grad_()  # (V=2, H=2)
+    ids = torch.zeros(n, dtype=torch.long, device=DEVICE)
+    cu = torch.tensor([0, *itertools.accumulate(case["lengths"])], device=DEVICE)
+    adv = torch.tensor(case["advantages"], device=DEVICE)
+    loss, stats = linear_policy_loss(hidden, weight, ids, old, adv, cu, ref_logp=ref, **case["options"])
+    loss.backward()
+    assert math.isclose(loss.item(), case["loss"], rel_tol=1e-5, abs_tol=1e-7)
+    for name, value in case["stats"].items():
+        assert math.isclose(stats[name].item(), value, rel_tol=1e-5, abs_tol=1e-6), name
+    g = torch.tensor(case["grad"], dtype=torch.float64)  # (n,) dL/dlogp
+    d_logits = torch.stack([g * (1 - p), -g * (1 - p)], 1)  # (n, 2)
+    torch.testing.assert_close(hidden.grad.double().cpu(), d_logits, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(weight.grad.double().cpu(), d_logits.T @ hidden.detach().double().cpu(), rtol=1e-5,
+                               atol=1e-7)  # fmt: skip
 
 
 @pytest.mark.parametrize("path", ["triton", "torch"])
