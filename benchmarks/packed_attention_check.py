@@ -31,8 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from fasttnt.attention import varlen_backend
+    from fasttnt.engines import RolloutBatch, pack_sequences
     from fasttnt.policy import plan_micro_batches, response_logprobs
-    from fasttnt.rollout import RolloutBatch, pack
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if args.smoke:
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(2, len(lengths), 3):
         prompts[i] = prompts[i - 1]
     responses = [torch.randint(0, vocab, (r,), generator=gen).tolist() for _, r in lengths]
-    ids, cu = pack(responses, device)
+    ids, cu = pack_sequences(responses, device)
     batch = RolloutBatch(prompts, ids, cu, torch.zeros(len(lengths), dtype=torch.bool, device=device), 1)
     plan = plan_micro_batches(batch, args.tokens)
     assert len(plan) == 1, "the sequences must fill one packed row"

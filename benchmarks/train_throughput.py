@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from fasttnt.attention import varlen_backend
+    from fasttnt.engines import RolloutBatch
     from fasttnt.policy import plan_micro_batches, response_logprobs
-    from fasttnt.rollout import RolloutBatch
     from fasttnt_kernels import clipped_policy_loss
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,7 +1,11 @@
-"""Atomic checkpoints: a step's folder is written under a temporary name and renamed into place, so a run killed
-mid-save leaves the previous checkpoint whole. Weights are safetensors; optimizer and RNG states load with
-``torch.load(weights_only=True)``, never an unrestricted unpickle (the learning rate is a function of the step).
-Distributed runs add DeepSpeed's own checkpoint (each rank's optimizer shard) under ``deepspeed/``."""
+"""Checkpoints: save, resume and the final export.
+
+A step's folder is written under a temporary name and renamed into place, so a run killed mid-save leaves the
+previous checkpoint whole. It holds the weights (safetensors, Hugging Face layout), the optimizer
+(``optimizer.pt``; distributed runs: DeepSpeed's per-rank shards under ``deepspeed/``), each rank's RNG states,
+the step and data position (``trainer_state.json``) and the resolved config. Optimizer and RNG states load with
+``torch.load(weights_only=True)``, never an unrestricted unpickle; the learning rate is a function of the step.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
+
+from . import distributed
+from .config import TrainConfig, changed_keys, config_yaml, to_dict
 
 _PREFIX = "step-"
 
@@ -126,9 +134,7 @@ def remove_partial(root: Path) -> None:
 
 
 def read_trainer_state(path: Path) -> TrainerState:
-    data = json.loads((path / "trainer_state.json").read_text())
-    data.setdefault("world", 1 + len(list(path.glob("rng_rank*.pt"))))  # written before the count was kept
-    return TrainerState(**data)
+    return TrainerState(**json.loads((path / "trainer_state.json").read_text()))
 
 
 def load_training_state(path: Path, optimizer=None, *, rank: int = 0) -> TrainerState:
@@ -138,3 +144,77 @@ def load_training_state(path: Path, optimizer=None, *, rank: int = 0) -> Trainer
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
     set_rng_state(torch.load(path / f"rng{'' if rank == 0 else f'_rank{rank}'}.pt", weights_only=True))
     return read_trainer_state(path)
+
+
+class ResumeError(ValueError):
+    """A checkpoint that the configured run cannot continue."""
+
+
+def check_resume(cfg: TrainConfig, checkpoint: Path, world: int, *, new_config_ok: bool) -> None:
+    """Refuse to continue a checkpoint under a config that changes what it means (the model, the group size, the
+    reward, ...) or with another number of ranks, naming what differs; keys in ``SAFE_ON_RESUME`` may change."""
+    saved = yaml.safe_load((checkpoint / "config.yaml").read_text()) or {}
+    differ = changed_keys(saved, to_dict(cfg))
+    if differ and not new_config_ok:
+        shown = ", ".join(differ[:6]) + (f" and {len(differ) - 6} more" if len(differ) > 6 else "")
+        raise ResumeError(
+            f"--resume: the config differs from {checkpoint.name}'s in {shown}; resume with the same config, or "
+            "pass --resume-with-new-config to continue under the new one"
+        )
+    ranks = read_trainer_state(checkpoint).world
+    if ranks != world:
+        raise ResumeError(
+            f"--resume: {checkpoint.name} was written by {ranks} rank(s) and this run has {world}: resume it with "
+            f"{ranks} (each rank restores its own optimizer shard)"
+        )
+
+
+def load_weights(model, folder: Path) -> None:
+    """Load a checkpoint's safetensors (one file or shards) into a model built with the same architecture."""
+    from safetensors.torch import load_file
+
+    state = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(file))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {name for name in missing if "lm_head" in name and model.config.tie_word_embeddings}
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"{folder}: weights do not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    model.tie_weights()
+
+
+def save(root: Path, cfg: TrainConfig, state: TrainerState, model, optimizer, ds_engine=None, *, rank: int = 0) -> None:
+    """The checkpoint of ``state.step``, then the newest ``keep_checkpoints`` kept. Distributed: every rank writes
+    its optimizer shard and RNG state into the temporary folder, rank 0 the Hugging Face weights (gathered under
+    ZeRO-3); once all are done rank 0 renames it into place."""
+    keep, text = cfg.keep_checkpoints, config_yaml(cfg)
+    if ds_engine is None:
+        save_checkpoint(root, state, model, optimizer, keep=keep, config_yaml=text)
+        return
+    final, tmp = checkpoint_paths(root, state.step)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    distributed.barrier()
+    ds_engine.save_checkpoint(str(tmp), tag="deepspeed")
+    with distributed.gathered(list(model.parameters())):
+        if rank == 0:
+            model.save_pretrained(tmp, safe_serialization=True)
+    write_trainer_files(tmp, state, rank=rank, config_yaml=text)
+    distributed.barrier()
+    if rank == 0:
+        commit_checkpoint(root, tmp, final, keep=keep)
+    distributed.barrier()
+
+
+def export_final(out: Path, model, tokenizer, *, rank: int = 0) -> Path:
+    """``out/final``: the trained model and its tokenizer in Hugging Face's layout (written once, atomically)."""
+    final, tmp = out / "final", out / "final.tmp"
+    with distributed.gathered(list(model.parameters())):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+    return final

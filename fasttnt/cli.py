@@ -112,10 +112,12 @@ def _train(args) -> int:
     from transformers.utils import logging as hf_logging
 
     from . import distributed
+    from .checkpoint import ResumeError
     from .config import ConfigError, load_config
     from .data import DataError
     from .plots import summary_table
-    from .trainer import EXIT_PREEMPTED, Preempted, ResumeError, Trainer, VerificationError
+    from .preemption import EXIT_PREEMPTED, Preempted
+    from .trainer import Trainer, VerificationError
     from .variants import VariantError, read_variants_file, variant_overrides
     from .verify import VerifierStartupError
 

@@ -7,11 +7,9 @@ CLI turns it into one line and exit code 2 before anything heavy starts.
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import yaml
 
@@ -21,10 +19,13 @@ from .data import DATASETS, names_a_path
 from .metrics import MARKER_SETS
 from .rewards import REWARD_SCHEMES, RewardConfig
 from .tiny import TinyModelConfig, WarmupConfig
+from .typed_yaml import ConfigError, apply_overrides, build, read_yaml_mapping
 
-
-class ConfigError(ValueError):
-    """A config that cannot run, naming the key at fault."""
+__all__ = [  # with the loader's error and YAML reader, which every caller of the config uses
+    "SAFE_ON_RESUME", "ConfigError", "DataConfig", "DistributedConfig", "LossConfig", "ModelConfig", "OptimConfig",
+    "RolloutConfig", "TrainConfig", "changed_keys", "config_yaml", "dump_config", "load_config", "read_yaml_mapping",
+    "rollout_correction", "to_dict", "validate", "with_overrides",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -148,98 +149,11 @@ class TrainConfig:
 # -- loading ----------------------------------------------------------------------------------------------------
 
 
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
-
-
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """``value`` as type ``tp`` or a ConfigError naming ``key``; ints are accepted where floats are."""
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {value!r}")
-        return _build(tp, value, key + ".")
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(tp)
-        if value is None and type(None) in options:
-            return None
-        errors = []
-        for option in (o for o in options if o is not type(None)):
-            try:
-                return _coerce(value, option, key)
-            except ConfigError as err:
-                errors.append(str(err))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} fits none of {_type_name(tp)}")
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices or type(value) not in {type(c) for c in choices}:
-            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, choices))}")
-        return value
-    if origin is tuple:
-        args = typing.get_args(tp)
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
-        if len(value) != len(args):
-            raise ConfigError(f"{key}: expected {len(args)} values, got {len(value)}")
-        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an int, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return value
-    raise ConfigError(f"{key}: unsupported type {_type_name(tp)}")  # a bug in the config classes, not the file
-
-
-# keys of earlier versions, and what took their place
-_REPLACED = {"pack_tokens": "micro_batch_tokens (tokens per forward and backward, packed in one row)"}
-
-
-def _build(cls: type, data: dict, prefix: str = ""):
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    for key in unknown:
-        if prefix + key in _REPLACED:
-            raise ConfigError(f"{prefix}{key}: replaced by {_REPLACED[prefix + key]}")
-    if unknown:
-        raise ConfigError(f"{prefix}{unknown[0]}: unknown key (known: {', '.join(sorted(names))})")
-    return cls(**{name: _coerce(value, hints[name], prefix + name) for name, value in data.items()})
-
-
-def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
-    *parents, leaf = dotted.split(".")
-    node = tree
-    for part in parents:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"{dotted}: {part} is not a section")
-        node = child
-    node[leaf] = value
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
     """The config from a YAML file (or the defaults) with ``key=value`` overrides applied, then validated."""
     tree = read_yaml_mapping(path, "--config", "a mapping of sections") if path is not None else {}
-    _apply_overrides(tree, overrides)
-    cfg = _build(TrainConfig, tree)
+    apply_overrides(tree, overrides)
+    cfg = build(TrainConfig, tree)
     validate(cfg)
     return cfg
 
@@ -248,45 +162,8 @@ def with_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
     """``cfg`` with ``key=value`` overrides applied, types checked but not validated (a config being assembled, as
     a named variant does before its algorithm's values, which depend on it)."""
     tree = to_dict(cfg)
-    _apply_overrides(tree, overrides)
-    return _build(TrainConfig, tree)
-
-
-def _apply_overrides(tree: dict, overrides: list[str]) -> None:
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"{item}: overrides are key=value, e.g. rollout.group_size=16")
-        try:
-            value = yaml.safe_load(raw) if raw else ""
-        except yaml.YAMLError:
-            value = raw
-        _set_dotted(tree, key.strip(), value)
-
-
-def read_yaml_mapping(path: str | Path, flag: str, what: str) -> dict:
-    """The mapping a YAML file holds (empty for an empty file), or a ConfigError that names ``flag``, the file and,
-    for a syntax error, its line and column; ``what``: what the mapping should hold, for the message."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{flag}: {path} does not exist")
-    try:
-        tree = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{flag}: {_yaml_error(path, err)}") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{flag}: {path}: cannot read ({err.__class__.__name__}: {err})") from None
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{flag}: {path} must hold {what}")
-    return tree
-
-
-def _yaml_error(path: Path, err: yaml.YAMLError) -> str:
-    """``path:line:column: what`` of a YAML error, on one line (yaml's own message spans several)."""
-    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
-    what = " ".join(str(x) for x in (getattr(err, "context", None), getattr(err, "problem", None)) if x) or str(err)
-    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
-    return f"{where}: not valid YAML: {' '.join(what.split())}"
+    apply_overrides(tree, overrides)
+    return build(TrainConfig, tree)
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -406,9 +283,8 @@ SAFE_ON_RESUME = frozenset(
 
 
 def changed_keys(old: dict, new: dict) -> list[str]:
-    """Dotted keys whose values differ between two configs as plain data (``to_dict``), safe ones left out. A key
-    the old config lacks (written by an earlier version) counts as its default; a key the new one lacks (removed
-    since, such as ``pack_tokens``) is not compared."""
+    """Dotted keys whose values differ between two configs as plain data (``to_dict``), safe ones left out; a key
+    only one of them has differs."""
 
     def flat(tree: dict, prefix: str = "") -> dict:
         out = {}
@@ -419,9 +295,9 @@ def changed_keys(old: dict, new: dict) -> list[str]:
                 out[prefix + key] = value
         return out
 
-    b = flat(new)
-    a = {**flat(to_dict(TrainConfig())), **flat(old)}
-    return sorted(k for k in b if a.get(k) != b[k] and k not in SAFE_ON_RESUME)
+    a, b = flat(old), flat(new)
+    missing = object()
+    return sorted(k for k in a.keys() | b.keys() if a.get(k, missing) != b.get(k, missing) and k not in SAFE_ON_RESUME)
 
 
 def to_dict(cfg: TrainConfig) -> dict:

@@ -222,3 +222,15 @@ def build_prompt(tokenizer, problem: str, mode: PromptMode | str = PromptMode.FR
         response_prefix=THINK_END if mode is PromptMode.NON_THINKING else "",
         forbid_think_end_first=mode is PromptMode.THINKING,
     )
+
+
+def think_end_token_id(tokenizer, *, required: bool = True) -> int | None:
+    """The id of ``</think>``, which must be one token (the modes and the TNT reward are read from it). Without
+    one: a ValueError naming the tokenizer, or None when not ``required`` (a model evaluated in free mode)."""
+    token_id = tokenizer.convert_tokens_to_ids(THINK_END)
+    if token_id is None or token_id == tokenizer.unk_token_id:
+        if required:
+            name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+            raise ValueError(f"{name}: the tokenizer has no single {THINK_END} token")
+        return None
+    return token_id

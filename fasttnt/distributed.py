@@ -123,6 +123,16 @@ def deepspeed_config(cfg, world: int) -> dict:
     }
 
 
+def gathered(params: list[torch.nn.Parameter]):
+    """Full parameters for the duration where they are ZeRO-3 shards (they carry ``ds_id``), on every rank at once
+    (the gather is collective); nothing to do otherwise."""
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    return contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def zero3_full_model(engine, module: torch.nn.Module):
     """Every parameter of ``module`` gathered, and ZeRO-3's per-module hooks off, for the duration.
@@ -133,10 +143,8 @@ def zero3_full_model(engine, module: torch.nn.Module):
     technique as TRL's ``unwrap_model_for_generation``, written against DeepSpeed's ZeRO-3 offload object.)
     The memory is the whole model on every rank while it lasts.
     """
-    import deepspeed
-
     offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)
-    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+    with gathered(list(module.parameters())):
         for param in offload.module.parameters(recurse=True):
             param.ds_active_sub_modules.clear()
         for hook in [*offload.forward_hooks, *offload.backward_hooks]:

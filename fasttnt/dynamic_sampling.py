@@ -8,14 +8,13 @@ joins them and picks the groups a step trains on.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
 
 from fasttnt_kernels import TntRewards
 
-from .rollout import RolloutBatch, select_sequences
+from .engines.batch import RolloutBatch
 
 
 @dataclass
@@ -51,24 +50,9 @@ def concat_draws(draws: list[Draw]) -> Draw:
     """The draws as one, in order (the groups of draw 0 first)."""
     if len(draws) == 1:
         return draws[0]
-    batches = [d.batch for d in draws]
-    offsets = [0, *itertools.accumulate(b.bounds[-1] for b in batches)]
-    shifted = [b.cu_seqlens[1:] + off for b, off in zip(batches, offsets, strict=False)]
-    cu = torch.cat([batches[0].cu_seqlens[:1], *shifted])  # (S+1,)
-    logps = [b.rollout_logp for b in batches]
-    batch = RolloutBatch(
-        [p for b in batches for p in b.prompt_ids],
-        torch.cat([b.response_ids for b in batches]),
-        cu,
-        torch.cat([b.truncated for b in batches]),
-        batches[0].group_size,
-        rollout_logp=torch.cat(logps) if all(lp is not None for lp in logps) else None,
-    )
-    batch.responses = [r for b in batches for r in b.responses]  # already on the host: no second read
-    batch.bounds = [0] + [x + off for b, off in zip(batches, offsets, strict=False) for x in b.bounds[1:]]
     rewards = TntRewards(*(torch.cat([getattr(d.rewards, f) for d in draws]) for f in TntRewards._fields))
     return Draw(
-        batch,
+        RolloutBatch.concat([d.batch for d in draws]),
         torch.cat([d.correct for d in draws]),
         rewards,
         torch.cat([d.hacked for d in draws]),
@@ -81,7 +65,7 @@ def select_groups(draw: Draw, groups: list[int]) -> Draw:
     """Groups ``groups`` (ascending) of a draw, all K responses each, repacked from 0."""
     k = draw.batch.group_size
     seqs = [g * k + j for g in groups for j in range(k)]
-    batch, _ = select_sequences(draw.batch, seqs)
+    batch, _ = draw.batch.select(seqs)
     device = draw.correct.device
     s = torch.tensor(seqs, dtype=torch.long, device=device)
     g = torch.tensor(groups, dtype=torch.long, device=draw.rewards.limit.device)

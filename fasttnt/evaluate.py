@@ -15,12 +15,23 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .data import DATASETS, MATH_INSTRUCTION, DataError, Problem, PromptMode, build_prompt, load_problems, loading_model
-from .metrics import MARKER_SETS, hack_flags, rollout_metrics, to_floats, token_efficiency
-from .rewards import PackedResponses, RewardConfig, compute_rewards
-from .rollout import ENGINES, decode_responses
+from . import scoring
+from .data import (
+    DATASETS,
+    MATH_INSTRUCTION,
+    DataError,
+    Problem,
+    PromptMode,
+    build_prompt,
+    load_problems,
+    loading_model,
+    think_end_token_id,
+)
+from .engines import EngineSettings, build_engine
+from .metrics import MARKER_SETS, rollout_metrics, to_floats, token_efficiency
+from .rewards import RewardConfig
 from .synthetic import held_out
-from .verify import VerifierPool, verify_batch
+from .verify import VerifierPool
 
 SYNTHETIC = "synthetic"
 BENCHMARK_ORDER = ("aime24", "aime25", "amc23", "math500", "minerva", "olympiad", "gpqa")
@@ -68,22 +79,18 @@ def _open_engine(name: str, device: torch.device, settings: EvalSettings):
         if settings.engine != "vllm":  # vLLM loads the weights itself
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
             model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device).eval()
-    engine = ENGINES.get(settings.engine)(
-        model,
-        tokenizer,
-        model_path=name,
+    engine_settings = EngineSettings(
         max_new_tokens=settings.max_new_tokens,
         temperature=settings.temperature,
         top_p=settings.top_p,
-        gpu_memory_utilization=0.8,
-        sleep_between_rollouts=False,
-        weight_sync_bucket_mb=512,
+        model_path=name,
         max_model_len=4096 + settings.max_new_tokens,
         seed=settings.seed,
         dtype="bfloat16",
         device=device,
+        gpu_memory_utilization=0.8,
     )
-    return engine, tokenizer
+    return build_engine(settings.engine, model, tokenizer, engine_settings), tokenizer
 
 
 def evaluate_one(
@@ -93,7 +100,7 @@ def evaluate_one(
     synthetic = name == SYNTHETIC
     instruction = "" if synthetic else MATH_INSTRUCTION
     markers = MARKER_SETS["synthetic" if synthetic else "math"]
-    think_end_id = tokenizer.convert_tokens_to_ids("</think>")
+    think_end_id = think_end_token_id(tokenizer)
     records: list[dict] = []
     k = settings.samples
     for start in range(0, len(problems), settings.batch_prompts):
@@ -102,15 +109,14 @@ def evaluate_one(
             build_prompt(tokenizer, p.problem, PromptMode(settings.mode), instruction=instruction) for p in chunk
         ]
         batch = engine.generate(prompts, k, seed=settings.seed * 1_000_003 + start)
-        texts = decode_responses(tokenizer, batch.responses)
-        verdicts = verify_batch(texts, [p.answer for p in chunk for _ in range(k)], pool=pool, require_think_end=True)
-        truncated = batch.truncated.tolist()
-        correct = torch.tensor([v and not t for v, t in zip(verdicts, truncated, strict=True)])
-        packed = PackedResponses(batch.response_ids.cpu(), batch.cu_seqlens.cpu(), batch.truncated.cpu(), k)
-        modes = compute_rewards(packed, correct, think_end_id, RewardConfig()).non_thinking.tolist()
-        hacked = hack_flags(texts, modes, markers)
+        golds = [p.answer for p in chunk for _ in range(k)]
+        scores = scoring.score(
+            tokenizer, batch, golds, pool=pool, reward=RewardConfig(), think_end_id=think_end_id, markers=markers
+        )
+        truncated, correct = batch.truncated.tolist(), scores.correct.tolist()
+        modes, hacked = scores.rewards.non_thinking.tolist(), scores.hacked.tolist()
         lengths = batch.lengths.tolist()
-        for i, text in enumerate(texts):
+        for i, text in enumerate(scores.texts):
             p = chunk[i // k]
             records.append(
                 {

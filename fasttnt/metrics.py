@@ -4,6 +4,8 @@
     len                  mean response tokens; len_thinking / len_non_thinking by mode (0 when a mode is absent)
     non_thinking_ratio   share of responses whose first token is </think>
     limit_mean/min/max   the per-query limits L_x (finite ones; 0 when a scheme has none)
+    limit_thinking_mean  TNT: the mean L_x of the queries that had a thinking response to set it (no fallback)
+    limit_fallback_frac  TNT: the share of queries without one, whose limit is the fallback
     te                   token efficiency A / sqrt(L), A = accuracy in percent, L = mean tokens
     hack_rate            share of non-thinking responses whose solution part contains thinking markers
     truncated_ratio      share of responses cut by the length budget
@@ -91,8 +93,10 @@ def rollout_metrics(
     truncated: torch.Tensor | None = None,
     limit: torch.Tensor | None = None,
     rewards: torch.Tensor | None = None,
+    own_limit: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Scalar metric tensors, on the inputs' device, from per-response tensors (S,) and per-query limits (G,)."""
+    """Scalar metric tensors, on the inputs' device, from per-response tensors (S,) and per-query limits (G,);
+    ``own_limit`` (G,) marks the queries whose limit came from their own thinking responses (TNT)."""
     correct, non_thinking, hacked = correct.bool(), non_thinking.bool(), hacked.bool()
     lengths = lengths.float()
     thinking = ~non_thinking
@@ -117,7 +121,17 @@ def rollout_metrics(
         out["limit_max"] = torch.where(finite.any(), torch.where(finite, limit, small).max(), 0.0)
     if rewards is not None:
         out["reward"] = rewards.float().mean() if rewards.numel() else acc * 0
+    if limit is not None and own_limit is not None and own_limit.numel():
+        own = own_limit.bool()
+        out["limit_thinking_mean"] = _masked_mean(limit.float(), own)
+        out["limit_fallback_frac"] = (~own).float().mean()
     return out
+
+
+def own_limits(non_thinking: torch.Tensor, solution_len: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(G,) bool: the queries with a thinking response that closed its think block, whose solution lengths set
+    TNT's limit (the others get the fallback limit)."""
+    return (~non_thinking.bool() & (solution_len >= 0)).view(-1, group_size).any(dim=1)
 
 
 def to_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -11,7 +11,7 @@ _PANELS = [
     ("mean tokens by mode", [("len", "all"), ("len_thinking", "thinking"), ("len_non_thinking", "non-thinking")]),
     ("non-thinking ratio", [("non_thinking_ratio", "non-thinking ratio")]),
     ("hack rate", [("hack_rate", "hack rate (of non-thinking)")]),
-    ("per-query limit L_x", [("limit_mean", "mean"), ("limit_min", "min"), ("limit_max", "max")]),
+    ("per-query limit L_x", [("limit_thinking_mean", "mean, queries with a thinking response")]),
 ]
 
 
@@ -39,6 +39,15 @@ def plot_curves(history: list[dict[str, float]], path: Path, *, title: str = "fa
         ax.set_title(name)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
+        if name.startswith("per-query limit") and all("limit_fallback_frac" in h for h in history):
+            # the fallback limit (1000 tokens) of queries without a thinking response would flatten the rest:
+            # their share goes on its own axis instead
+            share = ax.twinx()
+            share.plot(steps, [h["limit_fallback_frac"] for h in history], color="grey", linestyle="--",
+                       linewidth=1, label="share on the fallback limit")  # fmt: skip
+            share.set_ylim(-0.02, 1.02)
+            share.set_ylabel("share of queries on the fallback")
+            share.legend(fontsize=8, loc="upper right")
         if len(series) > 1:
             ax.legend(fontsize=8)
     fig.suptitle(title)

@@ -13,14 +13,14 @@ logits are never materialised.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from fasttnt_kernels import linear_policy_loss, linear_token_logprobs
+from fasttnt_kernels import PolicyLossConfig, linear_policy_loss, linear_token_logprobs
 
 from .attention import Packing, packed_forward, takes_mask_mapping, use_packed_attention
-from .rollout import RolloutBatch
+from .engines.batch import RolloutBatch
 
 
 @dataclass
@@ -58,10 +58,12 @@ def plan_micro_batches(batch: RolloutBatch, budget: int) -> list[MicroBatch]:
             used = 0
         groups[-1].append(i)
         used += n
-    return [_pack([prompts[i] for i in g], [responses[i] for i in g], g[0]) for g in groups]
+    return [pack_micro_batch([prompts[i] for i in g], [responses[i] for i in g], g[0]) for g in groups]
 
 
-def _pack(prompts: list[list[int]], responses: list[list[int]], first: int) -> MicroBatch:
+def pack_micro_batch(prompts: list[list[int]], responses: list[list[int]], first: int) -> MicroBatch:
+    """Sequences ``first ..`` of a batch (their prompts and responses) as one packed row, each distinct prompt once
+    where consecutive sequences share it."""
     ids: list[int] = []
     positions: list[int] = []
     index: list[int] = []
@@ -99,6 +101,44 @@ def _pack(prompts: list[list[int]], responses: list[list[int]], first: int) -> M
     )
 
 
+@dataclass(frozen=True)
+class LossSettings:
+    """The policy loss's hyper-parameters (``loss.*``), built once from the config: the kernel's own validated
+    ``PolicyLossConfig`` and the entropy bonus."""
+
+    policy: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    entropy_coef: float = 0.0
+
+    @classmethod
+    def of(cls, loss) -> LossSettings:
+        names = [f.name for f in fields(PolicyLossConfig)]  # clip_low, clip_high, dual_clip, kl_coef, agg, norm_length
+        return cls(PolicyLossConfig(**{name: getattr(loss, name) for name in names}), loss.entropy_coef)
+
+
+@dataclass(frozen=True)
+class MicroBatchLoss:
+    """``linear_policy_loss``'s inputs for one micro-batch: its slices of the per-sequence and per-token tensors,
+    the normalisers of its whole mini-batch (over all ranks), and the settings."""
+
+    advantages: torch.Tensor  # (s,)
+    cu_seqlens: torch.Tensor  # (s+1,) from 0
+    old_logp: torch.Tensor | None = None  # (n,); None: on-policy (the current log-probs, detached)
+    ref_logp: torch.Tensor | None = None  # (n,)
+    is_weights: torch.Tensor | None = None  # (n,) the rollout correction's weights
+    total_tokens: float | None = None
+    total_seqs: float | None = None
+    settings: LossSettings = field(default_factory=LossSettings)
+
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float):
+        """(loss, stats, logp) of the micro-batch's response tokens, the gradient formed in the same pass."""
+        # the fields are linear_policy_loss's keyword arguments, by name
+        inputs = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "settings"}
+        return linear_policy_loss(
+            hidden, weight, targets, temperature=temperature, entropy_coef=self.settings.entropy_coef,
+            return_logp=True, **inputs, **asdict(self.settings.policy),
+        )  # fmt: skip
+
+
 class PolicyHead(torch.nn.Module):
     """The policy as the update uses it: a packed micro-batch in, response-token log-probs (or, given the loss's
     inputs, the policy loss) out, in one module forward (so that under ZeRO-3 the lm_head weight is gathered for
@@ -126,8 +166,8 @@ class PolicyHead(torch.nn.Module):
         hidden = out.last_hidden_state[0, hidden_index]  # (n, H)
         weight = self.model.get_output_embeddings().weight  # (V, H)
         hidden = hidden.to(weight.dtype)  # under autocast the states are 16-bit; the op casts per autocast itself
-        if loss is not None:  # (loss, stats, logp): linear_policy_loss's keyword arguments for this micro-batch
-            return linear_policy_loss(hidden, weight, targets, temperature=temperature, return_logp=True, **loss)
+        if loss is not None:  # a MicroBatchLoss: (loss, stats, logp)
+            return loss(hidden, weight, targets, temperature)
         result = linear_token_logprobs(hidden, weight, targets, temperature=temperature, with_entropy=with_entropy)
         return result if with_entropy else (result, None)
 
@@ -143,12 +183,10 @@ def run_dummy(head, device: torch.device, *, temperature: float, with_loss: bool
     all ranks must run as many, down the same path (ZeRO-3 checks that the ranks traced the same modules).
     Returns log-probs (1,), or with ``with_loss`` the ``linear_policy_loss`` of a zero advantage (the update's
     path): the caller multiplies either by 0."""
-    mb = _pack([[0]], [[0]], 0)
+    mb = pack_micro_batch([[0]], [[0]], 0)
     loss = None
     if with_loss:
-        loss = dict(
-            old_logp=None, advantages=torch.zeros(1, device=device), cu_seqlens=torch.tensor([0, 1], device=device)
-        )
+        loss = MicroBatchLoss(advantages=torch.zeros(1, device=device), cu_seqlens=torch.tensor([0, 1], device=device))
     return _forward(head, mb, mb.input_ids[0, 1:].to(device), temperature, False, loss)
 
 
@@ -160,9 +198,9 @@ def micro_batch_logprobs(
     return _forward(head, mb, batch.response_ids[lo:hi], temperature, with_entropy)
 
 
-def micro_batch_loss(head, batch: RolloutBatch, mb: MicroBatch, *, temperature: float, loss: dict):
-    """``linear_policy_loss`` of one micro-batch of ``batch``: ``(loss, stats, logp)``. ``loss``: its keyword
-    arguments (old_logp, advantages, cu_seqlens and the rest), sliced to the micro-batch's sequences."""
+def micro_batch_loss(head, batch: RolloutBatch, mb: MicroBatch, *, temperature: float, loss: MicroBatchLoss):
+    """``linear_policy_loss`` of one micro-batch of ``batch``: ``(loss, stats, logp)``; ``loss`` holds its inputs,
+    sliced to the micro-batch's sequences."""
     lo, hi = batch.bounds[mb.first], batch.bounds[mb.last]
     return _forward(head, mb, batch.response_ids[lo:hi], temperature, False, loss)
 

@@ -7,8 +7,9 @@
     uniform-limit  as tnt with one limit, uniform_limit, for every query (AdaptThink-style)
     binary         1/0 for every response (plain GRPO)
 
-A truncated response (no EOS within the length budget) is wrong, whatever its text says. DAPO's overlong reward
-shaping (``overlong_buffer`` > 0) is added to any scheme's reward afterwards.
+``correct`` is the judged verdict (``fasttnt.scoring.judge``: a response truncated by the length budget is wrong,
+whatever its text says). DAPO's overlong reward shaping (``overlong_buffer`` > 0) is added to any scheme's reward
+afterwards.
 """
 
 from __future__ import annotations
@@ -51,11 +52,10 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class PackedResponses:
-    """What a rollout hands the reward: packed token ids, boundaries, and per-response flags."""
+    """What a rollout hands the reward: packed token ids and their boundaries, K samples per prompt adjacent."""
 
     ids: torch.Tensor  # (N,) int
     cu_seqlens: torch.Tensor  # (S+1,) int, from 0 to N
-    truncated: torch.Tensor  # (S,) bool: stopped by the length budget, not by EOS
     group_size: int  # K samples per prompt, adjacent
 
     @property
@@ -72,7 +72,7 @@ def _kernel_scheme(name: str) -> RewardFn:
         return tnt_rewards(
             batch.ids,
             batch.cu_seqlens,
-            correct.bool() & ~batch.truncated.bool(),
+            correct.bool(),
             batch.group_size,
             think_end_id,
             omega=cfg.omega,

@@ -10,11 +10,12 @@ import torch
 import varied
 from small import SMALL
 
+from fasttnt.actor import Actor
 from fasttnt.cli import main as cli_main
 from fasttnt.config import ConfigError, load_config
 from fasttnt.dynamic_sampling import Draw, choose_groups, concat_draws, select_groups, varied_groups
+from fasttnt.engines import RolloutBatch, pack_sequences
 from fasttnt.rewards import PackedResponses, RewardConfig, compute_rewards, overlong_shaping
-from fasttnt.rollout import RolloutBatch, pack
 from fasttnt.trainer import Trainer
 from fasttnt.variants import VariantError, check_variant, read_variants_file, split_variants, variant_overrides
 from fasttnt_kernels import TntRewards
@@ -58,8 +59,8 @@ def test_overlong_shaping_is_dapos_piecewise_penalty(trial):
 
 
 def test_compute_rewards_adds_the_shaping_to_any_scheme():
-    ids, cu = pack([[5, 6, 7, 2], [5] * 12, [5] * 15 + [2], [9, 2]])  # lengths 4, 12, 16, 2
-    batch = PackedResponses(ids, cu, torch.tensor([False, False, False, False]), group_size=2)
+    ids, cu = pack_sequences([[5, 6, 7, 2], [5] * 12, [5] * 15 + [2], [9, 2]])  # lengths 4, 12, 16, 2
+    batch = PackedResponses(ids, cu, group_size=2)
     correct = torch.tensor([True, True, False, True])
     for scheme in ("tnt", "binary"):
         plain = compute_rewards(batch, correct, think_end_id=3, cfg=RewardConfig(scheme=scheme))
@@ -91,7 +92,7 @@ def test_bad_algorithm_options_name_the_key(override, message):
 
 def _draw(lengths: list[int], rewards: list[float], k: int, first_token: int = 10) -> Draw:
     seqs = [[first_token + i] * n for i, n in enumerate(lengths)]
-    ids, cu = pack(seqs)
+    ids, cu = pack_sequences(seqs)
     s = len(lengths)
     batch = RolloutBatch([[1, 2]] * s, ids, cu, torch.zeros(s, dtype=torch.bool), k,
                          rollout_logp=torch.arange(ids.numel(), dtype=torch.float32))  # fmt: skip
@@ -141,7 +142,7 @@ def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tmp_path, m
     cfg = load_config(None, _small(tmp_path, *extra))
     trainer = Trainer(cfg, tmp_path / "run")
     seen = []
-    real_update, real_draw = Trainer._update, Trainer._draw
+    real_update, real_draw = Actor.update, Trainer._draw
     draws = []
 
     def update(self, batch, advantages, old_logp, ref_logp):
@@ -153,7 +154,7 @@ def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tmp_path, m
         draws.append((step, index, out))
         return out
 
-    monkeypatch.setattr(Trainer, "_update", update)
+    monkeypatch.setattr(Actor, "update", update)
     monkeypatch.setattr(Trainer, "_draw", draw)
     rows = trainer.run()
     k, p = cfg.rollout.group_size, cfg.rollout.prompts_per_step

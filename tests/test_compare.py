@@ -70,12 +70,17 @@ def test_compare_writes_the_table_the_json_and_the_figure(tmp_path, monkeypatch)
     assert (out / "compare.png").stat().st_size > 10_000
 
     # a rerun trains nothing again (inline, one job)
-    real_trainer = compare.Trainer
-    monkeypatch.setattr(compare, "Trainer", lambda *a, **k: pytest.fail("a finished run was trained again"))
+    real_trainer = compare.jobs.Trainer
+    monkeypatch.setattr(compare.jobs, "Trainer", lambda *a, **k: pytest.fail("a finished run was trained again"))
     assert cli_main(_args(tmp_path, "--jobs", "1")) == 0
     # other settings are other runs: --steps 4 retrains them (tnt's, from both warm-ups), and the evaluation follows
     trained = []
-    monkeypatch.setattr(compare, "Trainer", lambda cfg, out, **k: trained.append(out) or real_trainer(cfg, out, **k))
+
+    def counted(cfg, out, **kw):
+        trained.append(out)
+        return real_trainer(cfg, out, **kw)
+
+    monkeypatch.setattr(compare.jobs, "Trainer", counted)
     args = _args(tmp_path, "--jobs", "1")
     args[args.index("--steps") + 1] = "4"
     args[args.index("--variants") + 1] = "tnt"

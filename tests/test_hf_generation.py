@@ -1,6 +1,6 @@
-"""The hf engine's own decode loop (fasttnt.rollout.HFEngine) returns exactly what transformers ``generate`` with
-the engine's seeded sampler returned before the loop was ours: the same tokens, truncation flags and log-probs,
-while each prompt is prefilled once and finished rows are compacted out of the batch. A row's response does not
+"""The hf engine's own decode loop (fasttnt.engines.hf.HFEngine) returns exactly what transformers ``generate`` returns
+with the same seeded sampler as a logits processor: the same tokens, truncation flags and log-probs, while each
+prompt is prefilled once and finished rows are compacted out of the batch. A row's response does not
 depend on the rows it is generated with.
 
 The models are tiny, randomly initialised and float64, so that no floating-point near-tie between two ways of
@@ -18,16 +18,19 @@ from transformers import DynamicCache, GenerationConfig, LlamaConfig, LlamaForCa
 
 from fasttnt.char_tokenizer import build_char_tokenizer
 from fasttnt.data import Prompt, PromptMode, build_prompt
+from fasttnt.engines import EngineSettings, RolloutBatch, pack_sequences
+from fasttnt.engines.hf import _COMPACT_SHARE, HFEngine
+from fasttnt.engines.sampler import _hash_uniform, row_seeds
 from fasttnt.policy import PolicyHead
-from fasttnt.rollout import _COMPACT_SHARE, HFEngine, RolloutBatch, _hash_uniform, pack, row_seeds
 from fasttnt.synthetic import held_out
 from fasttnt.tiny import TinyModelConfig, build_tiny_model
 
-# -- the reference: HFEngine.generate as it was before its own loop (fasttnt/rollout.py at a8b0f68) ---------------
+# -- the reference: transformers generate, sampling by the engine's rule through a logits processor ---------------
 
 
 class _ReferenceSampler(LogitsProcessor):
-    """The engine's former ``SeededSampler``: Gumbel-max over per-row counter-based noise, for greedy decoding."""
+    """The engine's sampling rule as a logits processor: Gumbel-max over per-row counter-based noise, so that greedy
+    decoding in ``generate`` samples."""
 
     def __init__(self, row_seeds: torch.Tensor, prompt_width: int, temperature: float, top_p: float) -> None:
         self.row_seeds, self.prompt_width = row_seeds, prompt_width
@@ -103,7 +106,7 @@ def _reference(engine: HFEngine, prompts: list[Prompt], group_size: int, *, seed
         responses.append(prefix + tokens)
         logprobs.extend([0.0] * len(prefix) + sampled_logp[i][: len(tokens)])
     prompt_ids = [ids[: len(ids) - len(prefixes[i // group_size])] for i, ids in enumerate(rows)]
-    ids, cu = pack(responses)
+    ids, cu = pack_sequences(responses)
     return RolloutBatch(prompt_ids, ids, cu, torch.tensor(truncated), group_size, torch.tensor(logprobs))
 
 
@@ -193,7 +196,9 @@ def test_generation_equals_the_generate_reference(monkeypatch, case):
     # the model's own generation settings must not bend sampling (the reference swaps them out, as the engine did)
     model.generation_config = GenerationConfig(repetition_penalty=3.0, no_repeat_ngram_size=2)
     max_new_tokens = 48
-    engine = HFEngine(model, tok, max_new_tokens=max_new_tokens, temperature=case.temperature, top_p=case.top_p)
+    engine = HFEngine(
+        model, tok, EngineSettings(max_new_tokens=max_new_tokens, temperature=case.temperature, top_p=case.top_p)
+    )
     prompts = [build_prompt(tok, p.problem, case.mode) for p in held_out(case.per_level)]
     expected = _reference(engine, prompts, case.group_size, seed=11, first_row=case.first_row)
 
@@ -247,7 +252,7 @@ def test_a_row_is_the_same_alone_and_in_a_batch():
     # </think> strongly biased (~80% of a free row's first tokens), and a batch mixing free and forced-thinking
     # prompts: forbidding </think> first is per row, so the free rows' responses are the ones they get alone
     tok, model = _model("qwen2", think_end_bias=6.0)
-    engine = HFEngine(model, tok, max_new_tokens=24, temperature=1.0, top_p=1.0)
+    engine = HFEngine(model, tok, EngineSettings(max_new_tokens=24, temperature=1.0, top_p=1.0))
     problems = held_out(1)
     modes = [PromptMode.FREE, PromptMode.THINKING, PromptMode.FREE, PromptMode.NON_THINKING]
     prompts = [build_prompt(tok, p.problem, m) for p, m in zip(problems, modes, strict=True)]
@@ -267,7 +272,7 @@ def test_a_row_is_the_same_alone_and_in_a_batch():
 
 def test_training_mode_is_restored_when_generation_fails():
     tok, model = _model("qwen2")
-    engine = HFEngine(model, tok, max_new_tokens=8, temperature=1.0, top_p=1.0)
+    engine = HFEngine(model, tok, EngineSettings(max_new_tokens=8, temperature=1.0, top_p=1.0))
     calls = []
 
     def fail_on_the_third_forward(_module, _args):

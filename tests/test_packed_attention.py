@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from fasttnt.attention import Packing, varlen_attention
 from fasttnt.char_tokenizer import build_char_tokenizer
 from fasttnt.data import build_prompt
+from fasttnt.engines import EngineSettings, RolloutBatch, pack_sequences
+from fasttnt.engines.hf import HFEngine
 from fasttnt.policy import PolicyHead, plan_micro_batches, response_logprobs
-from fasttnt.rollout import HFEngine, RolloutBatch, pack
 from fasttnt.synthetic import held_out
 from fasttnt.tiny import TinyModelConfig, build_tiny_model
 
@@ -35,7 +36,7 @@ def _batch(vocab: int, prompt_lengths: list[int], response_lengths: list[int]) -
     """A batch of random token sequences (no model call): uneven prompts and responses, 1-token ones included."""
     prompts = [torch.randint(7, vocab, (n,)).tolist() for n in prompt_lengths]
     responses = [torch.randint(7, vocab, (n,)).tolist() for n in response_lengths]
-    ids, cu = pack(responses)
+    ids, cu = pack_sequences(responses)
     return RolloutBatch(prompts, ids, cu, torch.zeros(len(responses), dtype=torch.bool), 1)
 
 
@@ -80,9 +81,8 @@ def test_a_sequence_does_not_see_the_ones_packed_before_it():
     alone = _batch(len(tok), [6], [12])
     crowded = _batch(len(tok), [9, 4, 13], [30, 1, 8])
     crowded.prompt_ids.append(alone.prompt_ids[0])
-    crowded = RolloutBatch(
-        crowded.prompt_ids, *pack([*crowded.responses, alone.responses[0]]), torch.zeros(4, dtype=torch.bool), 1
-    )
+    packed = pack_sequences([*crowded.responses, alone.responses[0]])
+    crowded = RolloutBatch(crowded.prompt_ids, *packed, torch.zeros(4, dtype=torch.bool), 1)
     with torch.no_grad():
         a, _ = response_logprobs(model, alone, plan_micro_batches(alone, 10_000), temperature=TEMPERATURE)
         c, _ = response_logprobs(model, crowded, plan_micro_batches(crowded, 10_000), temperature=TEMPERATURE)
@@ -185,7 +185,7 @@ def test_packing_boundaries_are_host_side():
 def test_generation_is_unchanged_by_packed_attention_and_the_name_is_not_saved(tmp_path):
     # the trainer's model serves the rollout engine (padded batches, a KV cache) and the packed forwards
     tok, model = _model()
-    engine = HFEngine(model.eval(), tok, max_new_tokens=20, temperature=1.0, top_p=1.0)
+    engine = HFEngine(model.eval(), tok, EngineSettings(max_new_tokens=20, temperature=1.0, top_p=1.0))
     prompts = [build_prompt(tok, p.problem) for p in held_out(3)]
     before = engine.generate(prompts, 2, seed=5)
     PolicyHead(model)  # installs the packed attention
@@ -260,7 +260,7 @@ def test_a_flash_attention_model_packs_and_generates_through_sdpa():
     # transformers takes any implementation named "*flash*" for FlashAttention and would look ours up as a hub
     # kernel: a model loaded with flash_attention_2 (the GPU default) must still pack, and generate through SDPA
     tok, model = _model()
-    engine = HFEngine(model.eval(), tok, max_new_tokens=12, temperature=1.0, top_p=1.0)
+    engine = HFEngine(model.eval(), tok, EngineSettings(max_new_tokens=12, temperature=1.0, top_p=1.0))
     prompts = [build_prompt(tok, p.problem) for p in held_out(2)]
     before = engine.generate(prompts, 2, seed=1)
     model.config._attn_implementation = "flash_attention_2"  # as loaded on a GPU with flash-attn (not run here)

@@ -17,7 +17,7 @@ from small import SMALL, launch_command
 
 from fasttnt.checkpoint import list_checkpoints
 from fasttnt.cli import main as cli_main
-from fasttnt.trainer import EXIT_PREEMPTED
+from fasttnt.preemption import EXIT_PREEMPTED
 
 # 30 steps of a run of seconds: the signal comes after the first step is logged, long before the last
 RUN = [*SMALL, varied.OVERRIDE, "warmup.steps=3", "warmup.batch_size=8", "rollout.max_new_tokens=12", "steps=30",
@@ -116,13 +116,12 @@ def test_resume_refuses_a_config_that_changes_the_checkpoints_meaning(tmp_path, 
     assert [r["step"] for r in _metrics(out)] == [1, 2, 3, 4]
 
 
-def test_a_checkpoint_written_before_the_config_was_kept_compares_as_its_defaults():
-    # an earlier version's config: pack_tokens (since removed), no rollout-correction keys (since added)
+def test_changed_keys_names_what_differs_and_what_only_one_config_has():
     from fasttnt.config import TrainConfig, changed_keys, to_dict
 
-    old = to_dict(TrainConfig())
-    old["pack_tokens"] = 256
-    del old["loss"]["rollout_correction"], old["loss"]["rollout_correction_cap"]
-    assert changed_keys(old, to_dict(TrainConfig())) == []
+    old, new = to_dict(TrainConfig()), to_dict(TrainConfig())
+    assert changed_keys(old, new) == []
     old["rollout"]["group_size"] = 16
-    assert changed_keys(old, to_dict(TrainConfig())) == ["rollout.group_size"]
+    old["steps"] = 7  # safe on resume
+    del old["loss"]["rollout_correction_cap"]  # a key the checkpoint's config does not have
+    assert changed_keys(old, new) == ["loss.rollout_correction_cap", "rollout.group_size"]

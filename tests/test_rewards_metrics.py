@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 
+from fasttnt import scoring
 from fasttnt.char_tokenizer import THINK_END, build_char_tokenizer
+from fasttnt.engines import RolloutBatch, pack_sequences
 from fasttnt.metrics import (
     MATH_MARKERS,
     SYNTHETIC_MARKERS,
@@ -25,12 +27,11 @@ TOK = build_char_tokenizer()
 END_ID = TOK.convert_tokens_to_ids(THINK_END)
 
 
-def _pack(texts, group_size, truncated=None):
+def _pack(texts, group_size):
     ids = [TOK(t, add_special_tokens=False)["input_ids"] for t in texts]
     cu = torch.tensor([0, *itertools.accumulate(len(x) for x in ids)])
     flat = torch.tensor([i for x in ids for i in x])
-    trunc = torch.tensor(truncated if truncated is not None else [False] * len(texts))
-    return PackedResponses(flat, cu, trunc, group_size), [len(x) for x in ids]
+    return PackedResponses(flat, cu, group_size), [len(x) for x in ids]
 
 
 def _query():
@@ -62,11 +63,17 @@ def test_schemes_on_a_hand_worked_query():
     assert tight.rewards.tolist() == [1.0, -2.0, -2.0, -2.0]  # too tight: even the honest direct answer loses
 
 
-def test_truncated_responses_are_wrong():
-    texts, correct = _query()
-    batch, _ = _pack(texts, 4, truncated=[True, True, False, False])
-    out = compute_rewards(batch, torch.tensor(correct), END_ID, RewardConfig())
-    assert out.rewards.tolist() == [0.0, -1.0, -2.0, -1.0]
+def test_scoring_judges_truncated_responses_wrong_and_flags_the_hack():
+    # the query's four responses through the real verifier; the first two were cut by the length budget
+    texts, _ = _query()
+    ids = [TOK(t, add_special_tokens=False)["input_ids"] for t in texts]
+    batch = RolloutBatch([[]] * 4, *pack_sequences(ids), torch.tensor([True, True, False, False]), 4)
+    scores = scoring.score(TOK, batch, ["132"] * 4, reward=RewardConfig(), think_end_id=END_ID,
+                           markers=SYNTHETIC_MARKERS)  # fmt: skip
+    assert scores.correct.tolist() == [False, False, True, False]  # right answers, but truncated
+    assert scores.rewards.rewards.tolist() == [0.0, -1.0, -2.0, -1.0]  # the hack is over its limit of 22
+    assert scores.hacked.tolist() == [False, False, True, False]
+    assert scores.texts == texts
 
 
 def test_reward_values_and_fallback_come_from_the_config():
@@ -164,7 +171,7 @@ def test_synthetic_hack_markers():
 
 
 def test_decoding_drops_the_final_eos_but_keeps_think_end():
-    from fasttnt.rollout import decode_responses
+    from fasttnt.engines import decode_responses
 
     ids = TOK("</think>The answer is 5<eos>", add_special_tokens=False)["input_ids"]
     (text,) = decode_responses(TOK, [ids])

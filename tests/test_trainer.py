@@ -17,14 +17,16 @@ import varied
 from small import SMALL
 from transformers import AutoModelForCausalLM
 
+from fasttnt.actor import Actor
 from fasttnt.checkpoint import list_checkpoints
 from fasttnt.cli import main as cli_main
 from fasttnt.config import TrainConfig, load_config
 from fasttnt.data import build_prompt
 from fasttnt.policy import plan_micro_batches
+from fasttnt.step_metrics import TOKEN_METRICS
 from fasttnt.synthetic import held_out
 from fasttnt.tiny import TinyModelConfig
-from fasttnt.trainer import TOKEN_METRICS, Trainer
+from fasttnt.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,16 +101,16 @@ def test_one_update_lowers_the_loss_on_its_batch(tmp_path):
     trainer = Trainer(cfg, tmp_path / "run")
     batch = trainer.engine.generate([build_prompt(trainer.tokenizer, p.problem) for p in held_out(2)], 4, seed=0)
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5]).repeat(batch.lengths.numel() // 4)  # (S,)
-    old = trainer._logprobs(trainer.model, batch, zero3_collectives=False)
+    old = trainer.actor.logprobs(trainer.model, batch, zero3_collectives=False)
 
     def loss_now():
         from fasttnt_kernels import clipped_policy_loss
 
-        logp = trainer._logprobs(trainer.model, batch, zero3_collectives=False)
+        logp = trainer.actor.logprobs(trainer.model, batch, zero3_collectives=False)
         return clipped_policy_loss(logp, old, advantages, batch.cu_seqlens)[0].item()
 
     before = loss_now()
-    trainer._update(batch, advantages, old, None)
+    trainer.actor.update(batch, advantages, old, None)
     after = loss_now()
     assert after < before, f"loss {before:.5f} -> {after:.5f}"
     trainer.verifier.close()
@@ -192,7 +194,6 @@ def test_a_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatc
         (["reward.scheme=adaptive"], "reward.scheme: unknown"),
         (["--config", "/no/such.yaml"], "--config: /no/such.yaml does not exist"),
         (["steps"], "steps: overrides are key=value"),
-        (["pack_tokens=256"], "pack_tokens: replaced by micro_batch_tokens"),
         (["model.name=/no/such/model"], "model.name: /no/such/model is not a folder"),
         (["loss.rollout_correction=tokens"], "loss.rollout_correction: 'tokens' is not one of"),
     ],
@@ -250,13 +251,13 @@ def test_the_real_configs_mini_batches_train_against_the_old_log_probs(tmp_path,
     # once, before the update) must move off 1. Were the old log-probs not computed, each mini-batch would take its
     # own detached log-probs as old: ratio exactly 1, no clipping, approx_kl exactly 0
     passes = []
-    real_logprobs = Trainer._logprobs
+    real_logprobs = Actor.logprobs
 
     def logprobs(self, model, batch, **kw):
         passes.append(batch.lengths.numel())
         return real_logprobs(self, model, batch, **kw)
 
-    monkeypatch.setattr(Trainer, "_logprobs", logprobs)
+    monkeypatch.setattr(Actor, "logprobs", logprobs)
     rows = _run(
         tmp_path, "run", varied.OVERRIDE, "loss.mini_batches=2", "loss.ppo_epochs=1", "optim.lr=0.05",
         "optim.warmup_steps=0", "steps=2",
@@ -310,8 +311,9 @@ def test_micro_batched_update_equals_the_one_forward_update(tmp_path, agg):
         batch = trainer.engine.generate(prompts, 4, seed=3)
         advantages = torch.linspace(-1.5, 1.5, batch.lengths.numel())  # (S,) all different: every token moves
         n_micro = len(plan_micro_batches(batch, budget))
-        old_logp = trainer._logprobs(trainer._policy(), batch, zero3_collectives=False)  # the correction needs them
-        metrics = trainer._update(batch, advantages, old_logp, None)
+        # the rollout correction needs the old log-probs
+        old_logp = trainer.actor.logprobs(trainer.actor.policy, batch, zero3_collectives=False)
+        metrics = trainer.actor.update(batch, advantages, old_logp, None)
         weights = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
         results.append((n_micro, {k: float(v) for k, v in metrics.items()}, weights))
         trainer.verifier.close()
@@ -349,8 +351,8 @@ def test_skipping_zero_advantage_sequences_leaves_the_update_unchanged(tmp_path,
         advantages[[0, 9, 11]] = 0.0  # single sequences
         old_logp = None
         if trainer.correction != "none" or cfg.loss.ppo_epochs > 1:
-            old_logp = trainer._logprobs(trainer._policy(), batch, zero3_collectives=False)
-        metrics = {k: float(v) for k, v in trainer._update(batch, advantages, old_logp, None).items()}
+            old_logp = trainer.actor.logprobs(trainer.actor.policy, batch, zero3_collectives=False)
+        metrics = {k: float(v) for k, v in trainer.actor.update(batch, advantages, old_logp, None).items()}
         grads = torch.cat([p.grad.flatten() for p in trainer.model.parameters()])  # the last optimizer step's
         results.append((metrics, grads))
         trainer.verifier.close()
@@ -382,16 +384,16 @@ def test_the_skip_keeps_zero_advantage_sequences_that_still_have_a_gradient(tmp_
         batch = trainer.engine.generate(prompts, 4, seed=3)
         ref_logp = None
         if term == "kl":  # a reference the policy has moved away from: the k3 term has a gradient on every token
-            logp = trainer._logprobs(trainer.model, batch, zero3_collectives=False)
+            logp = trainer.actor.logprobs(trainer.model, batch, zero3_collectives=False)
             ref_logp = logp + 0.3 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(0))
         zeros = torch.zeros(batch.lengths.numel())
-        only_the_term = trainer._update(batch, zeros, None, ref_logp)  # every advantage 0: the term alone
+        only_the_term = trainer.actor.update(batch, zeros, None, ref_logp)  # every advantage 0: the term alone
         if not skip:
             assert float(only_the_term["grad_norm"]) > 0, "the term must have a gradient of its own"
         advantages = torch.linspace(-1.5, 1.5, batch.lengths.numel())  # (S,)
         advantages[4:8] = 0.0  # a whole group
         advantages[[0, 9, 11]] = 0.0  # single sequences
-        metrics = {k: float(v) for k, v in trainer._update(batch, advantages, None, ref_logp).items()}
+        metrics = {k: float(v) for k, v in trainer.actor.update(batch, advantages, None, ref_logp).items()}
         grads = torch.cat([p.grad.flatten() for p in trainer.model.parameters()])
         results.append((metrics, grads))
         trainer.verifier.close()
@@ -410,7 +412,7 @@ def test_a_step_with_every_sequence_skipped_still_steps(tmp_path):
         cfg = load_config(None, small(tmp_path, f"loss.skip_zero_advantage={skip}", "optim.weight_decay=0.1"))
         trainer = Trainer(cfg, tmp_path / f"run-{skip}")
         batch = trainer.engine.generate([build_prompt(trainer.tokenizer, p.problem) for p in held_out(2)], 4, seed=1)
-        metrics = trainer._update(batch, torch.zeros(batch.lengths.numel()), None, None)
+        metrics = trainer.actor.update(batch, torch.zeros(batch.lengths.numel()), None, None)
         results.append((metrics, torch.cat([p.detach().flatten() for p in trainer.model.parameters()])))
         trainer.verifier.close()
     (straight, w_straight), (skipped, w_skipped) = results
@@ -463,12 +465,12 @@ def test_a_step_whose_verification_crashes_stops_the_run(tmp_path, monkeypatch, 
     # exit 1, before training on rewards that the verifier made up
     from test_verify import _crashing_pool
 
-    import fasttnt.trainer as trainer_module
+    import fasttnt.scoring as scoring
 
     pool = _crashing_pool(monkeypatch)
-    real = trainer_module.verify_batch
+    real = scoring.verify_batch
     monkeypatch.setattr(
-        trainer_module,
+        scoring,
         "verify_batch",
         lambda texts, golds, **kw: real(["</think>\\boxed{crash}"] * len(texts), golds, **{**kw, "pool": pool}),
     )

@@ -14,9 +14,9 @@ from datasets import Dataset  # noqa: E402
 
 from fasttnt.char_tokenizer import build_char_tokenizer  # noqa: E402
 from fasttnt.data import build_prompt  # noqa: E402
+from fasttnt.engines import pack_sequences  # noqa: E402
 from fasttnt.integrations.trl import SUPPORTED_LOSS_TYPES, FastTNTGRPOTrainer, TNTReward  # noqa: E402
 from fasttnt.rewards import PackedResponses, RewardConfig, compute_rewards, overlong_shaping  # noqa: E402
-from fasttnt.rollout import pack  # noqa: E402
 from fasttnt.synthetic import held_out  # noqa: E402
 from fasttnt.tiny import TinyModelConfig, build_tiny_model  # noqa: E402
 
@@ -101,6 +101,7 @@ CASES = [
     *[dict(loss_type=t, beta=0.0) for t in SUPPORTED_LOSS_TYPES],
     *[dict(loss_type=t, beta=0.04) for t in SUPPORTED_LOSS_TYPES],
     dict(loss_type="dapo", beta=0.0, delta=1.5),  # TRL's two-sided clip = fasttnt's dual clip
+    dict(loss_type="grpo", beta=0.0, delta=1.1),  # below 1 + epsilon_high: clip_high 0.1 and a dual clip at 1.28
     dict(loss_type="grpo", beta=0.04, is_ratio=True),  # vLLM's importance-sampling correction
     dict(loss_type="bnpo", beta=0.0, on_policy=True),  # no old log-probs: TRL uses the detached current ones
 ]
@@ -126,6 +127,13 @@ def test_the_loss_and_its_gradients_equal_trls_own(tmp_path, case):
         torch.testing.assert_close(got_grads[name], g, rtol=1e-5, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
     if not on_policy:  # the case clips: TRL's clip metrics see it too
         assert fast._metrics["train"]["clip_ratio/region_mean"][-1] > 0
+    # every metric TRL's loss logs, logged by fasttnt's with TRL's value
+    names = ["entropy", "clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_mean", "clip_ratio/high_max",
+             "clip_ratio/region_mean", *(["kl"] if case["beta"] else [])]  # fmt: skip
+    assert set(stock._metrics["train"]) <= {*names, "num_tokens"} | set(fast._metrics["train"])
+    for name in names:
+        want_metric, got_metric = stock._metrics["train"][name][-1], fast._metrics["train"][name][-1]
+        assert got_metric == pytest.approx(want_metric, rel=1e-5, abs=1e-6), name
 
 
 def test_old_and_reference_logprobs_equal_trls(tmp_path):
@@ -148,7 +156,7 @@ def test_old_and_reference_logprobs_equal_trls(tmp_path):
         (dict(importance_sampling_level="sequence", loss_type="grpo"), "importance_sampling_level"),
         (dict(entropy_coef=0.01), "entropy_coef"),
         (dict(beta=0.04), "use_bias_correction_kl=True .*set it to False"),
-        (dict(delta=1.1, epsilon_high=0.28), "delta must be >= 1 \\+ epsilon_high"),
+        (dict(delta=1.0, epsilon_high=0.28), "fasttnt's limit, not TRL's: delta must be > 1"),
     ],
 )
 def test_unsupported_options_are_refused_by_name(tmp_path, option, message):
@@ -198,10 +206,10 @@ def test_the_tnt_reward_equals_fasttnts_on_the_same_responses():
     got = reward(prompts, [t for t, _ in texts], completion_ids, answer=golds, trainer_state=None)
     from fasttnt.verify import verify_batch
 
-    ids, cu = pack(completion_ids)
+    ids, cu = pack_sequences(completion_ids)
     truncated = torch.tensor([not eos for _, eos in texts])
-    correct = torch.tensor(list(verify_batch([t for t, _ in texts], golds, require_think_end=True)))
-    want = compute_rewards(PackedResponses(ids, cu, truncated, 4), correct, tok.convert_tokens_to_ids("</think>"),
+    correct = torch.tensor(list(verify_batch([t for t, _ in texts], golds, require_think_end=True))) & ~truncated
+    want = compute_rewards(PackedResponses(ids, cu, 4), correct, tok.convert_tokens_to_ids("</think>"),
                            RewardConfig()).rewards.tolist()  # fmt: skip
     assert got == want
     assert got[:4] == [1.0, 0.0, 2.0, -2.0] and got[7] == 0.0  # over the limit; truncated is wrong

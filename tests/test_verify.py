@@ -238,7 +238,7 @@ def test_a_response_that_never_closes_its_think_block_has_no_answer():
 
 def test_many_unclosed_boxes_cost_little(monkeypatch):
     # a rescan of the text for each of 20,000 unclosed boxes would be quadratic: count the scans, not the seconds
-    import fasttnt.verify as verify
+    import fasttnt.verify.answers as verify
 
     scans = []
     real = verify._braced
@@ -321,7 +321,7 @@ def _crashing_pool(monkeypatch, workers: int = 1) -> VerifierPool:
     import multiprocessing
     import os
 
-    import fasttnt.verify as verify
+    import fasttnt.verify.pool as verify
 
     real = verify.is_equivalent
     monkeypatch.setattr(

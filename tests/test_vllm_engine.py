@@ -74,7 +74,7 @@ def test_resume_pushes_the_checkpoint_and_restores_the_rng(tmp_path, standin):
     saved = torch.load(list_checkpoints(tmp_path / "resumed" / "checkpoints")[-1] / "rng.pt", weights_only=True)
     assert torch.equal(torch.get_rng_state(), saved["torch"])
     # what the engine returns lives on the trainer's device (the old engine put it on "cuda", whatever the rank)
-    batch = trainer.engine.generate([trainer._prompt(p) for p in held_out(2)], 2, seed=0)
+    batch = trainer.engine.generate([trainer.parts.prompt(p) for p in held_out(2)], 2, seed=0)
     for t in (batch.response_ids, batch.cu_seqlens, batch.truncated, batch.rollout_logp):
         assert t.device == trainer.device
     assert batch.rollout_logp.shape == batch.response_ids.shape and (batch.rollout_logp <= 0).all()

@@ -20,13 +20,22 @@ optimizer) is TRL's. The semantics are TRL's own ``_compute_loss``'s, option for
                   (token sum / (sequences x max_completion_length)), dapo (token sum / the generation batch's
                   tokens); the others (cispo, sapo, vespo, luspo) are refused
     epsilon, epsilon_high   the clip range
-    delta         TRL's two-sided clip (the ratio capped at delta) = fasttnt's dual clip at delta, when
-                  delta >= 1 + epsilon_high (TRL's own requirement for it to bind only on negative advantages)
+    delta         TRL's two-sided clip, which caps the ratio at delta in both of its loss's branches. With
+                  delta >= 1 + epsilon_high (what TRL recommends) that is fasttnt's dual clip at delta; with
+                  1 < delta < 1 + epsilon_high TRL's loss caps positive advantages' ratios at delta and bounds
+                  negative advantages' loss at (1 + epsilon_high) |A|, which is fasttnt's clip_high = delta - 1 with
+                  a dual clip at 1 + epsilon_high. delta <= 1 is refused: fasttnt's limit, not TRL's
     beta          the k3 KL to TRL's reference model, per token, added after the clipped term (with
                   use_bias_correction_kl=False: TRL's default weights it by the ratio, which is refused)
     temperature   the sampling temperature the log-probs are taken at
     vLLM's importance-sampling correction (use_vllm with vllm_importance_sampling_correction): TRL's
                   ``importance_sampling_ratio`` as the per-token weight of the clipped term
+
+TRL's metrics are logged under its names: entropy, kl, clip_ratio/low_mean, low_min, high_mean, high_max and
+region_mean, each computed as TRL computes it (the last two from per-sequence means over all processes).
+
+Importing this module imports TRL (>= 1.16.0, whose private methods it replaces; an older one is refused here);
+``fasttnt.integrations`` itself does not.
 
 Refused, with the option named: importance_sampling_level="sequence", top_entropy_quantile < 1,
 off_policy_mask_threshold, use_bias_correction_kl with beta > 0, an entropy bonus, MoE auxiliary losses, tool
@@ -37,15 +46,25 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from importlib.metadata import version
 
 import torch
+from packaging.version import Version
+from trl import GRPOTrainer
+from trl.trainer.utils import maybe_gather_lm_head_ctx, nanmax, nanmin
 
 from fasttnt_kernels import linear_policy_loss, linear_token_logprobs
 
-from ..rewards import PackedResponses, RewardConfig, compute_rewards
-from ..rollout import pack
-from . import judge
+from .. import scoring
+from ..data import think_end_token_id
+from ..rewards import RewardConfig
+
+# the TRL release whose GRPOTrainer._compute_loss and _get_per_token_logps_and_entropies this module replaces and
+# is tested against; an older one is refused (its private methods differ)
+TRL_VERSION = "1.16.0"
+if Version(version("trl")) < Version(TRL_VERSION):
+    raise ImportError(f"fasttnt.integrations.trl needs trl>={TRL_VERSION} (found {version('trl')})")
 
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
@@ -60,7 +79,6 @@ def check_grpo_config(args) -> None:
         raise ValueError(
             f"loss_type={args.loss_type!r} is not supported by fasttnt's loss; use one of {SUPPORTED_LOSS_TYPES}"
         )
-    epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     option = functools.partial(getattr, args)  # options a TRL release may not have read as off
     refused = {
         "importance_sampling_level": option("importance_sampling_level", "token") != "token",
@@ -69,16 +87,25 @@ def check_grpo_config(args) -> None:
         # TRL's default; it weights the KL term by the ratio (with its gradient), which fasttnt's loss does not
         "use_bias_correction_kl": args.beta != 0.0 and bool(option("use_bias_correction_kl", False)),
         "entropy_coef": option("entropy_coef", 0.0) != 0.0 or bool(option("use_adaptive_entropy", False)),
-        "delta": args.delta is not None and args.delta < 1.0 + epsilon_high,
+        "delta": args.delta is not None and args.delta <= 1.0,
     }
     for option, bad in refused.items():
         if bad:
             value = getattr(args, option, None)
             raise ValueError(
                 f"GRPOConfig.{option}={value!r} is not supported by fasttnt's loss (see fasttnt.integrations.trl)"
-                + (f"; delta must be >= 1 + epsilon_high = {1 + epsilon_high}" if option == "delta" else "")
+                + ("; fasttnt's limit, not TRL's: delta must be > 1" if option == "delta" else "")
                 + ("; set it to False with beta > 0" if option == "use_bias_correction_kl" else "")
             )
+
+
+def clip_options(epsilon_low: float, epsilon_high: float, delta: float | None) -> dict:
+    """TRL's clip range and two-sided clip as fasttnt's clip_low, clip_high and dual_clip (module docstring)."""
+    if delta is None:
+        return {"clip_low": epsilon_low, "clip_high": epsilon_high, "dual_clip": None}
+    if delta >= 1.0 + epsilon_high:
+        return {"clip_low": epsilon_low, "clip_high": epsilon_high, "dual_clip": delta}
+    return {"clip_low": epsilon_low, "clip_high": delta - 1.0, "dual_clip": 1.0 + epsilon_high}
 
 
 def _install_hidden_forward(model) -> None:
@@ -130,165 +157,151 @@ def packed_completions(completion_ids: torch.Tensor, completion_mask: torch.Tens
     return valid, completion_ids[valid], cu
 
 
-def __getattr__(name: str):
-    """``FastTNTGRPOTrainer`` is built on first use, so that importing this module does not import TRL."""
-    if name == "FastTNTGRPOTrainer":
-        cls = _make_trainer_class()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(name)
+class FastTNTGRPOTrainer(GRPOTrainer):
+    """TRL's GRPOTrainer whose policy loss and log-probs are fasttnt's fused lm_head ops (module docstring)."""
 
+    def __init__(self, model, reward_funcs, args=None, *rest, **kwargs) -> None:
+        if args is not None:  # refused before any model loads
+            check_grpo_config(args)
+        super().__init__(model, reward_funcs, args, *rest, **kwargs)
+        check_grpo_config(self.args)
+        if self.aux_loss_enabled:
+            raise ValueError("MoE auxiliary losses (output_router_logits) are not supported by fasttnt's loss")
+        for model in (self.model, self.ref_model):
+            if model is not None:
+                base = model.get_base_model() if hasattr(model, "get_base_model") else model
+                _check_plain_logits(base)
+                _lm_head_weight(base)
+                _install_hidden_forward(base)
 
-# the TRL release whose GRPOTrainer._compute_loss and _get_per_token_logps_and_entropies this module replaces and
-# is tested against; an older one is refused (its private methods differ)
-TRL_VERSION = "1.16.0"
+    def _get_per_token_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
+        compute_aux_loss=False, **multimodal,
+    ):  # fmt: skip
+        if compute_aux_loss or any(v is not None for v in multimodal.values()):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                **multimodal,
+            )  # fmt: skip
+        batch_size = batch_size or input_ids.size(0)
+        logps, entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
+            valid = mask[:, -logits_to_keep:].bool()  # (b, K): TRL scores the completion's unpadded tokens
+            targets = ids[:, -logits_to_keep:][valid]  # (n,)
 
-
-def _make_trainer_class():
-    from importlib.metadata import version
-
-    from packaging.version import Version
-
-    if Version(version("trl")) < Version(TRL_VERSION):
-        raise ImportError(f"fasttnt.integrations.trl needs trl>={TRL_VERSION} (found {version('trl')})")
-    from trl import GRPOTrainer
-
-    class FastTNTGRPOTrainer(GRPOTrainer):
-        """TRL's GRPOTrainer whose policy loss and log-probs are fasttnt's fused lm_head ops (module docstring)."""
-
-        def __init__(self, model, reward_funcs, args=None, *rest, **kwargs) -> None:
-            if args is not None:  # refused before any model loads
-                check_grpo_config(args)
-            super().__init__(model, reward_funcs, args, *rest, **kwargs)
-            check_grpo_config(self.args)
-            if self.aux_loss_enabled:
-                raise ValueError("MoE auxiliary losses (output_router_logits) are not supported by fasttnt's loss")
-            for model in (self.model, self.ref_model):
-                if model is not None:
-                    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-                    _check_plain_logits(base)
-                    _lm_head_weight(base)
-                    _install_hidden_forward(base)
-
-        def _get_per_token_logps_and_entropies(
-            self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
-            compute_aux_loss=False, **multimodal,
-        ):  # fmt: skip
-            if compute_aux_loss or any(v is not None for v in multimodal.values()):
-                return super()._get_per_token_logps_and_entropies(
-                    model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
-                    **multimodal,
-                )  # fmt: skip
-            batch_size = batch_size or input_ids.size(0)
-            logps, entropies = [], []
-            for start in range(0, input_ids.size(0), batch_size):
-                ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
-                valid = mask[:, -logits_to_keep:].bool()  # (b, K): TRL scores the completion's unpadded tokens
-                targets = ids[:, -logits_to_keep:][valid]  # (n,)
-
-                def logprobs(model, hidden, valid=valid, targets=targets):
-                    weight = _lm_head_weight(model)
-                    states = hidden[:, -logits_to_keep - 1 : -1][valid]  # (n, H): each predicts the next token
-                    with _gathered(weight):
-                        return linear_token_logprobs(
-                            states.to(weight.dtype), weight, targets, temperature=self.temperature,
-                            with_entropy=compute_entropy,
-                        )  # fmt: skip
-
-                with self.accelerator.autocast():
-                    out = model(input_ids=ids, attention_mask=mask, fasttnt=logprobs)
-                logp, entropy = out if compute_entropy else (out, None)
-                logps.append(_unpack(logp, valid))
-                if compute_entropy:
-                    entropies.append(_unpack(entropy, valid))
-            return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
-
-        def _compute_loss(self, model, inputs):
-            prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
-            completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
-            if "tool_mask" in inputs:
-                raise ValueError("tool masks inside a completion are not supported by fasttnt's loss")
-            if any(inputs.get(k) is not None for k in ("pixel_values", "image_grid_thw", "token_type_ids")):
-                raise ValueError("multimodal inputs are not supported by fasttnt's loss")
-            advantages = inputs["advantages"]
-            if advantages.dim() != 1:
-                raise ValueError("per-token advantages (B, T) are not supported by fasttnt's loss: one per sequence")
-            valid, targets, cu_seqlens = packed_completions(completion_ids, completion_mask)
-            old = inputs.get("old_per_token_logps")
-            ref = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
-            is_weights = None
-            if self.use_vllm and self.vllm_importance_sampling_correction:
-                is_weights = inputs["importance_sampling_ratio"].expand_as(completion_mask)[valid]
-            mode = "train" if self.model.training else "eval"
-            loss_kwargs = dict(
-                old_logp=None if old is None else old[valid],
-                advantages=advantages,
-                cu_seqlens=cu_seqlens,
-                temperature=self.temperature,
-                clip_low=self.epsilon_low,
-                clip_high=self.epsilon_high,
-                dual_clip=self.args.delta,
-                ref_logp=None if ref is None else ref[valid],
-                kl_coef=self.beta,
-                is_weights=is_weights,
-                agg=_AGGREGATION[self.loss_type],
-                **self._loss_normalisers(inputs, int(valid.sum()), len(advantages), mode),
-            )
-            P = prompt_ids.size(1)
-
-            def loss_fn(model, hidden):
+            def logprobs(model, hidden, valid=valid, targets=targets):
                 weight = _lm_head_weight(model)
-                states = hidden[:, P - 1 : -1][valid]  # (N, H): the state before each completion token
+                states = hidden[:, -logits_to_keep - 1 : -1][valid]  # (n, H): each predicts the next token
                 with _gathered(weight):
-                    return linear_policy_loss(states.to(weight.dtype), weight, targets, **loss_kwargs)
+                    return linear_token_logprobs(
+                        states.to(weight.dtype), weight, targets, temperature=self.temperature,
+                        with_entropy=compute_entropy,
+                    )  # fmt: skip
 
-            with self.accelerator.autocast():  # as TRL's own forward for the loss
-                loss, stats = model(
-                    input_ids=torch.cat([prompt_ids, completion_ids], 1),
-                    attention_mask=torch.cat([prompt_mask, completion_mask], 1),
-                    fasttnt=loss_fn,
-                )
-            self._log_loss_stats(stats, int(valid.sum()), mode)
-            return loss
+            with self.accelerator.autocast():
+                out = model(input_ids=ids, attention_mask=mask, fasttnt=logprobs)
+            logp, entropy = out if compute_entropy else (out, None)
+            logps.append(_unpack(logp, valid))
+            if compute_entropy:
+                entropies.append(_unpack(entropy, valid))
+        return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
 
-        def _loss_normalisers(self, inputs, tokens: int, sequences: int, mode: str) -> dict:
-            """TRL's normaliser of each loss_type as fasttnt's total_tokens / total_seqs (TRL divides every loss
-            but dapo's by the gradient-accumulation steps; dapo's counts the generation batch's tokens)."""
-            accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
-            if self.loss_type == "grpo":
-                return {"total_seqs": sequences * accumulation}
-            if self.loss_type == "bnpo":
-                return {"total_tokens": max(tokens, 1) * accumulation}
-            if self.loss_type == "dr_grpo":
-                return {"total_seqs": sequences * accumulation, "norm_length": self.max_completion_length}
-            normaliser = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
-            if mode == "train":
-                normaliser = normaliser * self.current_gradient_accumulation_steps / self.args.steps_per_generation
-            return {"total_tokens": float(normaliser)}
+    def _compute_loss(self, model, inputs):
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            raise ValueError("tool masks inside a completion are not supported by fasttnt's loss")
+        if any(inputs.get(k) is not None for k in ("pixel_values", "image_grid_thw", "token_type_ids")):
+            raise ValueError("multimodal inputs are not supported by fasttnt's loss")
+        advantages = inputs["advantages"]
+        if advantages.dim() != 1:
+            raise ValueError("per-token advantages (B, T) are not supported by fasttnt's loss: one per sequence")
+        valid, targets, cu_seqlens = packed_completions(completion_ids, completion_mask)
+        old = inputs.get("old_per_token_logps")
+        ref = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
+        is_weights = None
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            is_weights = inputs["importance_sampling_ratio"].expand_as(completion_mask)[valid]
+        mode = "train" if self.model.training else "eval"
+        loss_kwargs = dict(
+            old_logp=None if old is None else old[valid],
+            advantages=advantages,
+            cu_seqlens=cu_seqlens,
+            temperature=self.temperature,
+            **clip_options(self.epsilon_low, self.epsilon_high, self.args.delta),
+            ref_logp=None if ref is None else ref[valid],
+            kl_coef=self.beta,
+            is_weights=is_weights,
+            agg=_AGGREGATION[self.loss_type],
+            **self._loss_normalisers(inputs, int(valid.sum()), len(advantages), mode),
+        )
+        P = prompt_ids.size(1)
 
-        def _log_loss_stats(self, stats: dict, tokens: int, mode: str) -> None:
-            """TRL's metric names, as token means over all processes."""
-            weight = torch.tensor(float(tokens), device=stats["entropy"].device)
-            names = {"entropy": "entropy", "clip_ratio/low_mean": "clip_frac_low",
-                     "clip_ratio/high_mean": "clip_frac_high"}  # fmt: skip
-            if self.beta != 0.0:
-                names["kl"] = "kl_ref"
-            sums = torch.stack([stats[k].float() * weight for k in names.values()] + [weight])
-            totals = self.accelerator.reduce(sums, reduction="sum")
-            means = (totals[:-1] / totals[-1].clamp(min=1.0)).tolist()
-            for name, value in zip(names, means, strict=True):
-                self._metrics[mode][name].append(value)
-            low, high = means[1], means[2]
-            self._metrics[mode]["clip_ratio/region_mean"].append(low + high)
+        def loss_fn(model, hidden):
+            weight = _lm_head_weight(model)
+            states = hidden[:, P - 1 : -1][valid]  # (N, H): the state before each completion token
+            with _gathered(weight):
+                return linear_policy_loss(states.to(weight.dtype), weight, targets, return_logp=True, **loss_kwargs)
 
-    FastTNTGRPOTrainer.__module__ = __name__
-    return FastTNTGRPOTrainer
+        with self.accelerator.autocast():  # as TRL's own forward for the loss
+            loss, stats, logp = model(
+                input_ids=torch.cat([prompt_ids, completion_ids], 1),
+                attention_mask=torch.cat([prompt_mask, completion_mask], 1),
+                fasttnt=loss_fn,
+            )
+        old_logp = logp if old is None else old[valid].float()
+        self._log_loss_stats(stats, logp - old_logp, advantages, cu_seqlens, mode)
+        return loss
+
+    def _loss_normalisers(self, inputs, tokens: int, sequences: int, mode: str) -> dict:
+        """TRL's normaliser of each loss_type as fasttnt's total_tokens / total_seqs (TRL divides every loss
+        but dapo's by the gradient-accumulation steps; dapo's counts the generation batch's tokens)."""
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        if self.loss_type == "grpo":
+            return {"total_seqs": sequences * accumulation}
+        if self.loss_type == "bnpo":
+            return {"total_tokens": max(tokens, 1) * accumulation}
+        if self.loss_type == "dr_grpo":
+            return {"total_seqs": sequences * accumulation, "norm_length": self.max_completion_length}
+        normaliser = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+        if mode == "train":
+            normaliser = normaliser * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+        return {"total_tokens": float(normaliser)}
+
+    def _log_loss_stats(self, stats: dict, log_ratio, advantages, cu_seqlens, mode: str) -> None:
+        """TRL's metrics under its names, computed as TRL computes them: token means over all processes (entropy,
+        kl, the clip ratios from the ratio capped at delta), and the extremes of per-sequence clip ratios."""
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # (B,)
+        a = torch.repeat_interleave(advantages, lengths, output_size=log_ratio.numel())  # (N,)
+        ratio = torch.exp(log_ratio.detach())
+        if self.args.delta is not None:
+            ratio = ratio.clamp(max=self.args.delta)
+        low = ((ratio < 1 - self.epsilon_low) & (a < 0)).float()  # (N,)
+        high = ((ratio > 1 + self.epsilon_high) & (a > 0)).float()  # (N,)
+        tokens = torch.tensor(float(log_ratio.numel()), device=low.device)
+        means = {"entropy": stats["entropy"].float() * tokens}
+        if self.beta != 0.0:
+            means["kl"] = stats["kl_ref"].float() * tokens
+        means.update({"clip_ratio/low_mean": low.sum(), "clip_ratio/high_mean": high.sum(),
+                      "clip_ratio/region_mean": torch.maximum(low, high).sum()})  # fmt: skip
+        totals = self.accelerator.reduce(torch.stack([*means.values(), tokens]), reduction="sum")
+        for name, value in zip(means, (totals[:-1] / totals[-1].clamp(min=1.0)).tolist(), strict=True):
+            self._metrics[mode][name].append(value)
+        # per sequence (NaN for an empty one, as TRL's masked mean gives), over every process's sequences
+        seq = torch.repeat_interleave(torch.arange(len(lengths), device=low.device), lengths, output_size=low.numel())
+
+        def per_sequence(flags):
+            return torch.zeros(len(lengths), device=flags.device).index_add_(0, seq, flags) / lengths.float()
+
+        low_seq = self.accelerator.gather(per_sequence(low))
+        high_seq = self.accelerator.gather(per_sequence(high))
+        self._metrics[mode]["clip_ratio/low_min"].append(nanmin(low_seq).item())
+        self._metrics[mode]["clip_ratio/high_max"].append(nanmax(high_seq).item())
 
 
 def _gathered(weight: torch.Tensor):
     """The lm_head weight gathered under ZeRO-3 while the fused op reads it (TRL's own context)."""
-    from trl.trainer.utils import maybe_gather_lm_head_ctx
-
     return maybe_gather_lm_head_ctx(weight)
 
 
@@ -320,8 +333,7 @@ class TNTReward:
         *,
         config: RewardConfig | None = None,
         answer_column: str = "answer",
-        verify: Callable[[list[str], list[str]], Sequence[bool]] | None = None,
-        think_end: str = "</think>",
+        verify: scoring.Verify | None = None,
         max_completion_length: int | None = None,
     ) -> None:
         if num_generations < 1:
@@ -335,9 +347,7 @@ class TNTReward:
             )
         self.max_completion_length = max_completion_length
         self.answer_column, self.verify = answer_column, verify
-        self.think_end_id = tokenizer.convert_tokens_to_ids(think_end)
-        if self.think_end_id is None or self.think_end_id == tokenizer.unk_token_id:
-            raise ValueError(f"{think_end!r} is not a single token of this tokenizer")
+        self.think_end_id = think_end_token_id(tokenizer)
 
     def __call__(self, prompts: list, completions: list, completion_ids: list[list[int]], **columns) -> list[float]:
         if self.answer_column not in columns:
@@ -354,10 +364,9 @@ class TNTReward:
                 "across processes or steps): its limit needs all of a prompt's responses. Make "
                 "per_device_train_batch_size * steps_per_generation a multiple of num_generations"
             )
-        correct = judge(self.tokenizer, completion_ids, golds, self.verify)
-        ids, cu_seqlens = pack(completion_ids)
-        batch = PackedResponses(ids, cu_seqlens, torch.zeros(n, dtype=torch.bool), k)  # truncated: in `correct`
-        rewards = compute_rewards(
-            batch, torch.tensor(correct), self.think_end_id, self.config, max_new_tokens=self.max_completion_length
-        )
-        return rewards.rewards.tolist()
+        batch = scoring.batch_of(completion_ids, group_size=k, eos_id=self.tokenizer.eos_token_id)
+        scores = scoring.score(
+            self.tokenizer, batch, golds, verify=self.verify, reward=self.config, think_end_id=self.think_end_id,
+            max_new_tokens=self.max_completion_length,
+        )  # fmt: skip
+        return scores.rewards.rewards.tolist()

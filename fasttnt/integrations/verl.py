@@ -28,8 +28,9 @@ import torch
 
 from fasttnt_kernels import clipped_policy_loss, group_advantages, tnt_rewards
 
+from .. import scoring
+from ..data import think_end_token_id
 from ..rewards import RewardConfig, overlong_shaping
-from . import judge
 
 NAME = "fasttnt"
 
@@ -230,15 +231,12 @@ class TNTRewardManager:
         reward_fn_key: str = "data_source",
         *,
         config: RewardConfig | None = None,
-        verify=None,
-        think_end: str = "</think>",
+        verify: scoring.Verify | None = None,
         **_,
     ) -> None:
         del num_examine, compute_score, reward_fn_key  # verl's manager arguments this manager has no use for
         self.tokenizer, self.config, self.verify = tokenizer, config or RewardConfig(), verify
-        self.think_end_id = tokenizer.convert_tokens_to_ids(think_end)
-        if self.think_end_id is None or self.think_end_id == tokenizer.unk_token_id:
-            raise ValueError(f"{think_end!r} is not a single token of this tokenizer")
+        self.think_end_id = think_end_token_id(tokenizer)
 
     def __call__(self, data, return_dict: bool = False):
         responses = data.batch["responses"]  # (B, T)
@@ -247,7 +245,8 @@ class TNTRewardManager:
         lengths = mask.sum(1).tolist()
         ids = [row[:n].tolist() for row, n in zip(responses, lengths, strict=True)]
         golds = [str(item["ground_truth"]) for item in data.non_tensor_batch["reward_model"]]
-        correct = judge(self.tokenizer, ids, golds, self.verify)
+        batch = scoring.batch_of(ids, group_size=1, eos_id=self.tokenizer.eos_token_id)  # groups: by uid, below
+        correct = scoring.judge(self.tokenizer, batch, golds, verify=self.verify).correct.tolist()
         scores = tnt_token_scores(
             responses, mask, data.non_tensor_batch["uid"], correct, self.think_end_id, config=self.config
         )

@@ -72,3 +72,35 @@ def check_same_device(**tensors: torch.Tensor) -> None:
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+# -- the lm_head matmuls both lm_head ops run -------------------------------------------------------------------
+
+
+def matmul_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype the lm_head matmul runs in: autocast's when it is on for this device, else the input's."""
+    device_type = t.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return t.dtype
+
+
+def mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    # the operands are already in the chosen dtype; autocast must not cast them again
+    with torch.autocast(a.device.type, enabled=False):
+        return torch.mm(a, b, out=out)
+
+
+def aggregation_weights(agg: str, norm_length: float | None, N: int, S: int, total_tokens, total_seqs):
+    """(w_const, w_per_len) of a policy-loss aggregation, w_t = w_const + w_per_len / len_s (clipped_policy_loss's
+    formulas; linear_policy_loss's too): token-mean 1 / tokens, seq-mean-token-mean 1 / (seqs len_s),
+    seq-mean-token-sum-norm 1 / (seqs norm_length). ``total_tokens``/``total_seqs`` replace N/S when given."""
+    tokens = float(N if total_tokens is None else total_tokens)
+    seqs = float(S if total_seqs is None else total_seqs)
+    if agg == "token-mean":
+        return (1.0 / tokens if tokens > 0 else 0.0), 0.0
+    if seqs <= 0:
+        return 0.0, 0.0
+    if agg == "seq-mean-token-mean":
+        return 0.0, 1.0 / seqs
+    return 1.0 / (seqs * norm_length), 0.0

@@ -177,19 +177,6 @@ def _clipped_policy_loss_kernel(
     tl.store(row + 6, tl.sum(tl.where(mask, kl_ref, zero), axis=0))
 
 
-def _token_weights(cfg: PolicyLossConfig, N: int, S: int, total_tokens, total_seqs) -> tuple[float, float]:
-    """(w_const, w_per_len) of the aggregation: w_t = w_const + w_per_len / len_s."""
-    tokens = float(N if total_tokens is None else total_tokens)
-    seqs = float(S if total_seqs is None else total_seqs)
-    if cfg.agg == "token-mean":
-        return (1.0 / tokens if tokens > 0 else 0.0), 0.0
-    if seqs <= 0:
-        return 0.0, 0.0
-    if cfg.agg == "seq-mean-token-mean":
-        return 0.0, 1.0 / seqs
-    return 1.0 / (seqs * cfg.norm_length), 0.0
-
-
 def clipped_policy_loss_reference(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -205,7 +192,7 @@ def clipped_policy_loss_reference(
     """The semantics in plain differentiable PyTorch (float32, or float64 for float64 ``logp``)."""
     N, S = logp.shape[0], advantages.shape[0]
     a, seq_len = per_token_advantages(advantages, cu_seqlens, N)
-    w_const, w_per_len = _token_weights(config, N, S, total_tokens, total_seqs)
+    w_const, w_per_len = _common.aggregation_weights(config.agg, config.norm_length, N, S, total_tokens, total_seqs)
     loss_t, indicators = token_terms_reference(
         logp, old_logp, a, seq_len, config=config, ref_logp=ref_logp, is_weights=is_weights
     )
@@ -387,7 +374,7 @@ class ClippedPolicyLossFunction(torch.autograd.Function):
     def forward(ctx, logp, old_logp, ref_logp, is_weights, advantages, cu_seqlens, config, total_tokens, total_seqs):
         N, S = logp.shape[0], advantages.shape[0]
         grad = _common.new_empty(N, dtype=torch.float32, device=logp.device) if logp.requires_grad else None  # (N,)
-        w_const, w_per_len = _token_weights(config, N, S, total_tokens, total_seqs)
+        w_const, w_per_len = _common.aggregation_weights(config.agg, config.norm_length, N, S, total_tokens, total_seqs)
         sums = launch_token_terms(
             logp, old_logp, ref_logp, is_weights, advantages, cu_seqlens, config, w_const, w_per_len, grad=grad
         )

@@ -33,23 +33,19 @@ from .clipped_policy_loss import (
     STAT_NAMES,
     Aggregation,
     PolicyLossConfig,
-    _token_weights,
     check_policy_loss_inputs,
     clipped_policy_loss_reference,
     launch_token_terms,
     per_token_advantages,
     token_terms_reference,
 )
-from .linear_token_logprobs import (
-    DEFAULT_CHUNK_BYTES,
-    _chunk_backward_torch,
-    _chunk_forward_torch,
-    _matmul_dtype,
-    _mm,
-    check_lm_head_inputs,
-    linear_token_logprobs_reference,
+from .linear_token_logprobs import DEFAULT_CHUNK_BYTES, check_lm_head_inputs, linear_token_logprobs_reference
+from .token_logprobs import (
+    token_logprobs_backward,
+    token_logprobs_backward_reference,
+    token_logprobs_forward,
+    token_logprobs_forward_reference,
 )
-from .token_logprobs import token_logprobs_backward, token_logprobs_forward
 
 LINEAR_STAT_NAMES = (*STAT_NAMES, "entropy")
 """``clipped_policy_loss``'s statistics and the token-mean entropy (over the N tokens given)."""
@@ -146,9 +142,9 @@ class LinearPolicyLossFunction(torch.autograd.Function):
     ):
         N, S = hidden.shape[0], advantages.shape[0]
         device = hidden.device
-        dtype = _matmul_dtype(hidden)
+        dtype = _common.matmul_dtype(hidden)
         w = weight.to(dtype)  # (V, H): a copy only under autocast, as autocast's own matmul would make
-        w_const, w_per_len = _token_weights(config, N, S, total_tokens, total_seqs)
+        w_const, w_per_len = _common.aggregation_weights(config.agg, config.norm_length, N, S, total_tokens, total_seqs)
         tokens = float(N if total_tokens is None else total_tokens)
         grad_entropy_value = -entropy_coef / tokens if tokens > 0 else 0.0  # d(loss)/d(entropy_t), every token
         if not use_triton:  # the reference's per-token view, made once for every chunk
@@ -162,12 +158,12 @@ class LinearPolicyLossFunction(torch.autograd.Function):
         entropy = _common.new_empty(N, dtype=torch.float32, device=device)  # (N,)
         grad_logp = _common.new_empty(N, dtype=torch.float32, device=device) if compute_grad else None  # (N,)
         sums = torch.zeros(1 + len(STAT_NAMES), dtype=torch.float32, device=device)
-        forward_chunk = token_logprobs_forward if use_triton else _chunk_forward_torch
-        backward_chunk = token_logprobs_backward if use_triton else _chunk_backward_torch
+        forward_chunk = token_logprobs_forward if use_triton else token_logprobs_forward_reference
+        backward_chunk = token_logprobs_backward if use_triton else token_logprobs_backward_reference
         for start in range(0, N, chunk_rows):
             rows = slice(start, min(start + chunk_rows, N))
             h = hidden[rows].to(dtype)  # (C, H)
-            logits = _mm(h, w.T)  # (C, V), matmul 1: the only logits alive at any time
+            logits = _common.mm(h, w.T)  # (C, V), matmul 1: the only logits alive at any time
             forward_chunk(
                 logits,
                 ids[rows],
@@ -214,9 +210,9 @@ class LinearPolicyLossFunction(torch.autograd.Function):
                 )
                 # logits now holds dloss/dlogits (C, V), in the matmul dtype
                 if need_hidden and dtype == hidden.dtype:
-                    _mm(logits, w, out=grad_hidden[rows])  # (C, H), matmul 2
+                    _common.mm(logits, w, out=grad_hidden[rows])  # (C, H), matmul 2
                 elif need_hidden:
-                    grad_hidden[rows] = _mm(logits, w)
+                    grad_hidden[rows] = _common.mm(logits, w)
                 if need_weight:
                     _accumulate(grad_weight, logits.T, h)  # (V, H) += (V, C) @ (C, H), matmul 3
             del logits

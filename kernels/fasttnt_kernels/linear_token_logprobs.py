@@ -21,7 +21,9 @@ from . import _common
 from .token_logprobs import (
     check_logprob_inputs,
     token_logprobs_backward,
+    token_logprobs_backward_reference,
     token_logprobs_forward,
+    token_logprobs_forward_reference,
     token_logprobs_reference,
 )
 
@@ -62,52 +64,8 @@ def check_lm_head_inputs(hidden, weight, ids, temperature: float, chunk_bytes: i
     check_logprob_inputs(hidden, ids, temperature, name="hidden")
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
-    itemsize = torch.empty((), dtype=_matmul_dtype(hidden)).element_size()
+    itemsize = torch.empty((), dtype=_common.matmul_dtype(hidden)).element_size()
     return chunk_rows_for(hidden.shape[0], weight.shape[0], itemsize, chunk_bytes)
-
-
-def _matmul_dtype(t: torch.Tensor) -> torch.dtype:
-    """The dtype the lm_head matmul runs in: autocast's when it is on for this device, else the input's."""
-    device_type = t.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return t.dtype
-
-
-def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    # the operands are already in the chosen dtype; autocast must not cast them again
-    with torch.autocast(a.device.type, enabled=False):
-        return torch.mm(a, b, out=out)
-
-
-def _chunk_forward_torch(logits, ids, *, inv_temperature, logp, lse, entropy):
-    """Same contract as ``token_logprobs_forward``, through the reference (CPU path)."""
-    z = logits.to(_common.compute_dtype(logits.dtype)) * inv_temperature
-    lse.copy_(torch.logsumexp(z, dim=-1))
-    out = token_logprobs_reference(z, ids, with_entropy=entropy is not None)
-    if entropy is None:
-        logp.copy_(out)
-    else:
-        logp.copy_(out[0])
-        entropy.copy_(out[1])
-
-
-def _chunk_backward_torch(logits, ids, *, inv_temperature, lse, entropy, grad_logp, grad_entropy, grad_logits):
-    """Same contract as ``token_logprobs_backward``: autograd through the reference, written into grad_logits."""
-    del lse, entropy  # recomputed by the reference
-    with torch.enable_grad():
-        x = logits.detach().to(_common.compute_dtype(logits.dtype)).requires_grad_()
-        out = token_logprobs_reference(x * inv_temperature, ids, with_entropy=grad_entropy is not None)
-        outputs, grads = [], []
-        logp, ent = (out, None) if grad_entropy is None else out
-        if grad_logp is not None:
-            outputs.append(logp)
-            grads.append(grad_logp)
-        if grad_entropy is not None:
-            outputs.append(ent)
-            grads.append(grad_entropy)
-        (grad,) = torch.autograd.grad(outputs, x, grads)
-    grad_logits.copy_(grad)
 
 
 class LinearTokenLogprobsFunction(torch.autograd.Function):
@@ -115,15 +73,15 @@ class LinearTokenLogprobsFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, ids, temperature, with_entropy, chunk_rows, use_triton):
         N = hidden.shape[0]
         device = hidden.device
-        forward_chunk = token_logprobs_forward if use_triton else _chunk_forward_torch
+        forward_chunk = token_logprobs_forward if use_triton else token_logprobs_forward_reference
         logp = _common.new_empty(N, dtype=torch.float32, device=device)  # (N,)
         lse = _common.new_empty(N, dtype=torch.float32, device=device)  # (N,)
         entropy = _common.new_empty(N, dtype=torch.float32, device=device) if with_entropy else None
-        dtype = _matmul_dtype(hidden)
+        dtype = _common.matmul_dtype(hidden)
         w = weight.to(dtype)  # (V, H): a copy only under autocast, as autocast's own matmul would make
         for start in range(0, N, chunk_rows):
             rows = slice(start, min(start + chunk_rows, N))
-            logits = _mm(hidden[rows].to(dtype), w.T)  # (C, V): the only logits alive at any time
+            logits = _common.mm(hidden[rows].to(dtype), w.T)  # (C, V): the only logits alive at any time
             forward_chunk(
                 logits,
                 ids[rows],
@@ -147,7 +105,7 @@ class LinearTokenLogprobsFunction(torch.autograd.Function):
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (grad_logp is None and grad_entropy is None) or not (need_hidden or need_weight):
             return None, None, None, None, None, None, None
-        backward_chunk = token_logprobs_backward if ctx.use_triton else _chunk_backward_torch
+        backward_chunk = token_logprobs_backward if ctx.use_triton else token_logprobs_backward_reference
         N = hidden.shape[0]
         chunk_rows = ctx.chunk_rows
         dtype = ctx.matmul_dtype
@@ -157,7 +115,7 @@ class LinearTokenLogprobsFunction(torch.autograd.Function):
         for start in range(0, N, chunk_rows):
             rows = slice(start, min(start + chunk_rows, N))
             h = hidden[rows].to(dtype)  # (C, H)
-            logits = _mm(h, w.T)  # (C, V) recomputed, bit-identical to the forward's
+            logits = _common.mm(h, w.T)  # (C, V) recomputed, bit-identical to the forward's
             backward_chunk(
                 logits,
                 ids[rows],
@@ -169,14 +127,14 @@ class LinearTokenLogprobsFunction(torch.autograd.Function):
                 grad_logits=logits,  # in place: the chunk's logits become its gradient
             )
             if need_hidden and dtype == hidden.dtype:
-                _mm(logits, w, out=grad_hidden[rows])  # (C, H)
+                _common.mm(logits, w, out=grad_hidden[rows])  # (C, H)
             elif need_hidden:
-                grad_hidden[rows] = _mm(logits, w)
+                grad_hidden[rows] = _common.mm(logits, w)
             if need_weight:
                 if dtype == weight.dtype:
                     grad_weight.addmm_(logits.T, h)  # (V, H), accumulated in place
                 else:  # autocast over float32 weights: a 16-bit product added to the float32 gradient
-                    grad_weight += _mm(logits.T, h)
+                    grad_weight += _common.mm(logits.T, h)
             del logits
         return grad_hidden, grad_weight, None, None, None, None, None
 

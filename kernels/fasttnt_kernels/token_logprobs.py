@@ -218,6 +218,38 @@ def token_logprobs_backward(
     )
 
 
+def token_logprobs_forward_reference(logits, ids, *, inv_temperature, logp, lse, entropy):
+    """Same contract as ``token_logprobs_forward``, through the reference (the CPU path of the lm_head ops)."""
+    z = logits.to(_common.compute_dtype(logits.dtype)) * inv_temperature
+    lse.copy_(torch.logsumexp(z, dim=-1))
+    out = token_logprobs_reference(z, ids, with_entropy=entropy is not None)
+    if entropy is None:
+        logp.copy_(out)
+    else:
+        logp.copy_(out[0])
+        entropy.copy_(out[1])
+
+
+def token_logprobs_backward_reference(
+    logits, ids, *, inv_temperature, lse, entropy, grad_logp, grad_entropy, grad_logits
+):
+    """Same contract as ``token_logprobs_backward``: autograd through the reference, written into grad_logits."""
+    del lse, entropy  # recomputed by the reference
+    with torch.enable_grad():
+        x = logits.detach().to(_common.compute_dtype(logits.dtype)).requires_grad_()
+        out = token_logprobs_reference(x * inv_temperature, ids, with_entropy=grad_entropy is not None)
+        outputs, grads = [], []
+        logp, ent = (out, None) if grad_entropy is None else out
+        if grad_logp is not None:
+            outputs.append(logp)
+            grads.append(grad_logp)
+        if grad_entropy is not None:
+            outputs.append(ent)
+            grads.append(grad_entropy)
+        (grad,) = torch.autograd.grad(outputs, x, grads)
+    grad_logits.copy_(grad)
+
+
 class TokenLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, ids, temperature, with_entropy, inplace_backward):

@@ -1,210 +1,23 @@
-"""``fasttnt compare``: the TNT paper in miniature, and what it left open. The embedded model is trained from
-shared warm-ups with each variant (a reward scheme, optionally DAPO or Dr. GRPO, optionally other parameters:
-``fasttnt.variants``), over several warm-up seeds and training seeds; every run is evaluated on the synthetic
-held-out split, and every number is reported as a mean with its standard error over the runs.
-
-Why several warm-ups: the warm-up decides how well the model can answer each level directly, and the reward table
-decides when a direct answer pays. With the paper's table (thinking 1/0, direct 2/-1) a direct answer is worth
-more on average when its accuracy p_d exceeds (1 + p_t) / 3, p_t the thinking accuracy; TNT stops the hack (a
-"direct" answer that thinks anyway), not that trade. Each warm-up is therefore also evaluated forced to think and
-forced to answer directly, and the report shows the threshold beside what each variant chose.
-
-Runs are independent processes (``--jobs``); each run and each evaluation is kept under the output directory when
-it finishes, so a rerun skips them.
-"""
+"""``fasttnt compare``'s report: mean and standard error of every number over the runs, the warm-ups' forced-mode
+accuracies against each variant's threshold, compare.md and compare.png."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import os
-import shutil
 import statistics
-import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import asdict, dataclass, field
-from multiprocessing import get_context
+from dataclasses import asdict
 from pathlib import Path
 
-from tqdm.auto import tqdm
+from ..config import TrainConfig
+from ..runlog import read_jsonl
+from .plan import CompareSettings, Run
 
-from .config import TrainConfig, load_config, to_dict
-from .evaluate import SYNTHETIC, EvalSettings, run_eval
-from .trainer import Trainer, _read_jsonl
-from .variants import slug as variant_slug
-from .variants import variant_overrides
-
-SCHEME_ORDER = ("tnt", "no-limit", "uniform-limit", "binary")
 TABLE_KEYS = ("acc", "len", "te", "non_thinking_ratio", "hack_rate", "len_non_thinking")
 TRAIN_KEYS = (
     "step", "reward", "acc", "non_thinking_ratio", "hack_rate", "len", "time_step", "draws", "varied_group_frac",
     "filled_groups",
 )  # fmt: skip
-RUN_KEYS = ("steps", "save_every", "seed", "warmup.seed")  # set per run by compare, never by a variant
 SOLVED_ACC = 0.9  # steps-to-solve: the first step whose 5-step mean training accuracy reaches this
-
-
-@dataclass(frozen=True)
-class CompareSettings:
-    variants: tuple[str, ...] = SCHEME_ORDER
-    seeds: int = 2  # training seeds per warm-up (the prompts and samples)
-    warmup_seeds: int = 1  # warm-ups (the starting model), each trained from its own seed
-    steps: int = 80
-    # one cap for every query: longer than any honest direct answer (11-14 tokens with EOS) and shorter than every
-    # 3- or 4-digit hacked one (40+ tokens), but not than most 2-digit hacks (29-35): it stops some hacks and not
-    # others, as a uniform cap does
-    uniform_limit: float = 32.0
-    jobs: int = 1  # runs trained at once, each in its own process
-    eval: EvalSettings = field(
-        default_factory=lambda: EvalSettings(samples=4, max_new_tokens=96, synthetic_per_level=50)
-    )
-
-
-@dataclass(frozen=True)
-class Run:
-    variant: str
-    warmup: int
-    seed: int
-    out: Path
-    cfg: TrainConfig
-
-    @property
-    def name(self) -> str:
-        return f"{self.variant} warm-up {self.warmup} seed {self.seed}"
-
-
-def default_jobs() -> int:
-    """Runs at once: one per core, at most 8. On 2 cores, two runs at one thread each did 1.76x the work of one
-    at two threads (the tiny model's steps are mostly Python and small kernels)."""
-    return max(1, min(8, os.cpu_count() or 1))
-
-
-def plan_runs(
-    settings: CompareSettings, output_dir: Path, overrides: list[str], user_variants: dict | None = None
-) -> list[Run]:
-    """Every (warm-up, seed, variant) with its resolved config; the variants of one warm-up and seed see the same
-    prompts (the seed orders them) from the same starting model."""
-    base_overrides = [*overrides, f"reward.uniform_limit={settings.uniform_limit}"]
-    base = load_config(None, base_overrides)
-    runs = []
-    for w in range(settings.warmup_seeds):
-        for seed in range(settings.seeds):
-            for variant in settings.variants:
-                cfg = load_config(
-                    None,
-                    [
-                        *base_overrides,
-                        *variant_overrides(variant, base, user_variants),
-                        f"steps={settings.steps}",
-                        f"save_every={settings.steps}",
-                        f"seed={seed}",
-                        f"warmup.seed={base.warmup.seed + w}",
-                    ],
-                )
-                out = output_dir / "runs" / f"w{w}-seed{seed}" / variant_slug(variant)
-                runs.append(Run(variant, w, seed, out, cfg))
-    return runs
-
-
-def _fingerprint(cfg: TrainConfig) -> str:
-    return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()
-
-
-def _trained_before(run: Run) -> bool:
-    stamp = run.out / "compare_run.json"
-    if not ((run.out / "final" / "config.json").is_file() and stamp.is_file()):
-        return False
-    return json.loads(stamp.read_text()).get("config_sha256") == _fingerprint(run.cfg)
-
-
-def train_and_evaluate(run: Run, eval_settings: EvalSettings, *, progress: bool = True) -> dict:
-    """One run: trained (unless its ``final/`` was trained with this config before), then evaluated on the
-    synthetic split (kept when done before). Returns its evaluation and what it took."""
-    if _trained_before(run):
-        tqdm.write(f"{run.name}: trained before with this config, kept ({run.out})")
-    else:
-        shutil.rmtree(run.out, ignore_errors=True)  # interrupted, or trained with other settings: start over
-        Trainer(run.cfg, run.out, progress=progress).run()
-        (run.out / "compare_run.json").write_text(json.dumps({"config_sha256": _fingerprint(run.cfg)}))
-    report = run_eval([str(run.out / "final")], [SYNTHETIC], eval_settings, run.out / "eval")
-    return report["results"][str(run.out / "final")][SYNTHETIC]
-
-
-def warmup_model(cfg: TrainConfig) -> str:
-    """The warm-up a run starts from, built (and cached) if needed; its folder, or the model name for hub models."""
-    if cfg.model.name != "tiny":
-        return cfg.model.name
-    from .tiny import warmed_up_model
-
-    _, _, path = warmed_up_model(Path(cfg.cache_dir).expanduser(), cfg.model.tiny, cfg.warmup)
-    return str(path)
-
-
-def _warmup_path(cfg: TrainConfig) -> Path | None:
-    """Where a run's warm-up is cached; None for a hub model, which has none."""
-    from .tiny import warmup_cache_path
-
-    if cfg.model.name != "tiny":
-        return None
-    return warmup_cache_path(Path(cfg.cache_dir).expanduser(), cfg.model.tiny, cfg.warmup)
-
-
-def evaluate_warmup(cfg: TrainConfig, mode: str, eval_settings: EvalSettings, out: Path) -> dict:
-    """The warm-up's synthetic evaluation forced to one mode ("thinking" or "non-thinking")."""
-    from dataclasses import replace
-
-    model = warmup_model(cfg)
-    return run_eval([model], [SYNTHETIC], replace(eval_settings, mode=mode), out / mode)["results"][model][SYNTHETIC]
-
-
-def _job(kind: str, args: tuple, threads: int | None):
-    """A unit of work in a worker process (one thread count per job, so the jobs share the cores)."""
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
-    if kind == "warmup":
-        return warmup_model(*args)
-    if kind == "warmup-eval":
-        return evaluate_warmup(*args)
-    run, eval_settings = args
-    start = time.perf_counter()
-    metrics = train_and_evaluate(run, eval_settings, progress=threads is None)
-    return {"metrics": metrics, "seconds": time.perf_counter() - start}
-
-
-def _run_jobs(jobs: list[tuple[str, tuple, str]], n_jobs: int, desc: str) -> list:
-    """Results of ``(kind, args, label)`` jobs, in order: inline when ``n_jobs`` is 1, else in worker processes."""
-    results: list = [None] * len(jobs)
-    bar = tqdm(total=len(jobs), desc=desc, unit="job")
-    try:
-        if n_jobs <= 1 or len(jobs) <= 1:
-            for i, (kind, args, _) in enumerate(jobs):
-                results[i] = _job(kind, args, None)
-                bar.update(1)
-            return results
-        workers = min(n_jobs, len(jobs))
-        threads = max(1, (os.cpu_count() or 1) // workers)
-        pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"))
-        try:
-            futures = {pool.submit(_job, kind, args, threads): i for i, (kind, args, _) in enumerate(jobs)}
-            for future in as_completed(futures):
-                i = futures[future]
-                results[i] = future.result()  # a failed job raises here, naming its traceback
-                bar.update(1)
-                tqdm.write(f"{jobs[i][2]}: done")
-        except BaseException:
-            # a failed run (or Ctrl-C) ends the command now, not after every queued run; finished runs are kept
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
-        pool.shutdown()
-        return results
-    finally:
-        bar.close()
-
-
-# -- statistics --------------------------------------------------------------------------------------------------
 
 
 def mean_se(values: list[float | None]) -> dict:
@@ -263,7 +76,7 @@ def summarize_runs(
             "p_think": {level: by_mode["thinking"]["by_level"][level]["acc"] / 100 for level in lv},
             # right and not hacked: a hacked direct answer (steps after </think>) is not the trade the threshold
             # describes, and TNT's limit punishes it
-            "p_direct": {level: direct[level].get("acc_honest", direct[level]["acc"]) / 100 for level in lv},
+            "p_direct": {level: direct[level]["acc_honest"] / 100 for level in lv},
         }
     for variant in settings.variants:
         rows = []
@@ -271,7 +84,7 @@ def summarize_runs(
             if run.variant != variant:
                 continue
             metrics = result["metrics"]
-            train_rows = _read_jsonl(run.out / "metrics.jsonl")
+            train_rows = read_jsonl(run.out / "metrics.jsonl")
             train = {key: [r.get(key) for r in train_rows] for key in TRAIN_KEYS}
             by = metrics["by_level"]
             levels = levels or sorted(by, key=int)
@@ -320,9 +133,6 @@ def summarize_runs(
             stats["by_level"][lv]["direct_pays"] = mean_se(pays)
         out["variants"][variant] = {"stats": stats, "runs": rows}
     return out
-
-
-# -- report ------------------------------------------------------------------------------------------------------
 
 
 def _pm(stat: dict, fmt: str = "{:.1f}", scale: float = 1.0) -> str:
@@ -485,43 +295,3 @@ def plot(summary: dict, path: Path) -> None:
         ax.grid(alpha=0.3, axis="y")
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def run_compare(
-    settings: CompareSettings, output_dir: Path, overrides: list[str] = (), user_variants: dict | None = None
-) -> dict:
-    output_dir.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    runs = plan_runs(settings, output_dir, list(overrides), user_variants)
-    # every distinct warm-up not cached yet first (one job each; a variant may change the warm-up), so parallel runs
-    # never build the same one at once
-    missing: dict[Path, TrainConfig] = {}
-    for run in runs:
-        path = _warmup_path(run.cfg)
-        if path is not None and not (path / "config.json").is_file():
-            missing.setdefault(path, run.cfg)
-    if missing:
-        _run_jobs([("warmup", (cfg,), f"warm-up {p.name}") for p, cfg in missing.items()], settings.jobs, "warm-ups")
-    # each warm-up seed's model forced into each mode, as the variants without warm-up settings of their own see it
-    first_of_warmup: dict[int, TrainConfig] = {}
-    for run in runs:
-        first_of_warmup.setdefault(run.warmup, run.cfg)
-    jobs = [
-        ("warmup-eval", (cfg, mode, settings.eval, output_dir / "warmups" / f"w{w}"), f"warm-up {w}, {mode}")
-        for w, cfg in first_of_warmup.items()
-        if cfg.model.name == "tiny"
-        for mode in ("thinking", "non-thinking")
-    ]
-    jobs += [("run", (run, settings.eval), run.name) for run in runs]
-    results = _run_jobs(jobs, settings.jobs, "compare")
-    n_warmup_evals = len(jobs) - len(runs)
-    warmups: dict[int, dict[str, dict]] = {}
-    for (_, args, _), result in zip(jobs[:n_warmup_evals], results[:n_warmup_evals], strict=True):
-        w = int(args[3].name[1:])
-        warmups.setdefault(w, {})[args[1]] = result
-    summary = summarize_runs(settings, runs, results[n_warmup_evals:], warmups)
-    summary["wall_seconds"] = time.perf_counter() - start
-    (output_dir / "compare.json").write_text(json.dumps(summary, indent=1))
-    (output_dir / "compare.md").write_text(markdown(summary))
-    plot(summary, output_dir / "compare.png")
-    return summary

@@ -1,0 +1,258 @@
+"""The policy's side of a step (verl calls it the actor): log-probs without gradients (old and reference), and the
+update: ``ppo_epochs`` passes over the batch, each ``mini_batches`` optimizer steps, each in micro-batches of at
+most ``micro_batch_tokens`` tokens whose gradients accumulate.
+
+Every normaliser is the whole mini-batch's over all ranks, so the micro-batches' (and ranks') losses add up to the
+mini-batch's loss and the accumulated gradient is the one-forward gradient. Under DeepSpeed every rank runs as many
+forwards and backwards (a rank with fewer pads with dummy ones), since ZeRO's gathers and reductions are
+collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from fasttnt_kernels import rollout_correction_weights
+
+from . import distributed
+from .config import TrainConfig
+from .engines.batch import RolloutBatch
+from .policy import (
+    LossSettings,
+    MicroBatch,
+    MicroBatchLoss,
+    micro_batch_loss,
+    plan_micro_batches,
+    response_logprobs,
+    run_dummy,
+)
+from .step_metrics import ROLLOUT_METRICS, TOKEN_METRICS, add_into, reduce_named
+
+
+class Actor:
+    def __init__(self, cfg: TrainConfig, parts, *, correction: str) -> None:
+        """``parts``: the built run (``fasttnt.setup.Parts``): model, head, optimizer, DeepSpeed's engine, ranks."""
+        self.cfg = cfg
+        self.model, self.head, self.optimizer = parts.model, parts.head, parts.optimizer
+        self.ds_engine, self.ref_model = parts.ds_engine, parts.ref_model
+        self.distributed, self.world = parts.dist is not None, parts.world
+        self.device = parts.device
+        self.autocast_on = parts.autocast
+        self.correction = correction
+        self.settings = LossSettings.of(cfg.loss)
+
+    # -- log-probs without gradients ----------------------------------------------------------------------------
+
+    def old_and_ref_logprobs(self, batch: RolloutBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The old log-probs (N,), needed once the policy moves within the step (a second mini-batch or epoch) or
+        to importance-weight against the engine's (the weights are needed before the fused loss forms its gradient;
+        TRL computes them likewise for its vLLM correction, grpo_trainer.py, trl 1.16); the reference model's when
+        the KL term is on. None where not needed."""
+        loss_cfg = self.cfg.loss
+        old_logp = ref_logp = None
+        corrected = self.correction != "none" and batch.rollout_logp is not None
+        if loss_cfg.ppo_epochs > 1 or loss_cfg.mini_batches > 1 or corrected:
+            old_logp = self.logprobs(self.policy, batch, zero3_collectives=self.zero3)
+        if self.ref_model is not None:  # a plain module on every rank: no collectives
+            ref_logp = self.logprobs(self.ref_model, batch, zero3_collectives=False)
+        return old_logp, ref_logp
+
+    def logprobs(self, model, batch: RolloutBatch, *, zero3_collectives: bool) -> torch.Tensor:
+        """Log-probs (N,) of the batch under ``model`` (the policy, ``policy``, or the reference model), without
+        gradients, in micro-batches of ``micro_batch_tokens``. ``zero3_collectives``: the forwards gather
+        parameters collectively, so every rank runs as many (the ones with fewer pad with dummy forwards)."""
+        plan = plan_micro_batches(batch, self.cfg.micro_batch_tokens)
+        pad_to = self._max_over_ranks(len(plan)) if zero3_collectives else 0
+        with torch.no_grad(), self.autocast():
+            logp, _ = response_logprobs(model, batch, plan, temperature=self.cfg.rollout.temperature, pad_to=pad_to)
+        return logp
+
+    # -- the update ---------------------------------------------------------------------------------------------
+
+    def update(self, batch: RolloutBatch, advantages, old_logp, ref_logp) -> dict[str, torch.Tensor]:
+        """``ppo_epochs`` passes over the batch, each ``mini_batches`` optimizer steps. Loss, grad norm and counts
+        are means over the optimizer steps; the token metrics (``TOKEN_METRICS``) are means over every token they
+        were measured on, NaN where that is none (every sequence skipped)."""
+        loss_cfg = self.cfg.loss
+        k = batch.group_size
+        per_mb = batch.lengths.numel() // k // loss_cfg.mini_batches  # prompts per mini-batch
+        self.model.train()
+        sums: dict[str, torch.Tensor] = {}
+        token_sums = {name: torch.zeros((), device=self.device) for name in (*TOKEN_METRICS, "trained", "rollout")}
+        count = 0
+        for _epoch in range(loss_cfg.ppo_epochs):
+            for mb in range(loss_cfg.mini_batches):
+                part = batch.group_slice(mb * per_mb, (mb + 1) * per_mb)
+                lo, hi = batch.bounds[mb * per_mb * k], batch.bounds[(mb + 1) * per_mb * k]
+                seqs = slice(mb * per_mb * k, (mb + 1) * per_mb * k)
+                metrics, step_sums = self._optimizer_step(
+                    part,
+                    advantages[seqs],
+                    old_logp[lo:hi] if old_logp is not None else None,
+                    ref_logp[lo:hi] if ref_logp is not None else None,
+                )
+                add_into(token_sums, step_sums)
+                for name, value in metrics.items():
+                    sums[name] = sums.get(name, 0) + value
+                count += 1
+        means = {name: value / count for name, value in sums.items()}
+        for name in TOKEN_METRICS:
+            means[name] = token_sums[name] / token_sums["rollout" if name in ROLLOUT_METRICS else "trained"]
+        if batch.rollout_logp is None:  # an engine that does not say what it sampled with
+            for name in ROLLOUT_METRICS:
+                means.pop(name)
+        return means
+
+    def _optimizer_step(self, part: RolloutBatch, advantages, old_logp, ref_logp):
+        """One optimizer step on a mini-batch, its forward and backward in micro-batches, gradients accumulated.
+        Sequences that cannot move the weights are left out first (``_drop_zero_advantage``); the normalisers
+        still count them. Returns the step's metrics and its named sums over the ranks: ``TOKEN_METRICS``' token
+        sums, the tokens trained on (``trained``) and the tokens the rollout diagnostics cover (``rollout``)."""
+        local = torch.tensor([float(part.bounds[-1]), float(part.lengths.numel())], device=self.device)
+        n_tokens, n_seqs = self._sum(local).tolist()  # sync: one read per mini-batch
+        sums = {name: torch.zeros((), dtype=torch.float32, device=self.device) for name in ("loss", *TOKEN_METRICS)}
+        # the rollout correction over the whole mini-batch when the old log-probs are known; else (on-policy, no
+        # correction) its diagnostics come from each micro-batch's log-probs, of the sequences trained on
+        weights, rollout_tokens = None, None  # tokens the diagnostics cover: all of them here, else those trained on
+        if part.rollout_logp is not None and old_logp is None and self.correction != "none":
+            raise ValueError("the rollout correction needs the old log-probs (old_and_ref_logprobs computes them)")
+        if part.rollout_logp is not None and old_logp is not None:
+            weights, correction = rollout_correction_weights(
+                old_logp,
+                part.rollout_logp,
+                part.cu_seqlens,
+                mode=self.correction,
+                cap=self.cfg.loss.rollout_correction_cap,
+            )
+            rollout_tokens = float(part.bounds[-1])
+            for name in ROLLOUT_METRICS:
+                sums[name] = correction[name] * rollout_tokens
+        per_token = (old_logp, ref_logp, weights)
+        part, advantages, per_token, skipped = self._drop_zero_advantage(part, advantages, per_token)
+        plan = plan_micro_batches(part, self.cfg.micro_batch_tokens)
+        n_micro = self._max_over_ranks(len(plan)) if self.ds_engine is not None else len(plan)
+        # at least one backward, so a step with every sequence skipped still steps on (zero) gradients, as the
+        # unskipped update would
+        n_micro = max(n_micro, 1)
+        if self.ds_engine is None:
+            self.optimizer.zero_grad(set_to_none=True)
+        for i in range(n_micro):
+            if self.ds_engine is not None:
+                self.ds_engine.set_gradient_accumulation_boundary(i == n_micro - 1)
+            if i < len(plan):
+                total, micro_sums = self._micro_batch_loss(
+                    part, plan[i], advantages, *per_token, n_tokens=n_tokens, n_seqs=n_seqs
+                )
+                add_into(sums, micro_sums)
+            else:
+                with self.autocast():
+                    loss, _, _ = run_dummy(
+                        self.policy, self.device, temperature=self.cfg.rollout.temperature, with_loss=True
+                    )
+                total = loss * 0.0  # the collectives of a forward and backward, no gradient
+            if self.ds_engine is not None:
+                # DeepSpeed averages gradients over ranks; each rank's loss is its part of a global sum
+                self.ds_engine.backward(total * self.world)
+            else:
+                total.backward()
+        if self.ds_engine is not None:
+            self.ds_engine.step()
+            grad_norm = torch.tensor(float(self.ds_engine.get_global_grad_norm() or 0.0))
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+            self.optimizer.step()
+        trained_tokens = float(part.bounds[-1])
+        if rollout_tokens is None:
+            rollout_tokens = trained_tokens
+        counts = {"micro_batches": float(len(plan)), "skipped": float(skipped), "trained": trained_tokens,
+                  "rollout": rollout_tokens}  # fmt: skip
+        local_sums = {**sums, **{k: sums["loss"].new_tensor(v) for k, v in counts.items()}}
+        totals = reduce_named(local_sums, self._sum)  # one collective per optimizer step
+        metrics = {
+            "loss": totals["loss"],
+            "grad_norm": grad_norm.to(totals["loss"].device).float(),
+            "micro_batches": totals["micro_batches"],  # run, dummy ones not counted
+            "skipped_seq_frac": totals["skipped"] / max(n_seqs, 1.0),
+        }
+        return metrics, {name: totals[name] for name in (*TOKEN_METRICS, "trained", "rollout")}
+
+    def _drop_zero_advantage(self, part: RolloutBatch, advantages, per_token: tuple):
+        """``part`` without its sequences whose advantage is exactly 0, the advantages and per-token tensors
+        (None or (N,) each) to match, and how many were dropped. Such a sequence's policy-gradient term is
+        -ratio * 0 = 0 for every token, whatever the ratio, clip, dual clip or importance weight, so it adds nothing
+        to the gradient unless the entropy bonus or the KL term is on (with TNT, a solved prompt's K responses all
+        score alike)."""
+        loss_cfg = self.cfg.loss
+        kl_on = self.ref_model is not None and loss_cfg.kl_coef > 0
+        if not loss_cfg.skip_zero_advantage or loss_cfg.entropy_coef > 0 or kl_on:
+            return part, advantages, per_token, 0
+        keep = [i for i, a in enumerate(advantages.tolist()) if a != 0.0]  # sync: one read per mini-batch
+        skipped = advantages.numel() - len(keep)
+        if skipped == 0:
+            return part, advantages, per_token, 0
+        kept, index = part.select(keep)
+        keep_t = torch.tensor(keep, dtype=torch.long, device=advantages.device)
+        return kept, advantages[keep_t], tuple(t[index] if t is not None else None for t in per_token), skipped
+
+    def _micro_batch_loss(
+        self, part: RolloutBatch, mb: MicroBatch, advantages, old_logp, ref_logp, weights, *, n_tokens, n_seqs
+    ):
+        """The loss of one micro-batch as its share of the mini-batch's (``linear_policy_loss``, the gradient formed
+        in its forward), and its named sums (the rollout diagnostics only when on-policy)."""
+        lo, hi = part.bounds[mb.first], part.bounds[mb.last]
+        cu = part.cu_seqlens[mb.first : mb.last + 1] - lo  # (s+1,)
+        loss_inputs = MicroBatchLoss(
+            advantages=advantages[mb.first : mb.last],
+            cu_seqlens=cu,
+            old_logp=old_logp[lo:hi] if old_logp is not None else None,  # None: one pass over the batch, on-policy
+            ref_logp=ref_logp[lo:hi] if ref_logp is not None else None,
+            is_weights=weights[lo:hi] if weights is not None else None,
+            total_tokens=n_tokens,
+            total_seqs=n_seqs,
+            settings=self.settings,
+        )
+        with self.autocast():
+            loss, stats, logp = micro_batch_loss(
+                self.policy, part, mb, temperature=self.cfg.rollout.temperature, loss=loss_inputs
+            )
+        n = float(hi - lo)
+        sums = {
+            "entropy": stats["entropy"] * n,
+            "clip_frac": (stats["clip_frac_low"] + stats["clip_frac_high"]) * n,
+            "kl": stats["approx_kl"] * n,
+            "kl_ref": stats["kl_ref"] * n,
+        }
+        zero = torch.zeros((), device=loss.device)
+        rollout = dict.fromkeys(ROLLOUT_METRICS, zero)
+        if part.rollout_logp is not None and old_logp is None:  # on-policy: the mismatch against these log-probs
+            _, correction = rollout_correction_weights(
+                logp, part.rollout_logp[lo:hi], cu, mode="none", cap=self.cfg.loss.rollout_correction_cap
+            )
+            rollout = {name: correction[name] * n for name in ROLLOUT_METRICS}
+        # the logged loss is the policy loss alone, without the entropy bonus the fused op adds
+        policy_loss = loss.detach() + self.settings.entropy_coef * stats["entropy"] * n / max(n_tokens, 1.0)
+        return loss, {"loss": policy_loss, **sums, **rollout}
+
+    # -- where the forwards run ---------------------------------------------------------------------------------
+
+    @property
+    def policy(self):
+        """The policy's log-prob module: DeepSpeed's engine when distributed (its forward drives ZeRO)."""
+        return self.ds_engine if self.ds_engine is not None else self.head
+
+    @property
+    def zero3(self) -> bool:
+        return self.ds_engine is not None and self.cfg.distributed.zero_stage == 3
+
+    def autocast(self):
+        if not self.autocast_on:
+            return contextlib.nullcontext()
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+
+    def _sum(self, t: torch.Tensor) -> torch.Tensor:
+        return distributed.all_sum(t) if self.distributed else t
+
+    def _max_over_ranks(self, n: int) -> int:
+        return distributed.all_max(n, self.device) if self.distributed else n  # sync: one read

@@ -1,0 +1,124 @@
+"""``fasttnt compare``'s work: each job a typed unit (build a warm-up, evaluate a warm-up forced to one mode,
+train and evaluate one run), run inline or in worker processes with one thread count each."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, replace
+from multiprocessing import get_context
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from ..config import TrainConfig
+from ..evaluate import SYNTHETIC, EvalSettings, run_eval
+from ..trainer import Trainer
+from .plan import Run, fingerprint, trained_before
+
+
+def warmup_model(cfg: TrainConfig) -> str:
+    """The warm-up a run starts from, built (and cached) if needed; its folder, or the model name for hub models."""
+    if cfg.model.name != "tiny":
+        return cfg.model.name
+    from ..tiny import warmed_up_model
+
+    _, _, path = warmed_up_model(Path(cfg.cache_dir).expanduser(), cfg.model.tiny, cfg.warmup)
+    return str(path)
+
+
+@dataclass(frozen=True)
+class BuildWarmup:
+    """Train (and cache) one warm-up."""
+
+    cfg: TrainConfig
+    label: str
+
+    def __call__(self, progress: bool) -> str:
+        return warmup_model(self.cfg)
+
+
+@dataclass(frozen=True)
+class EvaluateWarmup:
+    """Warm-up ``warmup``'s synthetic evaluation forced to one mode ("thinking" or "non-thinking")."""
+
+    warmup: int
+    mode: str
+    cfg: TrainConfig
+    eval: EvalSettings
+    out: Path
+
+    @property
+    def label(self) -> str:
+        return f"warm-up {self.warmup}, {self.mode}"
+
+    def __call__(self, progress: bool) -> dict:
+        model = warmup_model(self.cfg)
+        report = run_eval([model], [SYNTHETIC], replace(self.eval, mode=self.mode), self.out / self.mode)
+        return report["results"][model][SYNTHETIC]
+
+
+@dataclass(frozen=True)
+class TrainAndEvaluate:
+    """One run: trained (unless its ``final/`` was trained with this config before), then evaluated on the
+    synthetic split (kept when done before); its evaluation and the seconds it took."""
+
+    run: Run
+    eval: EvalSettings
+
+    @property
+    def label(self) -> str:
+        return self.run.name
+
+    def __call__(self, progress: bool) -> dict:
+        run, start = self.run, time.perf_counter()
+        if trained_before(run):
+            tqdm.write(f"{run.name}: trained before with this config, kept ({run.out})")
+        else:
+            shutil.rmtree(run.out, ignore_errors=True)  # interrupted, or trained with other settings: start over
+            Trainer(run.cfg, run.out, progress=progress).run()
+            (run.out / "compare_run.json").write_text(json.dumps({"config_sha256": fingerprint(run.cfg)}))
+        report = run_eval([str(run.out / "final")], [SYNTHETIC], self.eval, run.out / "eval")
+        return {"metrics": report["results"][str(run.out / "final")][SYNTHETIC], "seconds": time.perf_counter() - start}
+
+
+def _in_worker(job, threads: int | None):
+    """A job in a worker process, with its share of the cores (one thread count per job, so jobs share them)."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    return job(progress=threads is None)
+
+
+def run_jobs(jobs: list, n_jobs: int, desc: str) -> list:
+    """The jobs' results, in order: inline when ``n_jobs`` is 1, else in worker processes."""
+    results: list = [None] * len(jobs)
+    bar = tqdm(total=len(jobs), desc=desc, unit="job")
+    try:
+        if n_jobs <= 1 or len(jobs) <= 1:
+            for i, job in enumerate(jobs):
+                results[i] = _in_worker(job, None)
+                bar.update(1)
+            return results
+        workers = min(n_jobs, len(jobs))
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"))
+        try:
+            futures = {pool.submit(_in_worker, job, threads): i for i, job in enumerate(jobs)}
+            for future in as_completed(futures):
+                i = futures[future]
+                results[i] = future.result()  # a failed job raises here, naming its traceback
+                bar.update(1)
+                tqdm.write(f"{jobs[i].label}: done")
+        except BaseException:
+            # a failed run (or Ctrl-C) ends the command now, not after every queued run; finished runs are kept
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
+        return results
+    finally:
+        bar.close()

@@ -1,0 +1,130 @@
+"""What a rollout engine returns: K sampled responses per prompt, packed, with the flags and log-probs the rest of
+the step needs, and the ways a step cuts and joins such batches (each keeps the host copies it already read)."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RolloutBatch:
+    """S = prompts x K responses, the K samples of a prompt adjacent."""
+
+    prompt_ids: list[list[int]]  # (S,) the prompt of each response (repeated K times)
+    response_ids: torch.Tensor  # (N,) packed response tokens, EOS included when generated
+    cu_seqlens: torch.Tensor  # (S+1,) int64
+    truncated: torch.Tensor  # (S,) bool: the length budget ran out before EOS
+    group_size: int
+    # (N,) float32: the log-prob of each token under the distribution the engine sampled it from (after temperature
+    # and top-p); 0 for a pre-filled prefix, which was not sampled (forced modes)
+    rollout_logp: torch.Tensor | None = None
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.cu_seqlens[1:] - self.cu_seqlens[:-1]  # (S,)
+
+    @property
+    def group_ids(self) -> torch.Tensor:
+        """The prompt each response answers: responses g*K .. g*K+K-1 belong to prompt g."""
+        return torch.arange(self.lengths.numel(), device=self.cu_seqlens.device) // self.group_size  # (S,)
+
+    @functools.cached_property
+    def bounds(self) -> list[int]:
+        """``cu_seqlens`` on the host, read once per batch."""
+        return self.cu_seqlens.tolist()  # sync: once per batch
+
+    @functools.cached_property
+    def responses(self) -> list[list[int]]:
+        """The responses as token lists, read from the device once per batch (decoding and every packed forward
+        of the step share it)."""
+        ids = self.response_ids.tolist()
+        return [ids[a:b] for a, b in itertools.pairwise(self.bounds)]
+
+    def _with_host_copies(self, bounds: list[int], responses: list[list[int]]) -> RolloutBatch:
+        """This batch with its host copies given (already read from another batch: no second device read)."""
+        self.bounds, self.responses = bounds, responses
+        return self
+
+    def select(self, keep: list[int]) -> tuple[RolloutBatch, torch.Tensor]:
+        """Sequences ``keep`` (ascending) repacked from 0, and the index (n,) of their tokens in this batch's packed
+        tensors (to take the per-token inputs that go with them)."""
+        device = self.cu_seqlens.device
+        bounds = self.bounds
+        lengths = [bounds[i + 1] - bounds[i] for i in keep]
+        new_bounds = [0, *itertools.accumulate(lengths)]
+        keep_t = torch.tensor(keep, dtype=torch.long, device=device)
+        cu = torch.tensor(new_bounds, dtype=self.cu_seqlens.dtype, device=device)  # (s+1,)
+        # token j of the repacked batch comes from start(seq) + (j - new_start(seq))
+        shift = self.cu_seqlens[keep_t] - cu[:-1]  # (s,)
+        index = torch.arange(new_bounds[-1], device=device) + torch.repeat_interleave(
+            shift, self.lengths[keep_t], output_size=new_bounds[-1]
+        )  # (n,)
+        kept = RolloutBatch(
+            [self.prompt_ids[i] for i in keep],
+            self.response_ids[index],
+            cu,
+            self.truncated[keep_t],
+            self.group_size,
+            rollout_logp=self.rollout_logp[index] if self.rollout_logp is not None else None,
+        )
+        return kept._with_host_copies(new_bounds, [self.responses[i] for i in keep]), index
+
+    def group_slice(self, first: int, last: int) -> RolloutBatch:
+        """Prompts ``first .. last - 1`` (all K samples of each), repacked from 0: a contiguous cut, no gather."""
+        k = self.group_size
+        a, b = first * k, last * k
+        lo, hi = self.bounds[a], self.bounds[b]
+        part = RolloutBatch(
+            self.prompt_ids[a:b],
+            self.response_ids[lo:hi],
+            self.cu_seqlens[a : b + 1] - lo,
+            self.truncated[a:b],
+            k,
+            rollout_logp=self.rollout_logp[lo:hi] if self.rollout_logp is not None else None,
+        )
+        return part._with_host_copies([x - lo for x in self.bounds[a : b + 1]], self.responses[a:b])
+
+    @classmethod
+    def concat(cls, batches: list[RolloutBatch]) -> RolloutBatch:
+        """The batches as one, in order (the groups of the first first)."""
+        if len(batches) == 1:
+            return batches[0]
+        offsets = [0, *itertools.accumulate(b.bounds[-1] for b in batches)]
+        shifted = [b.cu_seqlens[1:] + off for b, off in zip(batches, offsets, strict=False)]
+        logps = [b.rollout_logp for b in batches]
+        batch = cls(
+            [p for b in batches for p in b.prompt_ids],
+            torch.cat([b.response_ids for b in batches]),
+            torch.cat([batches[0].cu_seqlens[:1], *shifted]),  # (S+1,)
+            torch.cat([b.truncated for b in batches]),
+            batches[0].group_size,
+            rollout_logp=torch.cat(logps) if all(lp is not None for lp in logps) else None,
+        )
+        bounds = [0] + [x + off for b, off in zip(batches, offsets, strict=False) for x in b.bounds[1:]]
+        return batch._with_host_copies(bounds, [r for b in batches for r in b.responses])
+
+
+def pack_sequences(sequences: list[list[int]], device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed ids (N,) and cu_seqlens (S+1,) of token lists."""
+    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
+    cu = torch.zeros(len(sequences) + 1, dtype=torch.int64)
+    cu[1:] = lengths.cumsum(0)
+    flat = torch.tensor([t for s in sequences for t in s], dtype=torch.int64)
+    return flat.to(device), cu.to(device)
+
+
+def truncated_without_eos(responses: list[list[int]], eos_id: int) -> list[bool]:
+    """A response that does not end with EOS was cut by the length budget (EOS is kept in the ids)."""
+    return [not ids or ids[-1] != eos_id for ids in responses]
+
+
+def decode_responses(tokenizer, responses: list[list[int]]) -> list[str]:
+    """Response texts without their final EOS/pad ids (kept in the ids, which count as tokens), so "the answer
+    is 5<eos>" reads as 5; ``</think>`` stays, since it may be a special token."""
+    stop = {tokenizer.eos_token_id, tokenizer.pad_token_id} - {None}
+    trimmed = [r[:-1] if r and r[-1] in stop else r for r in responses]
+    return tokenizer.batch_decode(trimmed, skip_special_tokens=False)

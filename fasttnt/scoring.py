@@ -1,0 +1,95 @@
+"""Scoring a rollout: decode -> verify -> reward -> hack flags, the one copy that training, evaluation and the TRL
+and verl integrations share.
+
+A response is *correct* when the verifier accepts its final answer (after ``</think>``) and it ended by itself: a
+response cut by the length budget is wrong whatever it says (``judge``). Rewards are then the configured scheme's
+(``fasttnt.rewards``), computed on device from the token ids, and a non-thinking response that thinks anyway after
+its ``</think>`` is flagged as a hack (``fasttnt.metrics.hack_flags``): ``add_rewards``. ``score`` does both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fasttnt_kernels import TntRewards
+
+from .engines.batch import RolloutBatch, decode_responses, pack_sequences, truncated_without_eos
+from .metrics import HackMarkers, hack_flags
+from .rewards import PackedResponses, RewardConfig, compute_rewards
+from .verify import VerifierPool, verify_batch
+
+Verify = Callable[[list[str], list[str]], Sequence[bool]]
+"""A verifier of one's own: ``verify(texts, golds)`` -> one verdict per response."""
+
+
+@dataclass
+class Judged:
+    """A batch's responses judged against their gold answers (S of them)."""
+
+    texts: list[str]  # decoded, without the final EOS
+    correct: torch.Tensor  # (S,) bool on the batch's device: verified right and not truncated
+    timeouts: int = 0  # verifications killed at their timeout (counted wrong)
+    crashes: int = 0  # verifications whose worker died (counted wrong)
+
+
+@dataclass
+class Scores(Judged):
+    rewards: TntRewards | None = None  # rewards, non_thinking, solution_len (S,); limit (G,)
+    hacked: torch.Tensor | None = None  # (S,) bool: non-thinking, and thinking after its </think>
+
+
+def batch_of(responses: list[list[int]], *, group_size: int, eos_id: int, device="cpu") -> RolloutBatch:
+    """Responses as token lists (another framework's completions, K per prompt adjacent) as a ``RolloutBatch``:
+    truncated where they do not end with EOS."""
+    ids, cu = pack_sequences(responses, device)
+    truncated = torch.tensor(truncated_without_eos(responses, eos_id), dtype=torch.bool, device=device)
+    return RolloutBatch([[] for _ in responses], ids, cu, truncated, group_size)
+
+
+def judge(
+    tokenizer,
+    batch: RolloutBatch,
+    golds: list[str],
+    *,
+    verify: Verify | None = None,
+    pool: VerifierPool | None = None,
+) -> Judged:
+    """Decode and verify each response (``verify``, default fasttnt's verifier in ``pool``'s workers) against its
+    gold answer; a truncated response is wrong."""
+    texts = decode_responses(tokenizer, batch.responses)
+    if verify is None:
+        verdicts = verify_batch(texts, golds, pool=pool, require_think_end=True)
+        timeouts, crashes = verdicts.timeouts, verdicts.crashes
+    else:
+        verdicts, timeouts, crashes = [bool(v) for v in verify(texts, golds)], 0, 0
+    device = batch.truncated.device
+    correct = torch.tensor(list(verdicts), dtype=torch.bool, device=device) & ~batch.truncated.bool()  # (S,)
+    return Judged(texts, correct, timeouts, crashes)
+
+
+def add_rewards(
+    judged: Judged,
+    batch: RolloutBatch,
+    *,
+    reward: RewardConfig,
+    think_end_id: int,
+    markers: HackMarkers | None = None,
+    max_new_tokens: int | None = None,
+) -> Scores:
+    """The rewards of ``reward.scheme`` for judged responses (each group's limit from its own thinking responses;
+    the overlong shaping, if on, counts back from ``max_new_tokens``) and, given ``markers``, the hack flags."""
+    packed = PackedResponses(batch.response_ids, batch.cu_seqlens, batch.group_size)
+    rewards = compute_rewards(packed, judged.correct, think_end_id, reward, max_new_tokens=max_new_tokens)
+    hacked = None
+    if markers is not None:
+        non_thinking = rewards.non_thinking.tolist()  # sync: the hack flags need the text, on the host
+        hacked = torch.tensor(hack_flags(judged.texts, non_thinking, markers), device=judged.correct.device)
+    return Scores(judged.texts, judged.correct, judged.timeouts, judged.crashes, rewards=rewards, hacked=hacked)
+
+
+def score(tokenizer, batch: RolloutBatch, golds: list[str], *, verify: Verify | None = None, pool=None, **reward_args):
+    """``judge`` then ``add_rewards``: a batch's responses decoded, verified, rewarded and flagged."""
+    return add_rewards(judge(tokenizer, batch, golds, verify=verify, pool=pool), batch, **reward_args)

@@ -1,0 +1,267 @@
+"""A run built from its config, in the order that matters (``build``): ranks, the data, the resume checks, the
+model, the optimizer, the rollout engine, then the training state.
+
+The order rules, each for a reason:
+
+* the data is read and checked before any model is loaded (a bad row costs seconds, not a model download);
+* a resume is checked (same config, same ranks) before anything is written;
+* rank 0 builds the model first: the tiny model's warm-up cache is written once, then read by the others;
+* the checkpoint's weights go into the model before DeepSpeed shards it (single process; DeepSpeed loads its own);
+* the engine is built before any RNG state is set: vLLM reseeds Python's, NumPy's and torch's RNGs when it starts;
+  it generates from the trainer's current weights (a resumed run's included: the vllm engine pushes them before its
+  first rollout);
+* the RNG states last: the checkpoint's (a resume), or the config's seed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from . import checkpoint, distributed
+from .checkpoint import TrainerState
+from .config import TrainConfig, dump_config
+from .data import MATH_INSTRUCTION, Problem, PromptMode, build_prompt, loading_model, think_end_token_id
+from .engines import EngineSettings, RolloutEngine, build_engine
+from .metrics import MARKER_SETS, HackMarkers
+from .policy import PolicyHead
+from .runlog import truncate_metrics
+from .stream import ProblemStream
+from .tiny import warmed_up_model
+
+
+@dataclass
+class Parts:
+    """Everything a run is made of, built by ``build``."""
+
+    cfg: TrainConfig
+    out: Path
+    dist: distributed.DistContext | None
+    device: torch.device
+    autocast: bool  # bf16 autocast on CUDA
+    model: torch.nn.Module
+    tokenizer: object
+    model_path: Path | str
+    ref_model: torch.nn.Module | None
+    head: PolicyHead
+    optimizer: torch.optim.Optimizer
+    ds_engine: object | None
+    engine: RolloutEngine
+    stream: ProblemStream
+    state: TrainerState
+    think_end_id: int
+    instruction: str
+    markers: HackMarkers
+
+    @property
+    def rank(self) -> int:
+        return self.dist.rank if self.dist else 0
+
+    @property
+    def world(self) -> int:
+        return self.dist.world if self.dist else 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def prompts_per_rank(self) -> int:
+        return self.cfg.rollout.prompts_per_step // self.world
+
+    def prompt(self, problem: Problem):
+        return build_prompt(self.tokenizer, problem.problem, PromptMode.FREE, instruction=self.instruction)
+
+
+def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: bool = False) -> Parts:
+    device_type = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+    dist = distributed.init(device_type) if distributed.launched_distributed() else None
+    world, is_main = (dist.world, dist.rank == 0) if dist else (1, True)
+    device = dist.device if dist else torch.device(device_type)
+    r = cfg.rollout
+    if r.prompts_per_step % (world * cfg.loss.mini_batches):
+        raise ValueError(
+            f"rollout.prompts_per_step={r.prompts_per_step} must divide into {world} ranks x "
+            f"loss.mini_batches={cfg.loss.mini_batches}"
+        )
+
+    # -- the checkpoint to resume, the data, the resume checks: before any model loads or anything is written --
+    ckpt_root = out / "checkpoints"
+    existing = checkpoint.list_checkpoints(ckpt_root)
+    if existing and not resume:
+        raise FileExistsError(
+            f"{out} holds checkpoints of an earlier run ({existing[-1].name}): pass --resume to continue it, or "
+            "choose another --output-dir"
+        )
+    stream = ProblemStream(cfg)
+    resume_from = existing[-1] if resume and existing else None
+    if resume_from is not None:
+        checkpoint.check_resume(cfg, resume_from, world, new_config_ok=new_config_ok)
+    if is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        checkpoint.remove_partial(ckpt_root)
+        if resume and resume_from is None:
+            tqdm.write(f"--resume: no checkpoint under {ckpt_root}; starting from step 0")
+        dump_config(cfg, out / "config.yaml")
+
+    # -- the model: rank 0 first (the warm-up cache), the checkpoint's weights, the reference --
+    if not is_main:
+        distributed.barrier()
+    model, tokenizer, model_path = _load_policy(cfg, device)
+    if is_main and dist:
+        distributed.barrier()
+    if resume_from is not None and dist is None:
+        checkpoint.load_weights(model, resume_from)  # the checkpoint's weights into the model as configured
+    if is_main:
+        tokenizer.save_pretrained(out / "tokenizer")
+    model.to(device)
+    model.zero_grad(set_to_none=True)  # whatever made the model (a warm-up) leaves no gradient behind
+    if cfg.model.gradient_checkpointing:
+        # transformers 5 renamed it; 4.x has only the old name
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+    ref_model = None
+    if cfg.loss.kl_coef > 0:  # the starting policy, also when resuming
+        ref_model = from_pretrained(cfg, model_path, device).to(device).eval().requires_grad_(False)
+    think_end_id = think_end_token_id(tokenizer)
+
+    # -- the optimizer, and DeepSpeed around it --
+    o = cfg.optim
+    head = PolicyHead(model)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay, fused=True
+    )  # fused: one kernel for all parameters, on the CPU as on CUDA
+    ds_engine = None
+    if dist:
+        import deepspeed
+
+        ds_engine, optimizer, _, _ = deepspeed.initialize(
+            model=head, optimizer=optimizer, config=distributed.deepspeed_config(cfg, world)
+        )
+        if cfg.distributed.zero_stage == 3:  # the fused op reads the lm_head weight outside its module
+            deepspeed.zero.register_external_parameter(head, model.get_output_embeddings().weight)
+
+    # -- the rollout engine: before any RNG state is set (vLLM reseeds them when it starts) --
+    autocast = device.type == "cuda" and cfg.model.dtype == "auto"
+    settings = EngineSettings(
+        max_new_tokens=r.max_new_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        model_path=str(model_path),
+        max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens,
+        seed=cfg.seed,
+        dtype="bfloat16" if autocast else "float32",
+        device=device,
+        trust_remote_code=cfg.model.trust_remote_code,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        sleep_between_rollouts=r.sleep_between_rollouts,
+        weight_sync_bucket_mb=r.weight_sync_bucket_mb,
+        zero3_engine=ds_engine if dist and cfg.distributed.zero_stage == 3 else None,
+    )
+    engine = build_engine(r.engine, model, tokenizer, settings)
+
+    # -- the training state: the checkpoint's (optimizer, RNG states, step, data position) or a fresh start --
+    state = TrainerState(step=0, data_position=0, world=world)
+    if resume_from is not None:
+        if ds_engine is not None:
+            if not (resume_from / "deepspeed").is_dir():
+                raise FileExistsError(
+                    f"{resume_from} was written by a single-process run: resume it the same way (no launcher)"
+                )
+            ds_engine.load_checkpoint(str(resume_from), tag="deepspeed")
+        rank = dist.rank if dist else 0
+        state = checkpoint.load_training_state(resume_from, None if ds_engine else optimizer, rank=rank)
+        stream.seek(state.data_position)
+    else:
+        checkpoint.seed_rngs(cfg.seed)
+    if is_main:
+        truncate_metrics(out / "metrics.jsonl", state.step)
+
+    # -- the prompts --
+    instruction = cfg.data.instruction
+    if instruction is None:
+        instruction = "" if cfg.data.train == "synthetic" else MATH_INSTRUCTION
+    markers = cfg.data.hack_markers
+    if markers == "auto":
+        markers = "synthetic" if cfg.data.train == "synthetic" else "math"
+    parts = Parts(
+        cfg, out, dist, device, autocast, model, tokenizer, model_path, ref_model, head, optimizer, ds_engine,
+        engine, stream, state, think_end_id, instruction, MARKER_SETS[markers],
+    )  # fmt: skip
+    dropped = stream.drop_long_prompts(
+        lambda p: len(tokenizer(parts.prompt(p).text, add_special_tokens=False)["input_ids"])
+    )
+    if dropped:
+        tqdm.write(f"data.train: {dropped} problems dropped, their prompts exceed data.max_prompt_tokens")
+    return parts
+
+
+def lr_factor(cfg: TrainConfig, step: int) -> float:
+    """The learning-rate factor of a step: linear warm-up, then constant, cosine or linear decay."""
+    o = cfg.optim
+    if step < o.warmup_steps:
+        return (step + 1) / (o.warmup_steps + 1)
+    if o.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - o.warmup_steps) / max(1, cfg.steps - o.warmup_steps))
+    decay = 0.5 * (1 + math.cos(math.pi * progress)) if o.schedule == "cosine" else 1 - progress
+    return o.min_lr_ratio + (1 - o.min_lr_ratio) * decay
+
+
+def _load_policy(cfg: TrainConfig, device: torch.device):
+    """The policy model, its tokenizer and the path it loads from: the tiny model after its (cached) warm-up, or
+    a hub id / local folder."""
+    m = cfg.model
+    if m.name == "tiny":
+
+        def bar(total):
+            return _bar_callback(tqdm(total=total, desc="warm-up (cached after the first run)", unit="step"))
+
+        return warmed_up_model(Path(cfg.cache_dir).expanduser(), m.tiny, cfg.warmup, progress_factory=bar)
+    with loading_model(f"model.name={m.name}"):
+        tokenizer = AutoTokenizer.from_pretrained(m.name, trust_remote_code=m.trust_remote_code)
+        return from_pretrained(cfg, m.name, device), tokenizer, m.name
+
+
+def from_pretrained(cfg: TrainConfig, path, device: torch.device):
+    """A model as configured: float32 master weights, the attention kernel, Liger on CUDA."""
+    m = cfg.model
+    attn = m.attn_implementation
+    if attn == "auto":
+        attn = "flash_attention_2" if device.type == "cuda" and _has_flash_attn() else "sdpa"
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation=attn, trust_remote_code=m.trust_remote_code
+    )
+    if device.type == "cuda" and m.liger_kernels:
+        _apply_liger(model)
+    return model
+
+
+def _bar_callback(bar):
+    def update(loss: float) -> None:
+        bar.set_postfix(loss=f"{loss:.3f}")
+        bar.update(1)
+        if bar.n >= bar.total:
+            bar.close()
+
+    return update
+
+
+def _has_flash_attn() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def _apply_liger(model) -> None:
+    """Liger-Kernel's RMSNorm, SwiGLU and RoPE on this model instance (CUDA, when liger-kernel is installed)."""
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    except ImportError:
+        return
+    _apply_liger_kernel_to_instance(
+        model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False
+    )
