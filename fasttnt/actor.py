@@ -33,7 +33,8 @@ from .step_metrics import ROLLOUT_METRICS, TOKEN_METRICS, add_into, reduce_named
 
 class Actor:
     def __init__(self, cfg: TrainConfig, parts, *, correction: str) -> None:
-        """``parts``: the built run (``fasttnt.setup.Parts``): model, head, optimizer, DeepSpeed's engine, ranks."""
+        """``parts``: the built run (``fasttnt.setup.Parts``): model, head, optimizer, DeepSpeed's engine, ranks, and
+        the rollout engine (one that samples from a copy of the weights has its log-probs checked every step)."""
         self.cfg = cfg
         self.model, self.head, self.optimizer = parts.model, parts.head, parts.optimizer
         self.ds_engine, self.ref_model = parts.ds_engine, parts.ref_model
@@ -42,18 +43,20 @@ class Actor:
         self.autocast_on = parts.autocast
         self.correction = correction
         self.settings = LossSettings.of(cfg.loss)
+        self.check_engine = parts.engine.separate_weights and cfg.rollout.max_logp_diff is not None
 
     # -- log-probs without gradients ----------------------------------------------------------------------------
 
     def old_and_ref_logprobs(self, batch: RolloutBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The old log-probs (N,), needed once the policy moves within the step (a second mini-batch or epoch) or
-        to importance-weight against the engine's (the weights are needed before the fused loss forms its gradient;
-        TRL computes them likewise for its vLLM correction, grpo_trainer.py, trl 1.16); the reference model's when
-        the KL term is on. None where not needed."""
+        """The old log-probs (N,), needed once the policy moves within the step (a second mini-batch or epoch), to
+        importance-weight against the engine's (the weights are needed before the fused loss forms its gradient;
+        TRL computes them likewise for its vLLM correction, grpo_trainer.py, trl 1.16), or to check an engine that
+        samples from its own copy of the weights; the reference model's when the KL term is on. None where not
+        needed."""
         loss_cfg = self.cfg.loss
         old_logp = ref_logp = None
-        corrected = self.correction != "none" and batch.rollout_logp is not None
-        if loss_cfg.ppo_epochs > 1 or loss_cfg.mini_batches > 1 or corrected:
+        compared = (self.correction != "none" or self.check_engine) and batch.rollout_logp is not None
+        if loss_cfg.ppo_epochs > 1 or loss_cfg.mini_batches > 1 or compared:
             old_logp = self.logprobs(self.policy, batch, zero3_collectives=self.zero3)
         if self.ref_model is not None:  # a plain module on every rank: no collectives
             ref_logp = self.logprobs(self.ref_model, batch, zero3_collectives=False)
@@ -68,6 +71,13 @@ class Actor:
         with torch.no_grad(), self.autocast():
             logp, _ = response_logprobs(model, batch, plan, temperature=self.cfg.rollout.temperature, pad_to=pad_to)
         return logp
+
+    def engine_logp_diff(self, batch: RolloutBatch, old_logp: torch.Tensor) -> float:
+        """The mean |old - rollout| log-prob per sampled token, over all ranks (the stale-weight guard's number, the
+        ``rollout_logp_diff`` the update logs). sync: one read."""
+        diff = (old_logp.float() - batch.rollout_logp).abs().sum()
+        total = self._sum(torch.stack([diff, diff.new_tensor(float(old_logp.numel()))]))
+        return float(total[0] / total[1].clamp(min=1.0))
 
     # -- the update ---------------------------------------------------------------------------------------------
 

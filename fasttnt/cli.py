@@ -117,7 +117,7 @@ def _train(args) -> int:
     from .data import DataError
     from .plots import summary_table
     from .preemption import EXIT_PREEMPTED, Preempted
-    from .trainer import Trainer, VerificationError
+    from .trainer import StaleWeightsError, Trainer, VerificationError
     from .variants import VariantError, read_variants_file, variant_overrides
     from .verify import VerifierStartupError
 
@@ -149,12 +149,15 @@ def _train(args) -> int:
         try:
             resume = args.resume or args.resume_with_new_config
             trainer = Trainer(cfg, Path(args.output_dir), resume=resume, new_config_ok=args.resume_with_new_config)
+        except ConfigError as err:
+            print(f"fasttnt train: config error: {err}", file=sys.stderr)
+            return 2
         except (DataError, FileExistsError, ResumeError) as err:
             print(f"fasttnt train: {err}", file=sys.stderr)
             return 2
         try:
             history = trainer.run()
-        except (VerificationError, VerifierStartupError) as err:
+        except (VerificationError, VerifierStartupError, StaleWeightsError) as err:
             print(f"fasttnt train: {err}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:  # the second SIGINT (or SIGTERM): at once, without a checkpoint

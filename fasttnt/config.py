@@ -49,7 +49,9 @@ class DataConfig:
     levels: tuple[int, ...] = (1, 2, 3, 4)  # synthetic task: digits per operand
     instruction: str | None = None  # appended to each problem; None: the math instruction for math sets
     hack_markers: Literal["auto", "math", "synthetic"] = "auto"
-    max_prompt_tokens: int = 1024  # longer prompts are dropped from the training set
+    # longer prompts are dropped from the training set; None: what the model's positions leave after the responses
+    # (its max_position_embeddings - rollout.max_new_tokens). More than that is a config error
+    max_prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -68,9 +70,15 @@ class RolloutConfig:
     # step that reaches the cap fills its batch with equal-reward groups: zero advantage, no policy-gradient term
     dynamic_sampling: bool = False
     max_draws: int = 10
+    # the stale-weight guard: a step whose sampled tokens' log-probs under the engine differ from the trainer's by
+    # more than this (the mean |difference| per token, logged as rollout_logp_diff) stops the run before it trains:
+    # the engine sampled from other weights than the trainer's (a weight push that did not arrive). Measured: 1e-6
+    # with vLLM's CPU build in float32; bf16 engines differ by ~1e-2; a tied embedding that did not arrive, 1.7.
+    # None: off. Checked wherever the old log-probs are computed (always with the vllm engine)
+    max_logp_diff: float | None = 0.1
     # vllm only
-    gpu_memory_utilization: float = 0.5
-    sleep_between_rollouts: bool = True
+    gpu_memory_utilization: float = 0.5  # on CUDA; on a CPU the engine takes a fixed 1 GiB KV cache
+    sleep_between_rollouts: bool = True  # CUDA only (vLLM's sleep mode); elsewhere the engine stays awake, warned
     weight_sync_bucket_mb: int = 512
 
 
@@ -200,6 +208,9 @@ def validate(cfg: TrainConfig) -> None:
     need(r.temperature > 0, "rollout.temperature", "must be > 0")
     need(0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
     need(0 < r.gpu_memory_utilization < 1, "rollout.gpu_memory_utilization", "must be in (0, 1)")
+    need(r.max_logp_diff is None or r.max_logp_diff > 0, "rollout.max_logp_diff", "must be > 0 (or null: off)")
+    prompt_cap = cfg.data.max_prompt_tokens
+    need(prompt_cap is None or prompt_cap >= 1, "data.max_prompt_tokens", "must be >= 1 (or null: the model's limit)")
     need(loss.mini_batches >= 1, "loss.mini_batches", "must be >= 1")
     need(
         r.prompts_per_step % loss.mini_batches == 0,

@@ -83,12 +83,12 @@ def _open_engine(name: str, device: torch.device, settings: EvalSettings):
         max_new_tokens=settings.max_new_tokens,
         temperature=settings.temperature,
         top_p=settings.top_p,
-        model_path=name,
-        max_model_len=4096 + settings.max_new_tokens,
+        model_path=name,  # max_model_len: the model's own
         seed=settings.seed,
         dtype="bfloat16",
         device=device,
         gpu_memory_utilization=0.8,
+        forbid_think_end_first=settings.mode == PromptMode.THINKING.value,
     )
     return build_engine(settings.engine, model, tokenizer, engine_settings), tokenizer
 

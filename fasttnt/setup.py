@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from . import checkpoint, distributed
 from .checkpoint import TrainerState
-from .config import TrainConfig, dump_config
+from .config import ConfigError, TrainConfig, dump_config
 from .data import MATH_INSTRUCTION, Problem, PromptMode, build_prompt, loading_model, think_end_token_id
 from .engines import EngineSettings, RolloutEngine, build_engine
 from .metrics import MARKER_SETS, HackMarkers
@@ -100,6 +100,7 @@ def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: b
             "choose another --output-dir"
         )
     stream = ProblemStream(cfg)
+    prompt_budget = _prompt_budget(cfg)  # from the model's config alone, before its weights load
     resume_from = existing[-1] if resume and existing else None
     if resume_from is not None:
         checkpoint.check_resume(cfg, resume_from, world, new_config_ok=new_config_ok)
@@ -153,7 +154,7 @@ def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: b
         temperature=r.temperature,
         top_p=r.top_p,
         model_path=str(model_path),
-        max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens,
+        max_model_len=None if prompt_budget is None else prompt_budget + r.max_new_tokens,
         seed=cfg.seed,
         dtype="bfloat16" if autocast else "float32",
         device=device,
@@ -193,12 +194,40 @@ def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: b
         cfg, out, dist, device, autocast, model, tokenizer, model_path, ref_model, head, optimizer, ds_engine,
         engine, stream, state, think_end_id, instruction, MARKER_SETS[markers],
     )  # fmt: skip
-    dropped = stream.drop_long_prompts(
-        lambda p: len(tokenizer(parts.prompt(p).text, add_special_tokens=False)["input_ids"])
-    )
-    if dropped:
-        tqdm.write(f"data.train: {dropped} problems dropped, their prompts exceed data.max_prompt_tokens")
+    if prompt_budget is not None:
+        dropped = stream.drop_long_prompts(
+            lambda p: len(tokenizer(parts.prompt(p).text, add_special_tokens=False)["input_ids"]), prompt_budget
+        )
+        if dropped:
+            tqdm.write(f"data.train: {dropped} problems dropped, their prompts exceed {prompt_budget} tokens")
     return parts
+
+
+def _prompt_budget(cfg: TrainConfig) -> int | None:
+    """The longest prompt a run takes: ``data.max_prompt_tokens``, or what the model's positions leave after
+    ``rollout.max_new_tokens``; a config that asks for more positions than the model has is an error naming both
+    numbers. None where the model's config names no limit (and none is configured)."""
+    d, new = cfg.data, cfg.rollout.max_new_tokens
+    if cfg.model.name == "tiny":
+        limit = cfg.model.tiny.max_position_embeddings
+    else:
+        from transformers import AutoConfig
+
+        with loading_model(f"model.name={cfg.model.name}"):
+            config = AutoConfig.from_pretrained(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code)
+        limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if limit is None:
+        return d.max_prompt_tokens
+    if d.max_prompt_tokens is None:
+        if new >= limit:
+            raise ConfigError(f"rollout.max_new_tokens={new}: {cfg.model.name} takes {limit} positions in all")
+        return limit - new
+    if d.max_prompt_tokens + new > limit:
+        raise ConfigError(
+            f"data.max_prompt_tokens={d.max_prompt_tokens} + rollout.max_new_tokens={new} = "
+            f"{d.max_prompt_tokens + new} positions: {cfg.model.name} takes {limit}"
+        )
+    return d.max_prompt_tokens
 
 
 def lr_factor(cfg: TrainConfig, step: int) -> float:

