@@ -14,12 +14,13 @@
 #   packed_attention_check.py (16K tokens, 1.5B)        70 s + 5 s   ~30-40 s: model init on the CPU, ~20 forwards
 #   train_throughput.py --steps 5 (16K tokens, 1.5B)    70 s + 5 s   ~30-40 s: model init on the CPU, 6 steps
 #
-# On this workplace's device machine, through the `run` tool (the results come back from $OUT):
-#   run(command='bash benchmarks/gpu_check.sh "$OUT"', carry=[".whl"], timeout_s=540)
-# .whl/ (ignored by git through .git/info/exclude) holds the wheels the H200 image lacks, for Python 3.12:
-# trl 1.16.0 with datasets 5.2.0, dill 0.4.1 and multiprocess 0.70.19 (TRL imports datasets), and liger-kernel
-# 0.8.5, about 2.7 MB. Remake it with /work/.library/device/README.md's `pip download` line, naming those five.
-# Anywhere else: bash benchmarks/gpu_check.sh [out folder], by default benchmarks/gpu_results/<date>/.
+# Run it on a machine with a CUDA GPU, from a checkout of this repository, with torch, triton and transformers
+# installed (the project need not be pip-installed: it runs from the checkout). TRL and Liger-Kernel are the
+# baselines of bench_kernels.py; where they are not installed, put their wheels in .whl/ (for an offline machine:
+# trl with datasets, dill and multiprocess, which TRL imports, and liger-kernel; `pip download --no-deps` them on a
+# machine with network access) and the script installs them into /tmp/site first. Then:
+#   bash benchmarks/gpu_check.sh [out folder]        # default: benchmarks/gpu_results/<date>/
+# It exits 1 if any part failed; the out folder holds machine.txt, each part's output and results.csv.
 set -uo pipefail
 out=${1:+$(realpath -m "$1")}  # a folder given relative to the caller, before the cd below
 cd "$(dirname "$0")/.."

@@ -1,18 +1,30 @@
-"""The READMEs' code runs as written, the CLI works, and the kernel library installs on its own."""
+"""The READMEs' code runs as written, their commands and keys are the CLI's and the config's, the reference pages
+cover every config key and logged metric, the CLI works, and the kernel library installs on its own."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import functools
 import importlib.util
+import json
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
+import typing
 import zipfile
 from pathlib import Path
+from unittest import mock
 
 import pytest
+import yaml
+from small import SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
+DOCS = sorted((ROOT / "docs").glob("*.md"))
 
 
 def _python_blocks(path: Path) -> list[str]:
@@ -101,3 +113,206 @@ def test_kernel_library_builds_alone_with_torch_and_triton_only(tmp_path):
         check=True,
     ).stdout
     assert out.startswith(str(unpacked))
+
+
+def test_the_wheel_carries_every_package_of_the_trainer(tmp_path):
+    # a package left out of pyproject's list installs from a checkout (editable) and is missing from the wheel. Built
+    # from a copy: setuptools' build/ folder in the checkout would carry files from earlier builds
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for name in ("fasttnt", "kernels"):
+        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "build"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path), str(source)], check=True)  # fmt: skip
+    (wheel,) = tmp_path.glob("fasttnt-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    packages = [p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "fasttnt").rglob("__init__.py")]
+    assert len(packages) >= 5
+    for package in packages:
+        modules = [m.relative_to(ROOT).as_posix() for m in (ROOT / package).glob("*.py")]
+        assert all(m in names for m in modules), f"{package} is not in the wheel"
+
+
+# -- the docs against the code ------------------------------------------------------------------------------------
+
+
+class _Captured(Exception):
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+
+
+@functools.cache
+def cli_parser() -> argparse.ArgumentParser:
+    """The ``fasttnt`` command's own parser, as ``fasttnt.cli.main`` builds it (captured at its ``parse_args``,
+    so nothing runs)."""
+    from fasttnt import cli
+
+    def capture(self, *args, **kwargs):
+        raise _Captured(self)
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", capture):
+        try:
+            cli.main(["selfcheck"])
+        except _Captured as got:
+            return got.parser
+    raise AssertionError("fasttnt.cli.main did not parse its arguments")
+
+
+def subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = cli_parser()
+    (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(action.choices)
+
+
+def config_defaults() -> dict[str, object]:
+    """Every dotted config key and its default, from the dataclasses (tuples as lists, as YAML writes them)."""
+    from fasttnt.config import TrainConfig
+
+    def walk(cls, prefix=""):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                yield from walk(hints[f.name], f"{prefix}{f.name}.")
+            else:
+                value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                yield prefix + f.name, list(value) if isinstance(value, tuple) else value
+
+    return dict(walk(TrainConfig))
+
+
+def _code(path: Path) -> tuple[list[str], list[str]]:
+    """The fenced code blocks of a markdown file (continued lines joined) and its inline code spans."""
+    text = path.read_text()
+    blocks = re.findall(r"^```[\w-]*\n(.*?)^```", text, flags=re.S | re.M)
+    prose = re.sub(r"^```[\w-]*\n.*?^```", "", text, flags=re.S | re.M)
+    return [b.replace("\\\n", " ") for b in blocks], re.findall(r"`([^`\n]+)`", prose)
+
+
+_INVOCATION = re.compile(r"(?<![\w./-])fasttnt\s+(train|eval|compare|selfcheck)\b(.*)")
+_SHELL_ENDS = {"&&", "||", "|", ";", ">", ">>", "2>&1"}
+
+
+def invocations(text: str) -> list[tuple[str, list[str]]]:
+    """Every ``fasttnt COMMAND ARGS`` in ``text`` (launched through torchrun, deepspeed or ``python -m`` too), with
+    its arguments as the shell would pass them."""
+    found = []
+    for line in text.splitlines():
+        match = _INVOCATION.search(line)
+        if not match:
+            continue
+        rest = match.group(2)
+        for quote in "'\"":  # the command ends a quoted ``bash -c '...'`` string
+            if rest.count(quote) % 2:
+                rest = rest[::-1].replace(quote, "", 1)[::-1]
+        tokens = shlex.split(rest, comments=True)
+        ends = [i for i, t in enumerate(tokens) if t in _SHELL_ENDS]
+        found.append((match.group(1), tokens[: ends[0]] if ends else tokens))
+    return found
+
+
+def _markdown_files() -> list[Path]:
+    return [ROOT / "README.md", *DOCS]
+
+
+def test_documented_commands_parse_with_the_cli_and_name_config_keys():
+    from fasttnt.config import TrainConfig, with_overrides
+    from fasttnt.variants import split_variants, variant_overrides
+
+    parser, commands = cli_parser(), subcommands()
+    seen = 0
+    for path in _markdown_files():
+        blocks, spans = _code(path)
+        for command, tokens in (inv for block in blocks for inv in invocations(block)):
+            where = f"{path.relative_to(ROOT)}: fasttnt {command} {' '.join(tokens)}"
+            try:
+                args = parser.parse_args([command, *tokens])
+            except SystemExit:
+                pytest.fail(f"{where}: the CLI rejects it")
+            options = set(commands[command]._option_string_actions)
+            for flag in (t.split("=", 1)[0] for t in tokens if t.startswith("--")):  # exactly, not a prefix of one
+                assert flag in options, f"{where}: `fasttnt {command}` has no {flag}"
+            for override in getattr(args, "overrides", []):
+                with_overrides(TrainConfig(), [override])  # an unknown key or a wrong type raises ConfigError
+            for variant in split_variants(getattr(args, "variants", None) or getattr(args, "variant", None) or ""):
+                variant_overrides(variant, TrainConfig())
+            seen += 1
+        for command, tokens in (inv for span in spans for inv in invocations(span)):  # `fasttnt train --flag`
+            options = set(commands[command]._option_string_actions)
+            for flag in (t.split("=", 1)[0] for t in tokens if t.startswith("--")):
+                assert flag in options, f"{path.relative_to(ROOT)}: `fasttnt {command}` has no {flag}"
+            for override in (t for t in tokens if re.match(r"[a-z_][\w.]*=", t)):
+                with_overrides(TrainConfig(), [override])
+    assert seen >= 10, f"found only {seen} fasttnt commands in the docs' code blocks"
+
+
+def test_config_reference_lists_every_key_with_its_default():
+    rows = re.findall(r"^\| `([\w.]+)` \| `([^`]*)` \|", (ROOT / "docs" / "config.md").read_text(), flags=re.M)
+    documented = {key: yaml.safe_load(default) for key, default in rows}
+    defaults = config_defaults()
+    assert len(rows) == len(documented), "a key is documented twice"
+    assert set(documented) == set(defaults), (
+        f"undocumented: {sorted(set(defaults) - set(documented))}; gone: {sorted(set(documented) - set(defaults))}"
+    )
+    wrong = {k: (documented[k], v) for k, v in defaults.items() if documented[k] != v}
+    assert not wrong, f"docs/config.md defaults differ from the code (doc, code): {wrong}"
+
+
+def test_embedded_default_is_configs_tiny_yaml():
+    from fasttnt.config import load_config
+
+    assert load_config(ROOT / "configs" / "tiny.yaml") == load_config(None)
+
+
+def _glossary(section: str) -> set[str]:
+    """Metric names in the first column of docs/metrics.md's tables under the heading ``section``."""
+    text = (ROOT / "docs" / "metrics.md").read_text()
+    part = text.split(f"## {section}", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"^\| `(\w+)` \|", part, flags=re.M))
+
+
+def test_metrics_glossary_covers_every_logged_metric(tmp_path):
+    from fasttnt.config import load_config
+    from fasttnt.step_metrics import TOKEN_METRICS
+    from fasttnt.trainer import Trainer
+
+    # a 1-step run that logs everything: no skipped sequences (the token metrics), dynamic sampling (its counts)
+    extra = ["loss.skip_zero_advantage=false", "rollout.dynamic_sampling=true", "rollout.max_draws=2"]
+    overrides = [f"cache_dir={tmp_path / 'cache'}", *SMALL, "warmup.steps=3", "warmup.batch_size=8",
+                 "rollout.max_new_tokens=16", "steps=1", *extra]  # fmt: skip
+    Trainer(load_config(None, overrides), tmp_path / "run", progress=False).run()
+    (row,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    logged = set(row) | set(TOKEN_METRICS)
+    documented = _glossary("Training")
+    assert logged <= documented, f"not in docs/metrics.md: {sorted(logged - documented)}"
+    assert documented <= logged, f"docs/metrics.md names metrics no run logs: {sorted(documented - logged)}"
+
+
+def test_metrics_glossary_covers_every_eval_metric():
+    from fasttnt.evaluate import summarize
+
+    record = {"correct": True, "non_thinking": False, "tokens": 12, "hacked": False, "truncated": False, "level": 1}
+    written = set(summarize([record, {**record, "non_thinking": True, "correct": False}]))
+    documented = _glossary("Evaluation")
+    assert written <= documented, f"not in docs/metrics.md: {sorted(written - documented)}"
+    assert documented <= written, f"docs/metrics.md names eval metrics summarize does not write: {documented - written}"
+
+
+def test_readme_is_short_and_its_links_resolve():
+    assert len((ROOT / "README.md").read_bytes()) < 15_000, "README.md must stay under 15 KB"
+    for path in [*_markdown_files(), ROOT / "kernels" / "README.md", *sorted((ROOT / "benchmarks").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text()):
+            if not re.match(r"\w+://", target):
+                assert (path.parent / target).exists(), f"{path.relative_to(ROOT)}: broken link {target}"
+
+
+def test_docs_speak_of_the_project_not_of_how_it_was_made():
+    header = "".join(
+        line for line in (ROOT / "benchmarks" / "gpu_check.sh").read_text().splitlines(True) if line.startswith("#")
+    )
+    pages = [ROOT / "README.md", ROOT / "kernels" / "README.md", *DOCS, *sorted((ROOT / "benchmarks").glob("*.md"))]
+    texts = {str(p.relative_to(ROOT)): p.read_text() for p in pages} | {"benchmarks/gpu_check.sh": header}
+    pattern = re.compile(r"\bsessions?\b|\blent\b|\bworkplace\b|\bissue \d|\.git/info|later that day|in the evening")
+    for name, text in texts.items():
+        assert not pattern.search(text), f"{name}: {pattern.search(text).group(0)!r}"
