@@ -114,7 +114,7 @@ def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: b
     # -- the model: rank 0 first (the warm-up cache), the checkpoint's weights, the reference --
     if not is_main:
         distributed.barrier()
-    model, tokenizer, model_path = _load_policy(cfg, device)
+    model, tokenizer, model_path = load_policy(cfg, device)
     if is_main and dist:
         distributed.barrier()
     if resume_from is not None and dist is None:
@@ -242,7 +242,7 @@ def lr_factor(cfg: TrainConfig, step: int) -> float:
     return o.min_lr_ratio + (1 - o.min_lr_ratio) * decay
 
 
-def _load_policy(cfg: TrainConfig, device: torch.device):
+def load_policy(cfg: TrainConfig, device: torch.device):
     """The policy model, its tokenizer and the path it loads from: the tiny model after its (cached) warm-up, or
     a hub id / local folder."""
     m = cfg.model

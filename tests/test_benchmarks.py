@@ -143,6 +143,13 @@ def test_train_throughput_smoke():
     assert "tokens/s" in out and "MFU" in out
 
 
+def test_rollout_engines_smoke(tmp_path):
+    # the hf engine alone (the vllm one needs vLLM: the README's vLLM environment runs the full comparison)
+    overrides = [*SMALL, "warmup.steps=3", "warmup.batch_size=8", f"cache_dir={tmp_path}"]
+    out = _run("benchmarks/rollout_engines.py", "--engines", "hf", "--rounds", "1", *overrides)
+    assert "tokens/s median" in out and out.splitlines()[-1].startswith("hf ")
+
+
 def test_packed_attention_check_smoke():
     out = _run("benchmarks/packed_attention_check.py", "--smoke")
     assert "packed attention sdpa_padded" in out and out.rstrip().endswith("OK")

@@ -60,6 +60,11 @@ def test_readme_commands_match_ci():
     assert "fasttnt selfcheck" in main_job or "fasttnt train" in main_job
     ci = (ROOT / ".ci" / "run").read_text()
     assert tests in ci, ".ci/run must run exactly the README's test command"
+    # the suites with environments of their own: each README command, verbatim, in .ci/run
+    environments = re.findall(r"```bash\n(python -m venv \.venv-.*?)\n```", readme)
+    assert {re.match(r"python -m venv (\S+)", c).group(1) for c in environments} == {".venv-verl", ".venv-vllm"}
+    for command in environments:
+        assert command in ci, f".ci/run must run the README's command: {command}"
 
 
 def test_cli_selfcheck_passes():

@@ -191,3 +191,113 @@ def test_the_reward_manager_scores_a_dataproto_by_uid():
     torch.testing.assert_close(out["reward_tensor"], expected)
     rewards = [float(out["reward_tensor"][i, len(r) - 1]) for i, r in enumerate(ids)]
     assert rewards == [1.0, 2.0, -1.0, 1.0, 2.0, 0.0]
+
+
+# -- the TNT reward inside verl's own trainer (fasttnt.integrations.verl_trainer) ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def transfer_queue():
+    """A real TransferQueue on a local Ray, as verl's V1 trainer uses it (its controller and two storage units
+    each ask Ray for a CPU: 4 logical ones, whatever the machine has)."""
+    tq = pytest.importorskip("transfer_queue")
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=200 * 2**20, log_to_driver=False)
+    tq.init()
+    yield tq
+    tq.close()
+    ray.shutdown()
+
+
+def test_the_trainer_is_registered_by_the_entry_point_and_stays_synchronous():
+    # `import verl` loads fasttnt's verl.plugins entry points; the trainer's real __init__ from verl's own config
+    import os
+
+    import verl.trainer
+    from hydra import compose, initialize_config_dir
+    from verl.trainer.ppo.v1 import get_trainer_cls
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+
+    from fasttnt.integrations.verl_trainer import TNTTrainer
+
+    assert get_trainer_cls("fasttnt") is TNTTrainer
+    with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.trainer.__file__), "config"),
+                               version_base=None):  # fmt: skip
+        cfg = compose("ppo_trainer", overrides=["trainer.v1.trainer_mode=fasttnt", "algorithm.adv_estimator=grpo",
+                                                "actor_rollout_ref.rollout.n=4", "data.train_batch_size=8",
+                                                "actor_rollout_ref.model.path=/nonexistent"])  # fmt: skip
+    trainer = TNTTrainer(config=cfg)
+    # under its own name verl's base would pick the asynchronous replay buffer (it compares with "sync")
+    assert trainer.trainer_mode == "sync" and type(trainer.replay_buffer) is ReplayBuffer
+
+
+def test_the_trainer_rescores_a_step_by_uid_before_verls_advantages(transfer_queue):
+    # a step's batch as the agent loop puts it into TransferQueue: 2 prompts x 3 samples with their per-response
+    # scores, in the balancer's interleaved order; the trainer's _compute_advantage replaces them with TNT's
+    from omegaconf import OmegaConf
+    from transfer_queue import KVBatchMeta
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+    from fasttnt.char_tokenizer import build_char_tokenizer
+    from fasttnt.integrations.verl_trainer import TNTTrainer
+
+    tq = transfer_queue
+    tok = build_char_tokenizer()
+    texts = {
+        ("a", 0): "<think>3+4=7</think> \\boxed{7}", ("a", 1): "</think> \\boxed{7}", ("a", 2): "</think> \\boxed{8}",
+        ("b", 0): "<think>6+1</think> \\boxed{7}", ("b", 1): "</think> \\boxed{7}", ("b", 2): "<think>3+4=",
+    }  # fmt: skip
+    keys, fields, tags, ids = [], [], [], {}
+    for (uid, s), text in texts.items():
+        eos = [] if (uid, s) == ("b", 2) else [tok.eos_token_id]  # b_2 was cut by the length budget
+        response = ids[(uid, s)] = tok(text, add_special_tokens=False)["input_ids"] + eos
+        per_response = torch.zeros(len(response))
+        per_response[-1] = float(text.endswith("{7}"))
+        keys.append(f"{uid}_{s}_0")
+        fields.append({"uid": uid, "prompts": torch.tensor([5, 6, 7][: 2 + s % 2]), "responses": torch.tensor(response),
+                       "response_mask": torch.ones(len(response), dtype=torch.int64), "rm_scores": per_response,
+                       "reward_model": {"ground_truth": "7", "style": "rule"}, "data_source": "synthetic"})  # fmt: skip
+        tags.append({"status": "success"})
+    tq.kv_batch_put(keys=keys, partition_id="train", fields=list_of_dict_to_tensordict(fields), tags=tags)
+    order = [0, 3, 1, 4, 2, 5]
+    batch = KVBatchMeta(partition_id="train", keys=[keys[i] for i in order], tags=[tags[i] for i in order])
+    trainer = object.__new__(TNTTrainer)  # the step's hook alone: no workers, no Ray actors of verl's
+    trainer.tokenizer = tok
+    trainer.config = OmegaConf.create({
+        "algorithm": {"use_kl_in_reward": False, "adv_estimator": "grpo", "gamma": 1.0, "lam": 1.0,
+                      "norm_adv_by_std_in_grpo": True, "rollout_correction": None},
+        "actor_rollout_ref": {"rollout": {"n": 3}}, "reward": {"fasttnt": {"omega": 2.0}},
+    })  # fmt: skip
+    metrics = {}
+    trainer._compute_advantage(batch, metrics)
+    out = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["rm_scores", "advantages"])
+    got = {k: r for k, r in zip(keys, out["rm_scores"].unbind(0), strict=True)}
+    # the truth: fasttnt's kernel on the same responses, grouped by uid; b_2 is truncated, so wrong
+    for uid in ("a", "b"):
+        responses = [ids[(uid, s)] for s in range(3)]
+        cu = torch.tensor([0, *np.cumsum([len(r) for r in responses])])
+        correct = torch.tensor([texts[(uid, s)].endswith("{7}") and (uid, s) != ("b", 2) for s in range(3)])
+        flat = torch.tensor([t for r in responses for t in r])
+        want = tnt_rewards(flat, cu, correct, 3, tok.convert_tokens_to_ids("</think>"))
+        for s in range(3):
+            score = got[f"{uid}_{s}_0"]
+            assert score.shape == (len(responses[s]),) and score.nonzero().numel() <= 1
+            assert float(score[-1]) == pytest.approx(float(want.rewards[s]))
+    assert [float(got[k][-1]) for k in keys] == [1.0, 2.0, -1.0, 1.0, 2.0, 0.0]  # a direct answer over no limit
+    # verl's own GRPO advantages on the TNT scores, by uid
+    scores = torch.stack([torch.nn.functional.pad(got[k], (0, 40 - len(got[k]))) for k in keys])  # (B, 40)
+    advantages, _ = core_algos.compute_grpo_outcome_advantage(scores, torch.ones_like(scores),
+                                                             np.array([k[0] for k in keys]))  # fmt: skip
+    for k, a, adv in zip(keys, out["advantages"].unbind(0), advantages, strict=True):
+        assert float(a[0]) == pytest.approx(float(adv[0]), abs=1e-5), k
+    assert metrics["fasttnt/correct_mean"] == pytest.approx(4 / 6)
+
+
+def test_compute_score_is_the_verifiers_verdict():
+    # verl's per-response loop decodes without special tokens: the answer is found with or without </think>
+    score = fasttnt_verl.compute_score
+    assert score("synthetic", "<think>3+4=7</think> \\boxed{7}", "7") == 1.0
+    assert score("synthetic", "3+4=7 so \\boxed{7}", "7") == 1.0
+    assert score("synthetic", "\\boxed{8}", "7") == 0.0
+    assert score("synthetic", "no answer", "7") == 0.0

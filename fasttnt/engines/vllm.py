@@ -78,7 +78,7 @@ class VLLMEngine:
             warnings.warn(
                 f"rollout.sleep_between_rollouts: vLLM has no sleep mode on {current_platform.device_type}; the "
                 "engine stays awake (its memory is not given back during the update)",
-                stacklevel=2,
+                stacklevel=3,
             )
             self.sleep_between_rollouts = False
         if model is None and self.sleep_between_rollouts:

@@ -31,6 +31,7 @@ from fasttnt_kernels import clipped_policy_loss, group_advantages, tnt_rewards
 from .. import scoring
 from ..data import think_end_token_id
 from ..rewards import RewardConfig, overlong_shaping
+from ..verify import extract_answer, is_equivalent
 
 NAME = "fasttnt"
 
@@ -211,6 +212,15 @@ def tnt_token_scores(
     return scores
 
 
+def compute_score(data_source: str, solution_str: str, ground_truth, extra_info=None, **_) -> float:
+    """verl's custom reward function interface (``reward.custom_reward_function``): 1.0 when the response's final
+    answer is the gold answer, else 0.0, by fasttnt's verifier. For verl's per-response reward loop (validation
+    reports it) next to the ``fasttnt`` trainer's TNT reward. verl decodes without special tokens, which may drop
+    ``</think>``: the answer is searched after it when it is there, in the whole text otherwise."""
+    del data_source, extra_info
+    return float(is_equivalent(extract_answer(solution_str), str(ground_truth)))
+
+
 class TNTRewardManager:
     """The TNT reward as a verl reward manager of the batch kind (verl's ``BatchRewardManager`` interface: called on
     a whole ``DataProto``, returns the (B, T) reward tensor, or with ``return_dict`` also per-response extras).
@@ -220,8 +230,8 @@ class TNTRewardManager:
     the final answer after ``</think>``) and it ended with EOS within its length.
 
     verl 0.9.1's trainer scores through its reward loop, one response at a time, which cannot give a group-level
-    reward; this manager is for verl's batch reward managers (registered there as ``fasttnt``) and for a custom
-    reward loop that calls it on whole groups."""
+    reward: the ``fasttnt`` trainer (``fasttnt.integrations.verl_trainer``) calls this manager on each step's whole
+    batch. It is also registered among verl's batch reward managers, as ``fasttnt``."""
 
     def __init__(
         self,

@@ -1,0 +1,84 @@
+"""The rollout of a training step through each engine, side by side: the same prompts, group size, length budget and
+sampling (the embedded default's, or a config's), the engines taking turns round by round in one process.
+
+    python benchmarks/rollout_engines.py [--engines hf,vllm] [--rounds 7] [overrides ...]
+    python benchmarks/rollout_engines.py --json out.json    # the per-round numbers too
+
+Reports generated tokens per second (the median over the rounds and their spread), and per engine the mean response
+length. Each round's prompts are the next ``rollout.prompts_per_step`` of the training stream; the first round is a
+warm-up that is not counted (vLLM's first generate is slow). The vllm engine needs vLLM (on a CPU its CPU build,
+float32, eager mode); the hf engine generates with the model itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--engines", default="hf,vllm", help="comma-separated: hf, vllm")
+    parser.add_argument("--rounds", type=int, default=7, help="counted rounds per engine (after one warm-up round)")
+    parser.add_argument("--config", help="a YAML config (default: the embedded tiny setup)")
+    parser.add_argument("--json", help="write every round's numbers here")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    args = parser.parse_args(argv)
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+
+    from fasttnt.config import load_config
+    from fasttnt.engines import EngineSettings, build_engine
+    from fasttnt.setup import load_policy
+    from fasttnt.stream import ProblemStream
+
+    cfg = load_config(args.config, args.overrides)
+    r = cfg.rollout
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer, path = load_policy(cfg, device)
+    model.to(device).eval()
+    built = {}
+    for name in engines:
+        settings = EngineSettings(
+            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, model_path=str(path),
+            seed=cfg.seed, dtype="bfloat16" if device.type == "cuda" else "float32", device=device,
+        )  # fmt: skip
+        built[name] = build_engine(name, None if name == "vllm" else model, tokenizer, settings)
+    from fasttnt.data import PromptMode, build_prompt
+
+    stream = ProblemStream(cfg)
+    rounds: dict[str, list[dict]] = {name: [] for name in engines}
+    for i in range(args.rounds + 1):
+        prompts = [build_prompt(tokenizer, p.problem, PromptMode.FREE) for p in stream.take(r.prompts_per_step)]
+        for name, engine in built.items():  # the engines take turns on the same prompts
+            start = time.perf_counter()
+            batch = engine.generate(prompts, r.group_size, seed=cfg.seed * 1_000_003 + i)
+            seconds = time.perf_counter() - start
+            if i > 0:
+                tokens = batch.response_ids.numel()
+                rounds[name].append({"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds})
+    for engine in built.values():
+        engine.close()
+
+    print(f"rollout of {r.prompts_per_step} prompts x {r.group_size} samples, <= {r.max_new_tokens} new tokens, "
+          f"temperature {r.temperature}; {args.rounds} rounds per engine, taking turns")  # fmt: skip
+    print(f"{'engine':<8}{'tokens/s median':>18}{'min':>10}{'max':>10}{'mean length':>14}")
+    for name, rows in rounds.items():
+        rates = [row["tokens_per_s"] for row in rows]
+        length = sum(row["tokens"] for row in rows) / (len(rows) * r.prompts_per_step * r.group_size)
+        print(f"{name:<8}{statistics.median(rates):>18.0f}{min(rates):>10.0f}{max(rates):>10.0f}{length:>14.1f}")
+    if len(rounds) == 2:
+        a, b = (statistics.median(row["tokens_per_s"] for row in rows) for rows in rounds.values())
+        print(f"ratio {engines[1]} / {engines[0]}: {b / a:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"engines": engines, "rounds": rounds}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
