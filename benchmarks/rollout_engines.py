@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     rounds: dict[str, list[dict]] = {name: [] for name in engines}
     for i in range(args.rounds + 1):
         prompts = [build_prompt(tokenizer, p.problem, PromptMode.FREE) for p in stream.take(r.prompts_per_step)]
-        for name, engine in built.items():  # the engines take turns on the same prompts
+        order = list(built.items()) if i % 2 == 0 else list(built.items())[::-1]
+        for name, engine in order:  # the engines take turns on the same prompts, the first of them alternating
             start = time.perf_counter()
             batch = engine.generate(prompts, r.group_size, seed=cfg.seed * 1_000_003 + i)
             seconds = time.perf_counter() - start

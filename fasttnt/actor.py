@@ -11,6 +11,7 @@ collective.
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 
@@ -19,6 +20,7 @@ from fasttnt_kernels import rollout_correction_weights
 from . import distributed
 from .config import TrainConfig
 from .engines.batch import RolloutBatch
+from .modes import ModeMix, first_token_index, forced_rows, think_end_probe
 from .policy import (
     LossSettings,
     MicroBatch,
@@ -29,6 +31,14 @@ from .policy import (
     run_dummy,
 )
 from .step_metrics import ROLLOUT_METRICS, TOKEN_METRICS, add_into, reduce_named
+
+
+class OldLogprobs(NamedTuple):
+    old: torch.Tensor | None  # (N,) the old policy's log-probs (mode-mixed "half": log 0.5 at forced first tokens)
+    ref: torch.Tensor | None  # (N,) the reference model's
+    think_end: torch.Tensor | None  # (G,) mode-mixed: log pi_old(</think> | x) at each group's first position
+    mode_weights: torch.Tensor | None = None  # (N,) mode-mixed "mixture": pi_old / mu at first tokens, 1 elsewhere
+    first: torch.Tensor | None = None  # (S,) mode-mixed: the old policy's own log-prob of each first token
 
 
 class Actor:
@@ -43,24 +53,63 @@ class Actor:
         self.autocast_on = parts.autocast
         self.correction = correction
         self.settings = LossSettings.of(cfg.loss)
-        self.check_engine = parts.engine.separate_weights and cfg.rollout.max_logp_diff is not None
+        # the stale-weight guard (fasttnt.trainer): an engine with its own copy of the weights, sampling the whole
+        # distribution (under top-p both engines report log-probs renormalised over the nucleus, the trainer of the
+        # whole: they differ by design, which the rollout correction weighs)
+        self.check_engine = (
+            parts.engine.separate_weights and cfg.rollout.max_logp_diff is not None and cfg.rollout.top_p == 1.0
+        )
+        self.modes, self.think_end_id = ModeMix.of(cfg), parts.think_end_id
 
     # -- log-probs without gradients ----------------------------------------------------------------------------
 
-    def old_and_ref_logprobs(self, batch: RolloutBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def old_and_ref_logprobs(self, batch: RolloutBatch) -> OldLogprobs:
         """The old log-probs (N,), needed once the policy moves within the step (a second mini-batch or epoch), to
         importance-weight against the engine's (the weights are needed before the fused loss forms its gradient;
-        TRL computes them likewise for its vLLM correction, grpo_trainer.py, trl 1.16), or to check an engine that
-        samples from its own copy of the weights; the reference model's when the KL term is on. None where not
-        needed."""
+        TRL computes them likewise for its vLLM correction, grpo_trainer.py, trl 1.16), to check an engine that
+        samples from its own copy of the weights, or for a mode-mixed batch (``fasttnt.modes``): its first tokens are
+        weighted against their behaviour probability mu, "mixture" by an importance weight pi_old / mu outside the
+        clip (the ratio inside it starts at 1), "half" by
+        log mu = log 0.5 as the old log-prob; their rollout log-probs become the old ones, so the engine's
+        correction, the stale-weight guard and its diagnostics leave them out. The reference model's log-probs when
+        the KL term is on. None where not needed."""
         loss_cfg = self.cfg.loss
-        old_logp = ref_logp = None
+        old_logp = ref_logp = end_logp = mode_weights = own_first = None
         compared = (self.correction != "none" or self.check_engine) and batch.rollout_logp is not None
-        if loss_cfg.ppo_epochs > 1 or loss_cfg.mini_batches > 1 or compared:
+        if loss_cfg.ppo_epochs > 1 or loss_cfg.mini_batches > 1 or compared or self.modes.active:
             old_logp = self.logprobs(self.policy, batch, zero3_collectives=self.zero3)
+        if self.modes.active:
+            probe = think_end_probe(batch, self.think_end_id)  # (G,) rows: each group's prompt, then </think>
+            end_logp = self.logprobs(self.policy, probe, zero3_collectives=self.zero3)
+            first = first_token_index(batch)
+            own_first = old_logp[first]
+            behaviour = self.modes.behaviour_logp(batch, own_first, end_logp, self.think_end_id)
+            if self.modes.rule == "mixture":
+                weight = torch.exp(old_logp[first] - behaviour)  # at most 1 / (the smallest share): no cap needed
+                mode_weights = torch.ones_like(old_logp).index_copy(0, first, weight)
+            else:
+                old_logp = old_logp.index_copy(0, first, behaviour)
+            if batch.rollout_logp is not None:
+                batch.rollout_logp = batch.rollout_logp.index_copy(0, first, old_logp[first])
         if self.ref_model is not None:  # a plain module on every rank: no collectives
             ref_logp = self.logprobs(self.ref_model, batch, zero3_collectives=False)
-        return old_logp, ref_logp
+        return OldLogprobs(old_logp, ref_logp, end_logp, mode_weights, own_first)
+
+    def mode_token_weights(self, batch: RolloutBatch, advantages: torch.Tensor, old: OldLogprobs):
+        """The update's per-token weights (N,) for a mode-mixed batch: the "mixture" rule's pi_old / mu on the first
+        tokens, 0 on the forced ones ``loss.mode_token_floor`` leaves out (``ModeMix.floored``), else 1 (None where
+        neither applies); and the metrics: ``mode_floored``, the share of forced responses over all ranks whose
+        first token was left out."""
+        weights = old.mode_weights
+        if not self.modes.active or self.modes.floor == 0:
+            return weights, {}
+        drop = self.modes.floored(batch, advantages, old.first)  # (S,)
+        counts = self._sum(torch.stack([drop.sum(), forced_rows(batch).sum()]).double())
+        if weights is None:
+            weights = torch.ones_like(old.old)
+        first = first_token_index(batch)
+        weights = weights.index_copy(0, first, torch.where(drop, torch.zeros_like(weights[first]), weights[first]))
+        return weights, {"mode_floored": counts[0] / counts[1].clamp(min=1)}
 
     def logprobs(self, model, batch: RolloutBatch, *, zero3_collectives: bool) -> torch.Tensor:
         """Log-probs (N,) of the batch under ``model`` (the policy, ``policy``, or the reference model), without
@@ -81,10 +130,13 @@ class Actor:
 
     # -- the update ---------------------------------------------------------------------------------------------
 
-    def update(self, batch: RolloutBatch, advantages, old_logp, ref_logp) -> dict[str, torch.Tensor]:
+    def update(
+        self, batch: RolloutBatch, advantages, old_logp, ref_logp, token_weights=None
+    ) -> dict[str, torch.Tensor]:
         """``ppo_epochs`` passes over the batch, each ``mini_batches`` optimizer steps. Loss, grad norm and counts
         are means over the optimizer steps; the token metrics (``TOKEN_METRICS``) are means over every token they
-        were measured on, NaN where that is none (every sequence skipped)."""
+        were measured on, NaN where that is none (every sequence skipped). ``token_weights`` (N,): importance weights
+        of the policy-gradient term beside the rollout correction's (mode-mixed rollouts' first tokens)."""
         loss_cfg = self.cfg.loss
         k = batch.group_size
         per_mb = batch.lengths.numel() // k // loss_cfg.mini_batches  # prompts per mini-batch
@@ -102,6 +154,7 @@ class Actor:
                     advantages[seqs],
                     old_logp[lo:hi] if old_logp is not None else None,
                     ref_logp[lo:hi] if ref_logp is not None else None,
+                    token_weights[lo:hi] if token_weights is not None else None,
                 )
                 add_into(token_sums, step_sums)
                 for name, value in metrics.items():
@@ -115,7 +168,7 @@ class Actor:
                 means.pop(name)
         return means
 
-    def _optimizer_step(self, part: RolloutBatch, advantages, old_logp, ref_logp):
+    def _optimizer_step(self, part: RolloutBatch, advantages, old_logp, ref_logp, token_weights=None):
         """One optimizer step on a mini-batch, its forward and backward in micro-batches, gradients accumulated.
         Sequences that cannot move the weights are left out first (``_drop_zero_advantage``); the normalisers
         still count them. Returns the step's metrics and its named sums over the ranks: ``TOKEN_METRICS``' token
@@ -139,6 +192,8 @@ class Actor:
             rollout_tokens = float(part.bounds[-1])
             for name in ROLLOUT_METRICS:
                 sums[name] = correction[name] * rollout_tokens
+        if token_weights is not None:
+            weights = token_weights if weights is None else weights * token_weights
         per_token = (old_logp, ref_logp, weights)
         part, advantages, per_token, skipped = self._drop_zero_advantage(part, advantages, per_token)
         plan = plan_micro_batches(part, self.cfg.micro_batch_tokens)

@@ -3,7 +3,8 @@
 A step's folder is written under a temporary name and renamed into place, so a run killed mid-save leaves the
 previous checkpoint whole. It holds the weights (safetensors, Hugging Face layout), the optimizer
 (``optimizer.pt``; distributed runs: DeepSpeed's per-rank shards under ``deepspeed/``), each rank's RNG states,
-the step and data position (``trainer_state.json``) and the resolved config. Optimizer and RNG states load with
+the step and data position (``trainer_state.json``), the resolved config, and the tokenizer (so a checkpoint is a
+model folder that ``fasttnt eval --model`` takes). Optimizer and RNG states load with
 ``torch.load(weights_only=True)``, never an unrestricted unpickle; the learning rate is a function of the step.
 """
 
@@ -68,12 +69,16 @@ def checkpoint_paths(root: Path, step: int) -> tuple[Path, Path]:
     return final, root / f"{final.name}.tmp"
 
 
-def save_checkpoint(root: Path, state: TrainerState, model, optimizer, *, keep: int, config_yaml: str) -> Path:
+def save_checkpoint(
+    root: Path, state: TrainerState, model, optimizer, *, keep: int, config_yaml: str, tokenizer=None
+) -> Path:
     """Write ``root/step-NNNNNN`` atomically and keep the newest ``keep`` checkpoints (single process)."""
     root.mkdir(parents=True, exist_ok=True)
     final, tmp = checkpoint_paths(root, state.step)
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
+    if tokenizer is not None:  # a checkpoint is a model folder of its own: `fasttnt eval --model` takes it
+        tokenizer.save_pretrained(tmp)
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     write_trainer_files(tmp, state, rank=0, config_yaml=config_yaml)
     commit_checkpoint(root, tmp, final, keep=keep)
@@ -142,7 +147,13 @@ def load_training_state(path: Path, optimizer=None, *, rank: int = 0) -> Trainer
     a checkpoint, and return the step and data position. The model is loaded by the caller."""
     if optimizer is not None:
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
-    set_rng_state(torch.load(path / f"rng{'' if rank == 0 else f'_rank{rank}'}.pt", weights_only=True))
+    rng = path / f"rng{'' if rank == 0 else f'_rank{rank}'}.pt"
+    state = torch.load(rng, weights_only=True)
+    missing = {"torch", "python", "numpy"} - set(state)
+    if missing:
+        raise ResumeError(f"--resume: {rng} holds no {', '.join(sorted(missing))} RNG state (written by an earlier "
+                          "version): continue it with that version, or start a new run")  # fmt: skip
+    set_rng_state(state)
     return read_trainer_state(path)
 
 
@@ -183,13 +194,23 @@ def load_weights(model, folder: Path) -> None:
     model.tie_weights()
 
 
-def save(root: Path, cfg: TrainConfig, state: TrainerState, model, optimizer, ds_engine=None, *, rank: int = 0) -> None:
+def save(
+    root: Path,
+    cfg: TrainConfig,
+    state: TrainerState,
+    model,
+    optimizer,
+    ds_engine=None,
+    *,
+    rank: int = 0,
+    tokenizer=None,
+) -> None:
     """The checkpoint of ``state.step``, then the newest ``keep_checkpoints`` kept. Distributed: every rank writes
     its optimizer shard and RNG state into the temporary folder, rank 0 the Hugging Face weights (gathered under
     ZeRO-3); once all are done rank 0 renames it into place."""
     keep, text = cfg.keep_checkpoints, config_yaml(cfg)
     if ds_engine is None:
-        save_checkpoint(root, state, model, optimizer, keep=keep, config_yaml=text)
+        save_checkpoint(root, state, model, optimizer, keep=keep, config_yaml=text, tokenizer=tokenizer)
         return
     final, tmp = checkpoint_paths(root, state.step)
     if rank == 0:
@@ -200,6 +221,8 @@ def save(root: Path, cfg: TrainConfig, state: TrainerState, model, optimizer, ds
     with distributed.gathered(list(model.parameters())):
         if rank == 0:
             model.save_pretrained(tmp, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
     write_trainer_files(tmp, state, rank=rank, config_yaml=text)
     distributed.barrier()
     if rank == 0:

@@ -54,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ev.add_argument("--samples", type=int, default=4, help="samples per problem; accuracy is their mean (pass@1)")
     ev.add_argument("--mode", choices=["free", "thinking", "non-thinking"], default="free")
+    ev.add_argument(
+        "--prompt-style", choices=["plain", "ellipsis"], default="plain",
+        help="ellipsis: AutoThink's prompt, <think> followed by '...' (as data.prompt_style in training)",
+    )  # fmt: skip
     ev.add_argument("--engine", choices=["hf", "vllm"], default="hf")
     ev.add_argument("--temperature", type=float, default=0.6)
     ev.add_argument("--top-p", type=float, default=0.95)
@@ -285,6 +289,7 @@ def _eval(args) -> int:
         seed=args.seed,
         synthetic_per_level=args.synthetic_per_level,
         limit=args.limit,
+        prompt_style=args.prompt_style,
     )
     hf_logging.disable_progress_bar()
     try:

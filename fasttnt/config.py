@@ -49,6 +49,8 @@ class DataConfig:
     levels: tuple[int, ...] = (1, 2, 3, 4)  # synthetic task: digits per operand
     instruction: str | None = None  # appended to each problem; None: the math instruction for math sets
     hack_markers: Literal["auto", "math", "synthetic"] = "auto"
+    # "ellipsis": AutoThink's prompt, the think block opened with "<think>\n...\n" (in training and evaluation)
+    prompt_style: Literal["plain", "ellipsis"] = "plain"
     # longer prompts are dropped from the training set; None: what the model's positions leave after the responses
     # (its max_position_embeddings - rollout.max_new_tokens). More than that is a config error
     max_prompt_tokens: int | None = None
@@ -70,11 +72,18 @@ class RolloutConfig:
     # step that reaches the cap fills its batch with equal-reward groups: zero advantage, no policy-gradient term
     dynamic_sampling: bool = False
     max_draws: int = 10
+    # mode-mixed rollouts (fasttnt.modes; AdaptThink forces half of each group into each mode): the share of each
+    # group's K samples answered with </think> pre-filled, and the share forced to think (</think> forbidden as the
+    # first token); the rest sample freely. Rounded to rows of K. A thinking-only model (R1-Distill) practically
+    # never writes </think> first: without this TNT sees no non-thinking response to judge
+    forced_non_thinking: float = 0.0
+    forced_thinking: float = 0.0
     # the stale-weight guard: a step whose sampled tokens' log-probs under the engine differ from the trainer's by
     # more than this (the mean |difference| per token, logged as rollout_logp_diff) stops the run before it trains:
     # the engine sampled from other weights than the trainer's (a weight push that did not arrive). Measured: 1e-6
     # with vLLM's CPU build in float32; bf16 engines differ by ~1e-2; a tied embedding that did not arrive, 1.7.
-    # None: off. Checked wherever the old log-probs are computed (always with the vllm engine)
+    # None: off. Checked with an engine that samples from its own copy of the weights (vllm) at top_p 1 (under top-p
+    # the engine's log-probs are renormalised over the nucleus, the trainer's are not: they differ by design)
     max_logp_diff: float | None = 0.1
     # vllm only
     gpu_memory_utilization: float = 0.5  # on CUDA; on a CPU the engine takes a fixed 1 GiB KV cache
@@ -102,6 +111,16 @@ class LossConfig:
         "auto", "none", "token-truncate", "token-mask", "sequence-truncate", "sequence-mask"
     ] = "auto"
     rollout_correction_cap: float = 2.0  # TRL's default is 3.0
+    # mode-mixed rollouts: how the first token is weighted against the probability it was drawn with
+    # (fasttnt.modes): "mixture", the exact probability under the group's mix of forced and free sampling
+    # (unbiased); "half", AdaptThink's fixed log 0.5 for the forced first tokens; "policy", none (the old policy's
+    # own, as a free sample's). "policy" because only it moves a thinking-only model's free choice (the two
+    # weighted rules scale the mode token's gradient with pi(</think>) ~ 1e-5: docs/experiments.md)
+    mode_token_logp: Literal["mixture", "half", "policy"] = "policy"
+    # mode-mixed rollouts: a forced first token with a negative advantage that the old policy gives less than this
+    # probability is not pushed further down: without it, "policy" pushes log pi of a mode the model refuses down
+    # without bound, which wrecked the other mode's first token in the measurement (docs/experiments.md); 0: off
+    mode_token_floor: float = 0.1
     # leave sequences whose advantage is exactly 0 out of the update's forward and backward when they add nothing
     # to the gradient (entropy_coef and KL off); the normalisers still count them, so the gradient is the same
     skip_zero_advantage: bool = True
@@ -199,12 +218,22 @@ def validate(cfg: TrainConfig) -> None:
     )
     need(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
     need(r.max_draws >= 1, "rollout.max_draws", "must be >= 1")
+    for key, share in (("forced_non_thinking", r.forced_non_thinking), ("forced_thinking", r.forced_thinking)):
+        need(0 <= share <= 1, f"rollout.{key}", "must be a share of the group in [0, 1]")
+    forced = round(r.forced_non_thinking * r.group_size) + round(r.forced_thinking * r.group_size)
+    need(
+        forced <= r.group_size,
+        "rollout.forced_thinking",
+        f"with rollout.forced_non_thinking it forces {forced} of rollout.group_size={r.group_size} samples",
+    )
     need(
         0 <= cfg.reward.overlong_buffer <= r.max_new_tokens,
         "reward.overlong_buffer",
         f"must be in [0, rollout.max_new_tokens={r.max_new_tokens}] tokens",
     )
     need(cfg.reward.overlong_penalty >= 0, "reward.overlong_penalty", "must be >= 0")
+    need(0 <= cfg.reward.balance_gamma <= 1, "reward.balance_gamma", "must be a share in [0, 1]")
+    need(cfg.reward.balance_lambda > 0, "reward.balance_lambda", "must be > 0")
     need(r.temperature > 0, "rollout.temperature", "must be > 0")
     need(0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
     need(0 < r.gpu_memory_utilization < 1, "rollout.gpu_memory_utilization", "must be in (0, 1)")
@@ -223,6 +252,7 @@ def validate(cfg: TrainConfig) -> None:
     need(loss.dual_clip is None or loss.dual_clip > 1, "loss.dual_clip", "must be > 1")
     need(loss.kl_coef >= 0, "loss.kl_coef", "must be >= 0")
     need(loss.rollout_correction_cap >= 1, "loss.rollout_correction_cap", "must be >= 1 (1 means on-policy)")
+    need(0 <= loss.mode_token_floor < 1, "loss.mode_token_floor", "must be a probability in [0, 1)")
     need(
         loss.agg != "seq-mean-token-sum-norm" or (loss.norm_length or 0) > 0,
         "loss.norm_length",

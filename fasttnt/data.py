@@ -201,13 +201,31 @@ class PromptMode(str, Enum):
 @dataclass(frozen=True)
 class Prompt:
     text: str  # the templated prompt; it ends inside an open think block
-    response_prefix: str  # pre-filled start of the response (counted as response tokens): "</think>" or ""
-    forbid_think_end_first: bool  # the engine must not sample </think> as the first response token
+    response_prefix: str = ""  # pre-filled start of the response (counted as response tokens): "</think>" or ""
+    forbid_think_end_first: bool = False  # the engine must not sample </think> as the first response token
+
+    def in_mode(self, mode: PromptMode | str) -> Prompt:
+        """The same prompt answered in ``mode``: non-thinking pre-fills ``</think>``, thinking forbids it first."""
+        mode = PromptMode(mode)
+        return replace(
+            self,
+            response_prefix=THINK_END if mode is PromptMode.NON_THINKING else "",
+            forbid_think_end_first=mode is PromptMode.THINKING,
+        )
 
 
-def build_prompt(tokenizer, problem: str, mode: PromptMode | str = PromptMode.FREE, *, instruction: str = "") -> Prompt:
+PROMPT_STYLES = ("plain", "ellipsis")
+ELLIPSIS = "\n...\n"
+"""AutoThink's ellipsis prompt (Tu et al. 2025, sec. 2.1): the think block opened with "<think>\n...\n", after which an
+R1-style model sometimes closes it at once (</think>) and answers directly."""
+
+
+def build_prompt(
+    tokenizer, problem: str, mode: PromptMode | str = PromptMode.FREE, *, instruction: str = "", style: str = "plain"
+) -> Prompt:
     """The problem through the tokenizer's own chat template, ending with ``<think>`` (added when the template
-    does not open the think block itself, as DeepSeek-R1's current template does)."""
+    does not open the think block itself, as DeepSeek-R1's current template does); ``style="ellipsis"``: with
+    AutoThink's "...", ``<think>\n...\n``."""
     mode = PromptMode(mode)
     content = f"{problem}\n{instruction}" if instruction else problem
     if getattr(tokenizer, "chat_template", None) is None:
@@ -217,11 +235,11 @@ def build_prompt(tokenizer, problem: str, mode: PromptMode | str = PromptMode.FR
     )
     if not text.rstrip().endswith(THINK_START):
         text += THINK_START + "\n"
-    return Prompt(
-        text=text,
-        response_prefix=THINK_END if mode is PromptMode.NON_THINKING else "",
-        forbid_think_end_first=mode is PromptMode.THINKING,
-    )
+    if style == "ellipsis":
+        text = text.rstrip() + ELLIPSIS
+    elif style != "plain":
+        raise ValueError(f"prompt style {style!r} is not one of {PROMPT_STYLES}")
+    return Prompt(text).in_mode(mode)
 
 
 def think_end_token_id(tokenizer, *, required: bool = True) -> int | None:

@@ -35,6 +35,9 @@ from .verify import VerifierPool
 
 SYNTHETIC = "synthetic"
 BENCHMARK_ORDER = ("aime24", "aime25", "amc23", "math500", "minerva", "olympiad", "gpqa")
+PAPER_MEAN = ("aime24", "aime25", "amc23", "minerva", "olympiad")
+"""The five math sets whose mean the TNT paper reports (AIME24, AIME25, AMC23, Minerva, OlympiadBench); MATH-500 and
+GPQA-Diamond are reported beside it, not averaged in. With none of them evaluated, the mean is over all."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class EvalSettings:
     synthetic_per_level: int = 50
     batch_prompts: int = 64
     limit: int | None = None  # at most this many problems per benchmark
+    prompt_style: str = "plain"  # or "ellipsis": AutoThink's (fasttnt.data.build_prompt)
 
 
 def _slug(name: str) -> str:
@@ -85,7 +89,7 @@ def _open_engine(name: str, device: torch.device, settings: EvalSettings):
         top_p=settings.top_p,
         model_path=name,  # max_model_len: the model's own
         seed=settings.seed,
-        dtype="bfloat16",
+        dtype="bfloat16" if device.type == "cuda" else "float32",
         device=device,
         gpu_memory_utilization=0.8,
         forbid_think_end_first=settings.mode == PromptMode.THINKING.value,
@@ -106,7 +110,10 @@ def evaluate_one(
     for start in range(0, len(problems), settings.batch_prompts):
         chunk = problems[start : start + settings.batch_prompts]
         prompts = [
-            build_prompt(tokenizer, p.problem, PromptMode(settings.mode), instruction=instruction) for p in chunk
+            build_prompt(
+                tokenizer, p.problem, PromptMode(settings.mode), instruction=instruction, style=settings.prompt_style
+            )
+            for p in chunk
         ]
         batch = engine.generate(prompts, k, seed=settings.seed * 1_000_003 + start)
         golds = [p.answer for p in chunk for _ in range(k)]
@@ -198,21 +205,25 @@ def run_eval(
             )
     finally:
         pool.close()
-    report = {"settings": asdict(settings), "benchmarks": benchmarks, "results": results, "mean": {}}
-    for model_name, per_bench in results.items():
-        acc = sum(m["acc"] for m in per_bench.values()) / len(per_bench)
-        length = sum(m["len"] for m in per_bench.values()) / len(per_bench)
-        report["mean"][model_name] = {
-            "acc": acc,
-            "len": length,
-            "te": token_efficiency(acc, length),
-            "non_thinking_ratio": sum(m["non_thinking_ratio"] for m in per_bench.values()) / len(per_bench),
-            "hack_rate": sum(m["hack_rate"] for m in per_bench.values()) / len(per_bench),
-        }
+    averaged = mean_over(benchmarks)
+    report = {"settings": asdict(settings), "benchmarks": benchmarks, "mean_over": averaged, "results": results,
+              "mean": {name: benchmark_mean(per_bench, averaged) for name, per_bench in results.items()}}  # fmt: skip
     _write_atomic(output_dir / "eval.json", json.dumps(report, indent=1))
     _write_atomic(output_dir / "eval.md", markdown_table(report))
     plot_eval(report, output_dir / "eval.png")
     return report
+
+
+def mean_over(benchmarks: list[str]) -> list[str]:
+    """The benchmarks the mean is over: the paper's five math sets among them (``PAPER_MEAN``), else all."""
+    return [b for b in benchmarks if b in PAPER_MEAN] or list(benchmarks)
+
+
+def benchmark_mean(per_bench: dict[str, dict], averaged: list[str]) -> dict:
+    """Accuracy, tokens, non-thinking ratio and hack rate averaged over ``averaged``, and the TE of the means."""
+    means = {key: sum(per_bench[b][key] for b in averaged) / len(averaged)
+             for key in ("acc", "len", "non_thinking_ratio", "hack_rate")}  # fmt: skip
+    return {**means, "te": token_efficiency(means["acc"], means["len"])}
 
 
 def _eval_model(
@@ -269,10 +280,14 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def markdown_table(report: dict) -> str:
-    """One row per model: accuracy (%) and mean tokens per benchmark, then the means, TE, non-thinking ratio
-    and hack rate, as the TNT paper reports."""
-    benches = report["benchmarks"]
-    head = ["model", *[f"{b} acc / len" for b in benches], "mean acc", "mean len", "TE", "non-thinking", "hack rate"]
+    """One row per model: accuracy (%) and mean tokens per benchmark, then the means (over the paper's five math
+    sets where they were evaluated), TE, non-thinking ratio and hack rate, as the TNT paper reports."""
+    benches, averaged = report["benchmarks"], report["mean_over"]
+    # the benchmarks averaged first, then the ones reported beside them
+    benches = [b for b in benches if b in averaged] + [b for b in benches if b not in averaged]
+    over = "the paper's five" if set(averaged) == set(PAPER_MEAN) else ", ".join(averaged)
+    head = ["model", *[f"{b} acc / len" + ("" if b in averaged else " (not in the mean)") for b in benches],
+            f"mean acc ({over})", "mean len", "TE", "non-thinking", "hack rate"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for model_name, per_bench in report["results"].items():
         mean = report["mean"][model_name]
@@ -337,7 +352,7 @@ def plot_eval(report: dict, path: Path) -> None:
         )
     ax.set_xlabel("mean tokens")
     ax.set_ylabel("accuracy (%)")
-    ax.set_title("accuracy vs. tokens (mean over benchmarks)")
+    ax.set_title(f"accuracy vs. tokens (mean over {', '.join(report['mean_over'])})")
     ax.grid(alpha=0.3)
     if synthetic:
         ax = axes[1]

@@ -6,6 +6,10 @@
     limit_mean/min/max   the per-query limits L_x (finite ones; 0 when a scheme has none)
     limit_thinking_mean  TNT: the mean L_x of the queries that had a thinking response to set it (no fallback)
     limit_fallback_frac  TNT: the share of queries without one, whose limit is the fallback
+    free_non_thinking_ratio  mode-mixed rollouts: the non-thinking share of the freely sampled responses
+    think_end_prob       mode-mixed rollouts: the policy's mean probability of </think> as its first token
+    mode_floored         mode-mixed rollouts: the share of forced first tokens loss.mode_token_floor left out
+                         (fasttnt.actor; the others here come from the rollout)
     te                   token efficiency A / sqrt(L), A = accuracy in percent, L = mean tokens
     hack_rate            share of non-thinking responses whose solution part contains thinking markers
     truncated_ratio      share of responses cut by the length budget
@@ -94,9 +98,13 @@ def rollout_metrics(
     limit: torch.Tensor | None = None,
     rewards: torch.Tensor | None = None,
     own_limit: torch.Tensor | None = None,
+    free: torch.Tensor | None = None,
+    think_end_logp: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Scalar metric tensors, on the inputs' device, from per-response tensors (S,) and per-query limits (G,);
-    ``own_limit`` (G,) marks the queries whose limit came from their own thinking responses (TNT)."""
+    ``own_limit`` (G,) marks the queries whose limit came from their own thinking responses (TNT); mode-mixed
+    rollouts add ``free`` (S,), the responses sampled without a forced mode, and ``think_end_logp`` (G,), the
+    policy's log-probability of answering each query directly."""
     correct, non_thinking, hacked = correct.bool(), non_thinking.bool(), hacked.bool()
     lengths = lengths.float()
     thinking = ~non_thinking
@@ -125,6 +133,10 @@ def rollout_metrics(
         own = own_limit.bool()
         out["limit_thinking_mean"] = _masked_mean(limit.float(), own)
         out["limit_fallback_frac"] = (~own).float().mean()
+    if free is not None:
+        out["free_non_thinking_ratio"] = _masked_mean(non_thinking.float(), free.bool())
+    if think_end_logp is not None and think_end_logp.numel():
+        out["think_end_prob"] = think_end_logp.float().exp().mean()
     return out
 
 

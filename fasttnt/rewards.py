@@ -42,6 +42,12 @@ class RewardConfig:
     # the length budget. 0: off
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
+    # AutoThink's stage-1 batch balance (Tu et al. 2025, sec. 3.1; their verl main_ppo.py): with z the thinking share
+    # of the step's responses, a mode above balance_gamma of the batch loses f = clip(balance_lambda (share - gamma),
+    # 0, 1) from each of its rewards, so neither mode dies out. Off by default; AutoThink's gamma 0.5, lambda 2
+    mode_balance: bool = False
+    balance_gamma: float = 0.5
+    balance_lambda: float = 2.0
 
     @property
     def values(self) -> RewardValues:
@@ -96,6 +102,18 @@ def overlong_shaping(lengths: torch.Tensor, max_new_tokens: int, buffer: int, pe
         raise ValueError(f"overlong buffer must be > 0 tokens, got {buffer}")
     excess = (lengths.float() - (max_new_tokens - buffer)).clamp(min=0)
     return -penalty * excess.clamp(max=buffer) / buffer
+
+
+def mode_balance(
+    rewards: torch.Tensor, non_thinking: torch.Tensor, cfg: RewardConfig, shares: torch.Tensor
+) -> torch.Tensor:
+    """AutoThink's batch balance (``RewardConfig.mode_balance``): ``shares`` = (thinking, non-thinking) responses of
+    the whole step (counts, summed over ranks); each response of a mode holding more than ``balance_gamma`` of them
+    loses clip(lambda (share - gamma), 0, 1). (AutoThink moves a reward towards one lower, r (1 - f) + (r - 1) f:
+    the same.) On the rewards' device, no host sync."""
+    share = shares.float() / shares.sum().clamp(min=1)  # (2,) thinking, non-thinking
+    f = (cfg.balance_lambda * (share - cfg.balance_gamma)).clamp(0.0, 1.0)  # (2,)
+    return rewards - f[non_thinking.long()]
 
 
 def compute_rewards(

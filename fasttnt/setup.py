@@ -76,7 +76,8 @@ class Parts:
         return self.cfg.rollout.prompts_per_step // self.world
 
     def prompt(self, problem: Problem):
-        return build_prompt(self.tokenizer, problem.problem, PromptMode.FREE, instruction=self.instruction)
+        return build_prompt(self.tokenizer, problem.problem, PromptMode.FREE, instruction=self.instruction,
+                            style=self.cfg.data.prompt_style)  # fmt: skip
 
 
 def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: bool = False) -> Parts:
@@ -163,6 +164,7 @@ def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: b
         sleep_between_rollouts=r.sleep_between_rollouts,
         weight_sync_bucket_mb=r.weight_sync_bucket_mb,
         zero3_engine=ds_engine if dist and cfg.distributed.zero_stage == 3 else None,
+        forbid_think_end_first=round(r.forced_thinking * r.group_size) > 0,
     )
     engine = build_engine(r.engine, model, tokenizer, settings)
 

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from .char_tokenizer import build_char_tokenizer
-from .data import build_prompt
+from .data import THINK_END, build_prompt
 from .synthetic import problems
 
 
@@ -43,6 +43,11 @@ class WarmupConfig:
     levels: tuple[int, ...] = (1, 2, 3, 4)
     direct_share: float = 0.5  # share of examples answered directly (the rest think)
     hack_share: float = 0.1  # share of the direct examples that write their steps after </think> anyway
+    # whether the direct examples teach the choice of answering directly (their </think> a response token). False:
+    # their </think> is in the prompt, as when pre-filled, so the model learns to answer after a pre-filled
+    # </think> without learning to write it first: the stand-in for a thinking-only distilled model (R1-Distill
+    # answers well when </think> is forced, and practically never writes it itself)
+    choose_direct: bool = True
     seed: int = 0
 
 
@@ -69,11 +74,13 @@ def _examples(tokenizer, cfg: WarmupConfig):
     rng = random.Random(f"warmup-{cfg.seed}")
     eos = tokenizer.eos_token
     for p in problems("train", levels=cfg.levels, seed=cfg.seed):
+        prompt = build_prompt(tokenizer, p.problem).text
         if rng.random() < cfg.direct_share:
             response = p.hacked if rng.random() < cfg.hack_share else p.direct
+            if not cfg.choose_direct:  # the </think> pre-filled: no loss on choosing it
+                prompt, response = prompt + response[: len(THINK_END)], response[len(THINK_END) :]
         else:
             response = p.thinking
-        prompt = build_prompt(tokenizer, p.problem).text
         yield (
             tokenizer(prompt, add_special_tokens=False)["input_ids"],
             tokenizer(response + eos, add_special_tokens=False)["input_ids"],

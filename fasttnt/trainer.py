@@ -24,10 +24,13 @@ from . import checkpoint, distributed, scoring, setup
 from .actor import Actor
 from .checkpoint import TrainerState
 from .config import TrainConfig, rollout_correction
+from .data import PromptMode
 from .dynamic_sampling import Draw, choose_groups, concat_draws, select_groups, varied_groups
+from .engines.batch import FORCED_CODES
 from .metrics import own_limits, rollout_metrics, to_floats
 from .plots import plot_curves
 from .preemption import Preempted, StopSignals, agree
+from .rewards import mode_balance
 from .runlog import RunLog
 from .step_metrics import TOKEN_METRICS, reduce_named
 from .verify import VerifierPool
@@ -99,12 +102,13 @@ class Trainer:
         clock.lap("reward")
 
         # old and reference log-probs, and the engine's weights checked against them
-        old_logp, ref_logp = self.actor.old_and_ref_logprobs(trained.batch)
-        self._check_engine_weights(step, trained.batch, old_logp)
+        old = self.actor.old_and_ref_logprobs(trained.batch)
+        self._check_engine_weights(step, trained.batch, old.old)
         clock.lap("logprobs")
 
         # update
-        update = self.actor.update(trained.batch, advantages, old_logp, ref_logp)
+        weights, floored = self.actor.mode_token_weights(trained.batch, advantages, old)
+        update = {**self.actor.update(trained.batch, advantages, old.old, old.ref, weights), **floored}
         clock.lap("update")
 
         # weight sync (the vllm engine gathers ZeRO-3 shards bucket by bucket itself)
@@ -112,7 +116,7 @@ class Trainer:
         clock.lap("sync")
 
         # log
-        values = self._record(step, lr, drawn, trained, update, len(draws), varied, filled, clock.times)
+        values = self._record(step, lr, drawn, trained, update, len(draws), varied, filled, clock.times, old.think_end)
         self.state = TrainerState(step=step, data_position=self.stream.position, world=self.world)
         return values
 
@@ -124,7 +128,9 @@ class Trainer:
         problems = problems[self.rank * per_rank : (self.rank + 1) * per_rank]
         first_row = (draw * r.prompts_per_step + self.rank * per_rank) * r.group_size
         prompts = [self.parts.prompt(p) for p in problems]
-        batch = self.engine.generate(prompts, r.group_size, seed=cfg.seed * 1_000_003 + step, first_row=first_row)
+        modes = self.actor.modes.modes(len(prompts)) if self.actor.modes.active else None
+        batch = self.engine.generate(prompts, r.group_size, seed=cfg.seed * 1_000_003 + step, first_row=first_row,
+                                     modes=modes)  # fmt: skip
         clock.lap("generate")
 
         golds = [p.answer for p in problems for _ in range(r.group_size)]
@@ -141,13 +147,19 @@ class Trainer:
         # all K samples of a prompt are on this rank, so the reward is local
         scores = scoring.add_rewards(judged, batch, reward=cfg.reward, think_end_id=self.parts.think_end_id,
                                      markers=self.parts.markers, max_new_tokens=r.max_new_tokens)  # fmt: skip
+        if cfg.reward.mode_balance:  # the modes' shares of the whole draw, over all ranks
+            nt = scores.rewards.non_thinking
+            shares = self.actor._sum(torch.stack([(~nt).sum(), nt.sum()]).float())
+            scores.rewards = scores.rewards._replace(
+                rewards=mode_balance(scores.rewards.rewards, nt, cfg.reward, shares)
+            )
         clock.lap("reward")
         return Draw(batch, scores.correct, scores.rewards, scores.hacked, scores.timeouts, scores.crashes)
 
     def _check_engine_weights(self, step: int, batch, old_logp) -> None:
         """Stop before training on samples that the engine drew from weights other than the trainer's."""
         limit = self.cfg.rollout.max_logp_diff
-        if limit is None or old_logp is None or batch.rollout_logp is None:
+        if not self.actor.check_engine or old_logp is None or batch.rollout_logp is None:
             return
         diff = self.actor.engine_logp_diff(batch, old_logp)
         if not diff <= limit:  # NaN included
@@ -162,7 +174,7 @@ class Trainer:
         then draws again, so the ranks stay in step)."""
         return any(agree(self.dist, self.device, varied < self.parts.prompts_per_rank))
 
-    def _record(self, step, lr, drawn: Draw, trained: Draw, update, n_draws, varied, filled, times) -> dict:
+    def _record(self, step, lr, drawn: Draw, trained: Draw, update, n_draws, varied, filled, times, think_end) -> dict:
         """The step's row of metrics.jsonl: every metric over all ranks' responses (N ranks log what one process
         would), the update's means, counts, rates and times; one read from the device."""
         r = self.cfg.rollout
@@ -172,6 +184,9 @@ class Trainer:
                         "limit": rewards.limit, "rewards": rewards.rewards}  # fmt: skip
         if self.cfg.reward.scheme == "tnt":  # where the limit comes from the query's own thinking responses
             per_response["own_limit"] = own_limits(rewards.non_thinking, rewards.solution_len, r.group_size)
+        if think_end is not None:  # mode-mixed: what the model chooses unforced
+            per_response["free"] = drawn.batch.forced == FORCED_CODES[PromptMode.FREE]
+            per_response["think_end_logp"] = think_end
         if self.dist:
             per_response = {k: distributed.all_gather_cat(v) for k, v in per_response.items()}
         batch = trained.batch
@@ -241,7 +256,7 @@ class Trainer:
 
     def _save(self) -> None:
         checkpoint.save(self.out / "checkpoints", self.cfg, self.state, self.model, self.actor.optimizer,
-                        self.parts.ds_engine, rank=self.rank)  # fmt: skip
+                        self.parts.ds_engine, rank=self.rank, tokenizer=self.tokenizer)  # fmt: skip
 
     def _close(self, log: RunLog) -> None:
         """The engine's memory and the run log's buffered events."""

@@ -6,6 +6,7 @@
     tnt                   the TNT reward with fasttnt's default loss (GRPO advantages, clip 0.2 / 0.28, token-mean)
     tnt+dapo              DAPO: dynamic sampling and overlong reward shaping, with its clip-higher and token-mean
     tnt+drgrpo            Dr. GRPO: no std scaling of advantages, a constant length normaliser
+    tnt+mix               mode-mixed rollouts: half of each group with </think> pre-filled (fasttnt.modes)
     tnt:omega=1           a parameter of the reward (any ``reward.*`` field), a top-level or dotted config key
     uniform-limit:cap=64  ``cap`` is the uniform limit
 
@@ -46,6 +47,9 @@ ALGORITHMS: dict[str, Callable[[TrainConfig], dict[str, object]]] = {
         "loss.agg": "seq-mean-token-sum-norm",
         "loss.norm_length": float(cfg.rollout.max_new_tokens),
     },
+    # mode-mixed rollouts (fasttnt.modes): half of each group answered with </think> pre-filled, as AdaptThink forces
+    # half into each mode (Zhang et al. 2025); the other half samples freely. The rule: loss.mode_token_logp
+    "mix": lambda cfg: {"rollout.forced_non_thinking": 0.5},
 }
 ALIASES = {"cap": "reward.uniform_limit"}
 _REWARD_FIELDS = {f.name for f in fields(RewardConfig)}

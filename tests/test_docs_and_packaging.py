@@ -282,8 +282,10 @@ def test_metrics_glossary_covers_every_logged_metric(tmp_path):
     from fasttnt.step_metrics import TOKEN_METRICS
     from fasttnt.trainer import Trainer
 
-    # a 1-step run that logs everything: no skipped sequences (the token metrics), dynamic sampling (its counts)
-    extra = ["loss.skip_zero_advantage=false", "rollout.dynamic_sampling=true", "rollout.max_draws=2"]
+    # a 1-step run that logs everything: no skipped sequences (the token metrics), dynamic sampling (its counts),
+    # mode-mixed rollouts (their shares)
+    extra = ["loss.skip_zero_advantage=false", "rollout.dynamic_sampling=true", "rollout.max_draws=2",
+             "rollout.forced_non_thinking=0.25"]  # fmt: skip
     overrides = [f"cache_dir={tmp_path / 'cache'}", *SMALL, "warmup.steps=3", "warmup.batch_size=8",
                  "rollout.max_new_tokens=16", "steps=1", *extra]  # fmt: skip
     Trainer(load_config(None, overrides), tmp_path / "run", progress=False).run()

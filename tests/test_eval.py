@@ -175,3 +175,39 @@ def test_accuracy_by_mode_counts_each_modes_own_responses():
     assert out["acc_thinking"] == 50.0 and out["acc_non_thinking"] == 50.0
     assert out["by_level"]["1"]["acc_non_thinking"] == 50.0 and out["by_level"]["1"]["acc_thinking"] == 100.0
     assert out["by_level"]["2"]["acc_non_thinking"] is None  # no direct answer at that level: no accuracy, not 0
+
+
+def test_the_mean_is_over_the_papers_five_math_sets():
+    # MATH-500 and GPQA-Diamond are reported beside the mean, not averaged in; without the five, the mean is over all
+    from fasttnt.evaluate import PAPER_MEAN, benchmark_mean, markdown_table, mean_over
+
+    benches = ["aime24", "math500", "aime25", "amc23", "minerva", "olympiad", "gpqa"]
+    assert mean_over(benches) == ["aime24", "aime25", "amc23", "minerva", "olympiad"] == list(PAPER_MEAN)
+    assert mean_over(["synthetic", "mine.jsonl"]) == ["synthetic", "mine.jsonl"]
+    per = {b: {"acc": 10.0 * i, "len": 100.0 * i, "non_thinking_ratio": 0.1, "hack_rate": 0.0, "responses": 4}
+           for i, b in enumerate(benches, start=1)}  # fmt: skip
+    mean = benchmark_mean(per, mean_over(benches))
+    assert mean["acc"] == pytest.approx((10 + 30 + 40 + 50 + 60) / 5) and mean["len"] == pytest.approx(1900 / 5)
+    settings = {"samples": 4, "mode": "free", "temperature": 0.6, "top_p": 0.95, "max_new_tokens": 9}
+    report = {"benchmarks": benches, "mean_over": mean_over(benches), "results": {"m": per}, "mean": {"m": mean},
+              "settings": settings}  # fmt: skip
+    head = markdown_table(report).splitlines()[0]
+    assert "mean acc (the paper's five)" in head and "math500 acc / len (not in the mean)" in head
+    assert head.index("olympiad") < head.index("math500")  # the averaged sets first
+
+
+def test_a_checkpoint_evaluates_as_a_model(tmp_path):
+    # every checkpoint folder holds the tokenizer beside the weights: `fasttnt eval --model run/checkpoints/step-N`
+    from small import SMALL
+
+    run = tmp_path / "run"
+    args = ["train", "--output-dir", str(run), f"cache_dir={tmp_path / 'cache'}", *SMALL, "warmup.steps=3",
+            "warmup.batch_size=8", "rollout.max_new_tokens=8", "steps=2", "save_every=1"]  # fmt: skip
+    assert cli_main(args) == 0
+    step = run / "checkpoints" / "step-000001"
+    assert (step / "tokenizer_config.json").is_file() and (step / "model.safetensors").is_file()
+    out = tmp_path / "eval"
+    assert cli_main(["eval", "--model", str(step), "--benchmarks", "synthetic", "--synthetic-per-level", "1",
+                     "--samples", "1", "--max-new-tokens", "4", "--output-dir", str(out)]) == 0  # fmt: skip
+    report = json.loads((out / "eval.json").read_text())
+    assert report["results"][str(step)]["synthetic"]["responses"] > 0

@@ -215,6 +215,8 @@ def test_generation_equals_the_generate_reference(monkeypatch, case):
     got = engine.generate(prompts, case.group_size, seed=11, first_row=case.first_row)
     handle.remove()
 
+    assert kept_sizes[0] == len(prompts) * case.group_size  # the prefill's rows expanded to every sample's
+    kept_sizes = kept_sizes[1:]  # then the compactions
     assert model.training  # restored after generating in eval mode
     assert got.prompt_ids == expected.prompt_ids
     assert got.responses == expected.responses

@@ -479,3 +479,24 @@ def test_a_step_whose_verification_crashes_stops_the_run(tmp_path, monkeypatch, 
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 1 and "step 1: the verification of 16 of 16 answers crashed" in err
     assert not (tmp_path / "run" / "metrics.jsonl").read_text()  # no step was logged, none trained
+
+
+def test_the_stale_weight_guard_leaves_top_p_and_the_hf_engine_alone(tmp_path):
+    # under top-p the engine's log-probs are renormalised over the nucleus (by design, not stale weights): a run at
+    # top_p 0.5 with old log-probs computed (2 mini-batches) must train; the hf engine samples from the model itself
+    rows = _run(tmp_path, "run", varied.OVERRIDE, "rollout.top_p=0.5", "loss.mini_batches=2", "steps=2")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert max(r["rollout_logp_diff"] for r in rows) > 0.1  # what the guard would have taken for stale weights
+
+
+def test_a_checkpoint_without_numpys_rng_state_is_refused_in_one_line(tmp_path, capsys):
+    _run(tmp_path, "run", "steps=2")
+    rng = tmp_path / "run" / "checkpoints" / "step-000002" / "rng.pt"
+    state = torch.load(rng, weights_only=True)
+    del state["numpy"]
+    torch.save(state, rng)
+    capsys.readouterr()
+    assert cli_main(["train", "--output-dir", str(tmp_path / "run"), "--resume", *small(tmp_path, "steps=3")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "rng.pt holds no numpy RNG state (written by an earlier version)" in err[-1]
+    assert err[-1].startswith("fasttnt train: --resume: ")

@@ -236,3 +236,21 @@ def test_forced_modes_against_vllm(tmp_path):
 def test_an_engine_asked_for_more_positions_than_the_model_has_says_both(tmp_path, trained):
     with pytest.raises(ValueError, match=r"needs 4096 positions .* takes \(256\)"):
         _engine(trained, max_model_len=4096)
+
+
+def test_mode_mixed_rollouts_through_vllm(tmp_path, monkeypatch):
+    # a quarter of each group pre-filled with </think>, a quarter forced to think (the engine's first-token
+    # processor), half free: every group holds both modes, and the other tokens still match the trainer's
+    from fasttnt.actor import Actor
+
+    seen = []
+    real_update = Actor.update
+    monkeypatch.setattr(Actor, "update", lambda self, batch, *a: seen.append(batch) or real_update(self, batch, *a))
+    rows = _train(tmp_path, "run", "steps=2", "rollout.forced_non_thinking=0.25", "rollout.forced_thinking=0.25")
+    end = think_end_token_id(build_char_tokenizer())
+    for batch in seen:
+        first = [r[0] for r in batch.responses]
+        assert batch.forced.tolist() == [1, 2, 0, 0] * (len(first) // 4)
+        assert all(t == end for t in first[::4]) and all(t != end for t in first[1::4])
+    for row in rows:
+        assert row["rollout_logp_diff"] < 1e-4 and "free_non_thinking_ratio" in row

@@ -7,9 +7,9 @@ from typing import Any, Protocol
 
 import torch
 
-from ..data import Prompt
+from ..data import Prompt, PromptMode
 from ..registry import Registry
-from .batch import RolloutBatch
+from .batch import FORCED_CODES, RolloutBatch
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,43 @@ class EngineSettings:
     forbid_think_end_first: bool = False  # some prompts will be forced to think (the vllm engine's processor)
 
 
+@dataclass(frozen=True)
+class Requests:
+    """A rollout's rows as an engine serves them: each row's prompt (in its mode), and the runs of consecutive rows
+    of one group with the same prompt, each run one prefill (hf) or one request of n samples (vllm)."""
+
+    rows: list[Prompt]  # (S,)
+    runs: list[tuple[int, int]]  # (first row, rows) per run, in order, never across a group
+
+    @classmethod
+    def of(cls, prompts: list[Prompt], group_size: int, modes: list[PromptMode] | None = None) -> Requests:
+        """``prompts`` (P,) with K = ``group_size`` rows each; ``modes`` (P*K,): each row's mode, which then
+        replaces its prompt's own (a mode-mixed group)."""
+        rows = [p for p in prompts for _ in range(group_size)]
+        if modes is not None:
+            if len(modes) != len(rows):
+                raise ValueError(f"{len(modes)} modes for {len(rows)} rows ({len(prompts)} prompts x {group_size})")
+            rows = [p.in_mode(m) for p, m in zip(rows, modes, strict=True)]
+        runs = []
+        for i, prompt in enumerate(rows):
+            if runs and i % group_size and prompt == rows[i - 1]:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((i, 1))
+        return cls(rows, runs)
+
+    def forced(self, device) -> torch.Tensor | None:
+        """(S,) int8 of ``FORCED_CODES`` when any row is forced, else None."""
+        codes = [FORCED_CODES[_mode_of(p)] for p in self.rows]
+        return torch.tensor(codes, dtype=torch.int8, device=device) if any(codes) else None
+
+
+def _mode_of(prompt: Prompt) -> PromptMode:
+    if prompt.response_prefix:
+        return PromptMode.NON_THINKING
+    return PromptMode.THINKING if prompt.forbid_think_end_first else PromptMode.FREE
+
+
 class RolloutEngine(Protocol):
     """A step's life cycle: ``generate`` once per draw, ``end_rollout`` before the update (an engine that holds
     memory of its own releases it), ``sync_weights`` after it, ``close`` at the end. ``separate_weights``: it
@@ -39,9 +76,11 @@ class RolloutEngine(Protocol):
 
     separate_weights: bool
 
-    def generate(self, prompts: list[Prompt], group_size: int, *, seed: int, first_row: int = 0) -> RolloutBatch:
+    def generate(
+        self, prompts: list[Prompt], group_size: int, *, seed: int, first_row: int = 0, modes=None
+    ) -> RolloutBatch:
         """K samples per prompt, seeded per response; ``first_row`` is the global index of the first response (a
-        rank's share of the step)."""
+        rank's share of the step); ``modes`` (P*K,) each row's mode (``Requests.of``)."""
         ...
 
     def end_rollout(self) -> None: ...

@@ -9,6 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..data import PromptMode
+
+FORCED_CODES = {PromptMode.FREE: 0, PromptMode.NON_THINKING: 1, PromptMode.THINKING: 2}
+"""How ``RolloutBatch.forced`` codes each row's mode: free, or forced to answer directly or to think."""
+
 
 @dataclass
 class RolloutBatch:
@@ -22,6 +27,8 @@ class RolloutBatch:
     # (N,) float32: the log-prob of each token under the distribution the engine sampled it from (after temperature
     # and top-p); 0 for a pre-filled prefix, which was not sampled (forced modes)
     rollout_logp: torch.Tensor | None = None
+    # (S,) int8: each row's mode as FORCED_CODES codes it, when any row was forced; None when every row was free
+    forced: torch.Tensor | None = None
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -70,6 +77,7 @@ class RolloutBatch:
             self.truncated[keep_t],
             self.group_size,
             rollout_logp=self.rollout_logp[index] if self.rollout_logp is not None else None,
+            forced=self.forced[keep_t] if self.forced is not None else None,
         )
         return kept._with_host_copies(new_bounds, [self.responses[i] for i in keep]), index
 
@@ -85,6 +93,7 @@ class RolloutBatch:
             self.truncated[a:b],
             k,
             rollout_logp=self.rollout_logp[lo:hi] if self.rollout_logp is not None else None,
+            forced=self.forced[a:b] if self.forced is not None else None,
         )
         return part._with_host_copies([x - lo for x in self.bounds[a : b + 1]], self.responses[a:b])
 
@@ -96,6 +105,10 @@ class RolloutBatch:
         offsets = [0, *itertools.accumulate(b.bounds[-1] for b in batches)]
         shifted = [b.cu_seqlens[1:] + off for b, off in zip(batches, offsets, strict=False)]
         logps = [b.rollout_logp for b in batches]
+        forced = None
+        if any(b.forced is not None for b in batches):  # a draw without forced rows: all free
+            forced = torch.cat([b.forced if b.forced is not None else b.truncated.new_zeros(b.truncated.shape,
+                                dtype=torch.int8) for b in batches])  # fmt: skip
         batch = cls(
             [p for b in batches for p in b.prompt_ids],
             torch.cat([b.response_ids for b in batches]),
@@ -103,6 +116,7 @@ class RolloutBatch:
             torch.cat([b.truncated for b in batches]),
             batches[0].group_size,
             rollout_logp=torch.cat(logps) if all(lp is not None for lp in logps) else None,
+            forced=forced,
         )
         bounds = [0] + [x + off for b, off in zip(batches, offsets, strict=False) for x in b.bounds[1:]]
         return batch._with_host_copies(bounds, [r for b in batches for r in b.responses])

@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 from .. import distributed
 from ..data import Prompt, think_end_token_id
-from .base import ENGINES, EngineSettings
+from .base import ENGINES, EngineSettings, Requests
 from .batch import RolloutBatch, pack_sequences, truncated_without_eos
 from .sampler import row_seeds, seeded_sample
 
@@ -76,10 +76,13 @@ class HFEngine:
         self.last_logits_only = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
 
     @torch.no_grad()
-    def generate(self, prompts: list[Prompt], group_size: int, *, seed: int, first_row: int = 0) -> RolloutBatch:
-        """``first_row``: the global index of this batch's first response, when ranks generate shares of a step."""
+    def generate(
+        self, prompts: list[Prompt], group_size: int, *, seed: int, first_row: int = 0, modes=None
+    ) -> RolloutBatch:
+        """``first_row``: the global index of this batch's first response, when ranks generate shares of a step;
+        ``modes`` (P*K,): each row's mode, for a mode-mixed group (``Requests.of``)."""
         with self._whole_model():
-            return self._generate(prompts, group_size, seed=seed, first_row=first_row)
+            return self._generate(Requests.of(prompts, group_size, modes), group_size, seed, first_row)
 
     def _whole_model(self):
         """Under ZeRO-3, the whole model without ZeRO's hooks while it decodes (``distributed.zero3_full_model``)."""
@@ -87,33 +90,41 @@ class HFEngine:
             return contextlib.nullcontext()
         return distributed.zero3_full_model(self.zero3_engine, self.model)
 
-    def _generate(self, prompts: list[Prompt], group_size: int, *, seed: int, first_row: int) -> RolloutBatch:
+    def _generate(self, requests: Requests, group_size: int, seed: int, first_row: int) -> RolloutBatch:
         device = next(self.model.parameters()).device
-        encoded = [self.tokenizer(p.text + p.response_prefix, add_special_tokens=False)["input_ids"] for p in prompts]
+        run_prompts = [requests.rows[start] for start, _ in requests.runs]
         prefixes = [
             self.tokenizer(p.response_prefix, add_special_tokens=False)["input_ids"] if p.response_prefix else []
-            for p in prompts
+            for p in run_prompts
         ]
-        seeds = row_seeds(seed, first_row, len(prompts) * group_size).to(device)  # (S,): row i answers prompt i // K
-        forbid = torch.tensor([p.forbid_think_end_first for p in prompts], device=device)  # (P,)
+        # the prompt and its pre-fill tokenised apart, as the vllm engine does (a BPE merge across the two would
+        # make the engines' prompts differ); the pre-fill is the start of the response
+        encoded = [
+            self.tokenizer(p.text, add_special_tokens=False)["input_ids"] + prefix
+            for p, prefix in zip(run_prompts, prefixes, strict=True)
+        ]
+        counts = [n for _, n in requests.runs]
+        run_of_row = [r for r, n in enumerate(counts) for _ in range(n)]  # (S,)
+        seeds = row_seeds(seed, first_row, len(requests.rows)).to(device)  # (S,)
+        forbid = torch.tensor([p.forbid_think_end_first for p in requests.rows], device=device)  # (S,)
         was_training = self.model.training
         self.model.eval()
         # on CUDA, the same bf16 autocast as the training forwards (FlashAttention rejects float32 inputs)
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and self.bf16_autocast)
         try:
             with autocast:
-                sampled, sampled_logp = self._decode(encoded, group_size, seeds, forbid.repeat_interleave(group_size))
+                sampled, sampled_logp = self._decode(encoded, counts, seeds, forbid)
         finally:
             self.model.train(was_training)
         responses, logprobs = [], []
         for i, (tokens, logp) in enumerate(zip(sampled, sampled_logp, strict=True)):
-            prefix = prefixes[i // group_size]
+            prefix = prefixes[run_of_row[i]]
             responses.append(prefix + tokens)  # EOS is kept: the policy learns to stop
             logprobs.extend([0.0] * len(prefix) + logp)
         truncated = truncated_without_eos(responses, self.eos_id)
-        # the prompt proper, K times: a pre-filled prefix belongs to the response
-        prompt_ids = [ids[: len(ids) - len(pre)] for ids, pre in zip(encoded, prefixes, strict=True)]
-        prompt_ids = [ids for ids in prompt_ids for _ in range(group_size)]  # (S,)
+        # the prompt proper, each row's: a pre-filled prefix belongs to the response
+        run_prompt_ids = [ids[: len(ids) - len(pre)] for ids, pre in zip(encoded, prefixes, strict=True)]
+        prompt_ids = [run_prompt_ids[r] for r in run_of_row]  # (S,)
         ids, cu = pack_sequences(responses, device)
         return RolloutBatch(
             prompt_ids,
@@ -122,17 +133,18 @@ class HFEngine:
             torch.tensor(truncated, device=device),
             group_size,
             rollout_logp=torch.tensor(logprobs, dtype=torch.float32, device=device),
+            forced=requests.forced(device),
         )
 
     def _decode(
-        self, encoded: list[list[int]], group_size: int, seeds: torch.Tensor, forbid: torch.Tensor
+        self, encoded: list[list[int]], counts: list[int], seeds: torch.Tensor, forbid: torch.Tensor
     ) -> tuple[list[list[int]], list[list[float]]]:
-        """Each row's sampled tokens (EOS last when it was sampled) and their log-probs, on the host. ``forbid``
-        (S,): rows whose first token may not be ``</think>`` (forced thinking), row by row, so that a free prompt
-        batched with a forced one samples as it would alone (``generate``'s logits processor forbade it for every row
-        of a batch in which any prompt asked)."""
+        """Each row's sampled tokens (EOS last when it was sampled) and their log-probs, on the host, for ``counts``
+        rows of each encoded prompt. ``forbid`` (S,): rows whose first token may not be ``</think>`` (forced
+        thinking), row by row, so that a free prompt batched with a forced one samples as it would alone
+        (``generate``'s logits processor forbade it for every row of a batch in which any prompt asked)."""
         steps, device = self.max_new_tokens, seeds.device
-        rows, logits = self._prefill(encoded, group_size, seeds)
+        rows, logits = self._prefill(encoded, counts, seeds)
         sampled = torch.full((len(seeds), steps), self.pad_id, dtype=torch.int64, device=device)  # (S, T)
         sampled_logp = torch.zeros((len(seeds), steps), dtype=torch.float32, device=device)  # (S, T)
         lengths = torch.full((len(seeds),), steps, dtype=torch.int64, device=device)  # (S,) the budget, unless EOS
@@ -159,10 +171,11 @@ class HFEngine:
         )
 
     def _prefill(
-        self, encoded: list[list[int]], group_size: int, seeds: torch.Tensor
+        self, encoded: list[list[int]], counts: list[int], seeds: torch.Tensor
     ) -> tuple[_DecodeRows, torch.Tensor]:
         """Each distinct prompt through the model once (P rows, left-padded to the widest, W), then its KV cache,
-        mask, position and last logits repeated for its K samples. Returns the S rows and their logits (S, V)."""
+        mask, position and last logits repeated for its ``counts`` samples. Returns the S rows and their logits
+        (S, V)."""
         device = seeds.device
         width = max(len(ids) for ids in encoded)
         input_ids = torch.full((len(encoded), width), self.pad_id, dtype=torch.int64)  # (P, W)
@@ -183,12 +196,13 @@ class HFEngine:
             **{self.cache_keyword: cache},
             **self.last_logits_only,
         )
-        logits = out.logits[:, -1].float().repeat_interleave(group_size, 0)  # (S, V)
-        cache.batch_repeat_interleave(group_size)  # transformers 5.24: every layer's keys and values, on dim 0
+        expand = torch.repeat_interleave(torch.arange(len(counts), device=device), torch.tensor(counts, device=device))
+        logits = out.logits[:, -1].float()[expand]  # (S, V)
+        cache.batch_select_indices(expand)  # transformers 5.24: every layer's keys and values indexed on dim 0
         rows = _DecodeRows(
             cache=cache,
-            mask=mask.repeat_interleave(group_size, 0),  # (S, W)
-            positions=positions[:, -1].repeat_interleave(group_size),  # (S,)
+            mask=mask[expand],  # (S, W)
+            positions=positions[expand, -1],  # (S,)
             seeds=seeds,
             index=torch.arange(len(seeds), device=device),
             tokens=torch.full((len(seeds),), self.pad_id, dtype=torch.int64, device=device),  # none sampled yet

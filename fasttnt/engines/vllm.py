@@ -42,7 +42,7 @@ import torch
 
 from .. import distributed
 from ..data import Prompt, think_end_token_id
-from .base import ENGINES, EngineSettings
+from .base import ENGINES, EngineSettings, Requests
 from .batch import RolloutBatch, pack_sequences
 from .sampler import row_seeds
 
@@ -117,6 +117,11 @@ class VLLMEngine:
             trust_remote_code=settings.trust_remote_code,
             **options,
         )
+        if self.forbid_first and self.llm.llm_engine.vllm_config.use_v2_model_runner:
+            raise RuntimeError(
+                "forced thinking needs vLLM's V1 model runner (its first-token processor has V1's interface), but "
+                "this engine runs V2: set VLLM_USE_V2_MODEL_RUNNER=0 before the first engine is built"
+            )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # vLLM made cuda:LOCAL_RANK current; the trainer's device stays so
         self.asleep: set[str] = set()  # the parts of the engine's memory that are unmapped
@@ -126,33 +131,37 @@ class VLLMEngine:
         if self.sleep_between_rollouts:
             self._sleep()
 
-    def generate(self, prompts: list[Prompt], group_size: int, *, seed: int, first_row: int = 0) -> RolloutBatch:
-        """K samples per prompt, awake until ``end_rollout`` (a step's draws share one wake-up and one push)."""
-        forced = [p.forbid_think_end_first for p in prompts]
-        if any(forced) and not self.forbid_first:
+    def generate(
+        self, prompts: list[Prompt], group_size: int, *, seed: int, first_row: int = 0, modes=None
+    ) -> RolloutBatch:
+        """K samples per prompt (``modes``: each row's, ``Requests.of``), one request of n samples per run of rows
+        with the same prompt; awake until ``end_rollout`` (a step's draws share one wake-up and one push)."""
+        requests = Requests.of(prompts, group_size, modes)
+        if any(p.forbid_think_end_first for p in requests.rows) and not self.forbid_first:
             raise ValueError("a prompt forbids </think> first, but the vllm engine was built without forced thinking")
         if not self.weights_current:  # the first rollout, and every one after a level-2 sleep
             self.sync_weights(self.model)
         self._wake("kv_cache")
+        runs = [(requests.rows[start], start, n) for start, n in requests.runs]
         prefixes = [
             self.tokenizer(p.response_prefix, add_special_tokens=False)["input_ids"] if p.response_prefix else []
-            for p in prompts
+            for p, _, _ in runs
         ]
         prompt_ids = [
             self.tokenizer(p.text, add_special_tokens=False)["input_ids"] + prefix
-            for p, prefix in zip(prompts, prefixes, strict=True)
+            for (p, _, _), prefix in zip(runs, prefixes, strict=True)
         ]
         params = [
             self._sampling_params(
-                n=group_size,
+                n=n,
                 temperature=self.temperature,
                 top_p=self.top_p,
                 max_tokens=self.max_new_tokens,
                 logprobs=0,  # the sampled token's own log-prob (processed: after temperature and top-p)
-                seed=request_seed(seed, first_row + i * group_size),
-                extra_args=_forbid_first(self.think_end_id) if forbid else None,
+                seed=request_seed(seed, first_row + start),
+                extra_args=_forbid_first(self.think_end_id) if p.forbid_think_end_first else None,
             )
-            for i, forbid in enumerate(forced)
+            for p, start, n in runs
         ]
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
         responses, truncated, logprobs, rows = [], [], [], []
@@ -173,6 +182,7 @@ class VLLMEngine:
             torch.tensor(truncated, device=self.device),
             group_size,
             rollout_logp=torch.tensor(logprobs, dtype=torch.float32, device=self.device),
+            forced=requests.forced(self.device),
         )
 
     def end_rollout(self) -> None:

@@ -1,0 +1,133 @@
+"""Mode-mixed rollouts: both modes in every group, from a model that would rarely choose one of them.
+
+A thinking-only model (DeepSeek-R1-Distill-Qwen, DeepScaleR) practically never writes ``</think>`` first, so with
+free prompts TNT would see almost no non-thinking response. A mode-mixed group answers ``n_N`` of its K samples
+with ``</think>`` pre-filled (``rollout.forced_non_thinking`` of K), ``n_T`` with ``</think>`` forbidden as the
+first token (``rollout.forced_thinking``), and samples the rest freely (AdaptThink, Zhang et al. 2025, forces half
+of each group into each mode). The forced first token stays a response token; the loss weighs it against the
+probability it was drawn with by one of three rules (``loss.mode_token_logp``):
+
+* ``mixture``: the exact behaviour probability of *every* sample's first token y1 under the group's mixture of
+  sampling procedures, with shares s_N = n_N / K, s_T = n_T / K, s_F = 1 - s_N - s_T, p = pi_old(</think> | x):
+
+      mu(</think>) = s_N + s_F p
+      mu(y1)       = pi_old(y1) (s_T / (1 - p) + s_F)           for y1 != </think>
+
+  (forced thinking draws from pi_old renormalised without ``</think>``). The group is a stratified sample of mu,
+  so w = pi_old(y1) / mu(y1) is an unbiased importance weight (the balance heuristic of multiple importance
+  sampling). It multiplies the token's clipped term from outside, as the rollout correction does, so the PPO ratio
+  pi / pi_old starts at 1 and clips as for any other token; w is at most 1 / (the smallest nonzero share), so it
+  needs no truncation.
+* ``half``: AdaptThink's fixed behaviour probability, log mu = log 0.5, for the forced first tokens, as their old
+  log-prob inside the ratio (its paper's eq. 8, its code's ``adjust_old_logprobs``); free samples keep their own.
+  Biased wherever the group is not half and half; the ratio pi / 0.5 of a token the policy gives 1e-5 starts far
+  below the clip range, so a negative advantage does not move it and a positive one by pi / 0.5.
+* ``policy`` (the default): no importance weight on the mode token: a forced first token keeps the old policy's own
+  log-prob, as a free sample's. Biased towards the forced modes (they are trained as if the policy had chosen
+  them). What AdaptThink's code amounts to: its ratio is the exponent of the *mean* log-prob difference of a
+  sequence, which dilutes the first token's log 0.5 correction by 1/T.
+
+Both weighted rules give the mode token the gradient scaled by the policy's own probability of ``</think>`` (for
+``mixture`` the free policy's true gradient, p (A_N - A_mean) on its logit): from a thinking-only start, p ~ 1e-5,
+neither moved the free choice in 80 steps of the CPU measurement (docs/experiments.md); ``policy`` gives the forced
+rows their full advantage and did. Its flaw: a forced token with a negative advantage is pushed down at full
+strength however improbable it already is, log pi having no floor; at the one position every response shares,
+that drift moved the first token of the other mode and broke the hard levels' thinking (accuracy 2%).
+``loss.mode_token_floor`` (0.1) stops it: a forced first token with a negative advantage that pi_old gives less
+than the floor is left out of the gradient (``ModeMix.floored``). With both shares 0 nothing here runs.
+
+The TNT limit, rewards, advantages and hack flags treat forced and free responses alike: a forced non-thinking
+response is a non-thinking response.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .data import PromptMode
+from .engines.batch import FORCED_CODES, RolloutBatch
+
+
+@dataclass(frozen=True)
+class ModeMix:
+    non_thinking: int  # of each group's K rows, pre-filled with </think>
+    thinking: int  # of each group's K rows, with </think> forbidden first
+    group_size: int
+    rule: str  # "mixture" | "half" | "policy": how the first token is weighed (module docstring)
+    floor: float = 0.0  # loss.mode_token_floor: no push-down of a forced first token the model gives less than this
+
+    @classmethod
+    def of(cls, cfg) -> ModeMix:
+        """From ``rollout.forced_non_thinking`` / ``forced_thinking`` (shares of K, rounded to rows)."""
+        r = cfg.rollout
+        k = r.group_size
+        loss = cfg.loss
+        return cls(round(r.forced_non_thinking * k), round(r.forced_thinking * k), k, loss.mode_token_logp,
+                   loss.mode_token_floor)  # fmt: skip
+
+    @property
+    def active(self) -> bool:
+        return self.non_thinking + self.thinking > 0
+
+    def modes(self, groups: int) -> list[PromptMode]:
+        """Each row's mode (groups * K,): a group's forced non-thinking rows first, then its forced thinking ones,
+        then its free ones (runs of one mode: one prefill, one vLLM request each)."""
+        free = self.group_size - self.non_thinking - self.thinking
+        group = [PromptMode.NON_THINKING] * self.non_thinking + [PromptMode.THINKING] * self.thinking
+        return (group + [PromptMode.FREE] * free) * groups
+
+    def behaviour_logp(
+        self, batch: RolloutBatch, first_logp: torch.Tensor, end_logp: torch.Tensor, think_end_id: int
+    ) -> torch.Tensor:
+        """The behaviour log-prob (S,) of each row's first token: ``first_logp`` (S,) is its log-prob under the old
+        policy, ``end_logp`` (G,) each group's log pi_old(</think> | x) at the first position."""
+        if self.rule == "policy":
+            return first_logp
+        if self.rule == "half":
+            return torch.where(forced_rows(batch), torch.full_like(first_logp, math.log(0.5)), first_logp)
+        k = self.group_size
+        s_n, s_t = self.non_thinking / k, self.thinking / k
+        s_f = 1.0 - s_n - s_t
+        end = end_logp.double().repeat_interleave(k)  # (S,) log p
+        first = batch.response_ids[batch.cu_seqlens[:-1]]  # (S,) every response has a first token
+        # log(s_N + s_F p), the two terms in log space (either share may be 0)
+        log_end = torch.logaddexp(torch.full_like(end, _log(s_n)), end + _log(s_f))
+        # log pi_old(y1) + log(s_T / (1 - p) + s_F); 1 - p in log space: p may round to 1
+        not_end = torch.log(-torch.expm1(end).clamp(max=-1e-30))  # (S,) log(1 - p)
+        log_other = first_logp.double() + torch.logaddexp(_log(s_t) - not_end, torch.full_like(end, _log(s_f)))
+        return torch.where(first == think_end_id, log_end, log_other).to(first_logp.dtype)
+
+    def floored(self, batch: RolloutBatch, advantages: torch.Tensor, first_logp: torch.Tensor) -> torch.Tensor:
+        """(S,) True for the forced first tokens left out of the gradient by ``floor``: a negative advantage (S,) on a
+        token the old policy gives less than ``floor`` (``first_logp`` (S,), its own log-prob). The model already
+        refuses that mode there; pushing log pi further down has no bound and, at the one position every response
+        shares, moves the tokens the other mode starts with (measured in docs/experiments.md)."""
+        return forced_rows(batch) & (advantages < 0) & (first_logp < _log(self.floor))
+
+
+def _log(share: float) -> float:
+    return math.log(share) if share > 0 else -math.inf
+
+
+def forced_rows(batch: RolloutBatch) -> torch.Tensor:
+    """(S,) True for the responses sampled with a forced mode."""
+    return batch.forced != FORCED_CODES[PromptMode.FREE]
+
+
+def first_token_index(batch: RolloutBatch) -> torch.Tensor:
+    """(S,) the packed index of each response's first token."""
+    return batch.cu_seqlens[:-1]
+
+
+def think_end_probe(batch: RolloutBatch, think_end_id: int) -> RolloutBatch:
+    """One row per group: the group's prompt and the one-token response ``</think>``, whose log-prob under a model
+    is log pi(</think> | x) at the first position."""
+    k = batch.group_size
+    prompts = batch.prompt_ids[::k]
+    device = batch.response_ids.device
+    ids = torch.full((len(prompts),), think_end_id, dtype=batch.response_ids.dtype, device=device)
+    cu = torch.arange(len(prompts) + 1, dtype=batch.cu_seqlens.dtype, device=device)
+    return RolloutBatch(prompts, ids, cu, torch.zeros(len(prompts), dtype=torch.bool, device=device), 1)

@@ -1,0 +1,303 @@
+"""Mode-mixed rollouts (fasttnt.modes): the behaviour log-probs of the first token by hand under each rule, the
+loss's gradient on the mode token ("mixture" as a weight outside the clip, "half" inside the ratio), a group that
+holds both modes in a real run, forced responses scored as free ones, a share of 0 that changes nothing, and
+AutoThink's batch balance and ellipsis prompt."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+import varied
+from small import SMALL
+
+from fasttnt.actor import Actor
+from fasttnt.char_tokenizer import build_char_tokenizer
+from fasttnt.config import ConfigError, load_config
+from fasttnt.data import PromptMode, build_prompt, think_end_token_id
+from fasttnt.engines import EngineSettings, RolloutBatch, pack_sequences
+from fasttnt.engines.hf import HFEngine
+from fasttnt.modes import ModeMix
+from fasttnt.synthetic import held_out
+from fasttnt.tiny import TinyModelConfig, build_tiny_model
+from fasttnt.trainer import PhaseClock, Trainer
+from fasttnt_kernels import clipped_policy_loss, tnt_rewards
+
+TOK = build_char_tokenizer()
+END = think_end_token_id(TOK)
+A, B = 20, 21  # two other first tokens
+
+
+def _batch(first_tokens: list[int], forced: list[int], k: int) -> RolloutBatch:
+    ids, cu = pack_sequences([[t, 5, 6] for t in first_tokens])  # each response: its first token, then two more
+    return RolloutBatch([[1]] * len(first_tokens), ids, cu, torch.zeros(len(first_tokens), dtype=torch.bool), k,
+                        forced=torch.tensor(forced, dtype=torch.int8))  # fmt: skip
+
+
+def test_the_first_tokens_behaviour_log_probs_by_hand():
+    # K = 4: one row forced to answer directly, one forced to think, two free (one of which chose </think>).
+    # s_N = s_T = 1/4, s_F = 1/2; the old policy's p = pi_old(</think> | x) = 0.2, pi_old(A) = 0.3, pi_old(B) = 0.1:
+    #   mu(</think>) = 1/4 + 1/2 * 0.2                 = 0.35
+    #   mu(A)        = 0.3 * (1/4 / (1 - 0.2) + 1/2)     = 0.3 * 0.8125 = 0.24375
+    #   mu(B)        = 0.1 * 0.8125                      = 0.08125
+    batch = _batch([END, A, END, B], [1, 2, 0, 0], 4)
+    old_first = torch.tensor([0.2, 0.3, 0.2, 0.1]).log()  # pi_old of each row's first token
+    end_logp = torch.tensor([0.2]).log()  # (G,)
+    mixture = ModeMix(non_thinking=1, thinking=1, group_size=4, rule="mixture")
+    got = mixture.behaviour_logp(batch, old_first, end_logp, END)
+    want = torch.tensor([0.35, 0.24375, 0.35, 0.08125]).log()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    # AdaptThink's rule: log 0.5 for the forced first tokens, the free ones keep their own
+    half = ModeMix(non_thinking=1, thinking=1, group_size=4, rule="half")
+    got = half.behaviour_logp(batch, old_first, end_logp, END)
+    torch.testing.assert_close(got, torch.tensor([0.5, 0.5, 0.2, 0.1]).log(), rtol=1e-6, atol=1e-7)
+    # no importance weight: every first token keeps the old policy's own log-prob
+    policy = ModeMix(non_thinking=1, thinking=1, group_size=4, rule="policy")
+    torch.testing.assert_close(policy.behaviour_logp(batch, old_first, end_logp, END), old_first)
+    # no forced thinking: mu(A) = pi_old(A) * s_F; all free: mu is pi_old itself
+    only_direct = ModeMix(non_thinking=2, thinking=0, group_size=4, rule="mixture")
+    first = torch.tensor([0.2, 0.2, 0.3, 0.1]).log()
+    got = only_direct.behaviour_logp(_batch([END, END, A, B], [1, 1, 0, 0], 4), first, end_logp, END)
+    torch.testing.assert_close(got, torch.tensor([0.6, 0.6, 0.15, 0.05]).log(), rtol=1e-6, atol=1e-7)
+    free = ModeMix(non_thinking=0, thinking=0, group_size=4, rule="mixture")
+    got = free.behaviour_logp(_batch([END, A, END, B], [0] * 4, 4), old_first, end_logp, END)
+    torch.testing.assert_close(got, old_first, rtol=1e-6, atol=1e-7)
+
+
+def test_the_loss_gradient_on_the_mode_token_by_hand():
+    # "mixture": the forced non-thinking row's mode token has pi_old(</think>) = 0.2 and mu = 0.35, so its importance
+    # weight w = 0.2 / 0.35 = 4/7 multiplies the clipped term from outside, whose ratio starts at 1: no clip binds
+    # and dpg/dlogp = -w A / N for either sign of A (token-mean over the row's 3 tokens, the other two unweighted)
+    logp = torch.tensor([math.log(0.2), -1.0, -2.0])
+    cu = torch.tensor([0, 3])
+    w = torch.tensor([4 / 7, 1.0, 1.0])
+    for advantage in (1.0, -1.0):
+        x = logp.clone().requires_grad_()
+        loss, stats = clipped_policy_loss(x, logp, torch.tensor([advantage]), cu, clip_low=0.2, clip_high=0.28,
+                                          is_weights=w)  # fmt: skip
+        loss.backward()
+        assert x.grad[0].item() == pytest.approx(-(4 / 7) * advantage / 3, abs=1e-7), advantage
+        assert x.grad[1].item() == pytest.approx(-advantage / 3, abs=1e-7)  # ratio 1, weight 1: -A / N
+        assert stats["ratio_mean"].item() == pytest.approx(1.0, abs=1e-7)
+    # "half": log mu = log 0.5 as the old log-prob, inside the ratio: r = 0.2 / 0.5 = 0.4 < 1 - clip_low, so with
+    # A = +1 the unclipped branch is the smaller loss (dpg/dlogp = -r / N) and with A = -1 the low clip binds
+    old = torch.cat([torch.tensor([math.log(0.5)]), logp[1:]])
+    for advantage, grad0 in ((1.0, -0.4 / 3), (-1.0, 0.0)):
+        x = logp.clone().requires_grad_()
+        loss, stats = clipped_policy_loss(x, old, torch.tensor([advantage]), cu, clip_low=0.2, clip_high=0.28)
+        loss.backward()
+        assert x.grad[0].item() == pytest.approx(grad0, abs=1e-7), advantage
+        assert stats["ratio_mean"].item() == pytest.approx((0.4 + 2) / 3, rel=1e-6)
+
+
+def test_the_floor_leaves_out_only_forced_tokens_pushed_down_below_it():
+    # rows: forced direct (A < 0, pi_old 0.005 < floor 0.01: left out), forced thinking (A < 0 but pi_old 0.5),
+    # free (A < 0, pi_old 0.005: sampled by the policy itself, kept), forced direct with A > 0 (kept)
+    batch = _batch([END, A, END, END], [1, 2, 0, 1], 4)
+    advantages = torch.tensor([-1.0, -1.0, -1.0, 1.0])
+    first = torch.tensor([0.005, 0.5, 0.005, 0.005]).log()
+    mix = ModeMix(non_thinking=2, thinking=1, group_size=4, rule="policy", floor=0.01)
+    assert mix.floored(batch, advantages, first).tolist() == [True, False, False, False]
+    # above the floor the token is pushed down as any other; without a floor nothing is left out
+    above = torch.tensor([0.02, 0.5, 0.005, 0.005]).log()
+    assert mix.floored(batch, advantages, above).tolist() == [False] * 4
+    off = ModeMix(non_thinking=2, thinking=1, group_size=4, rule="policy")
+    assert not off.floored(batch, advantages, first).any()
+
+
+def test_requests_of_all_free_rows_are_the_plain_ones_bit_for_bit():
+    # modes of FREE for every row make the same prefill and the same samples as no modes
+    model = build_tiny_model(TOK, TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                  num_attention_heads=2, num_key_value_heads=1), seed=0)  # fmt: skip
+    engine = HFEngine(model, TOK, EngineSettings(max_new_tokens=12))
+    prompts = [build_prompt(TOK, p.problem) for p in held_out(2)]
+    plain = engine.generate(prompts, 3, seed=5)
+    free = engine.generate(prompts, 3, seed=5, modes=[PromptMode.FREE] * (3 * len(prompts)))
+    assert plain.responses == free.responses and free.forced is None
+    assert torch.equal(plain.rollout_logp, free.rollout_logp)
+    mixed = engine.generate(prompts, 3, seed=5, modes=ModeMix(1, 1, 3, "mixture").modes(len(prompts)))
+    assert mixed.forced.tolist() == [1, 2, 0] * len(prompts)
+    assert all(r[0] == END for r in mixed.responses[::3]) and all(r[0] != END for r in mixed.responses[1::3])
+    assert mixed.responses[2::3] == plain.responses[2::3]  # a free row samples as it would in a free group
+
+
+def _small(tmp_path, *extra: str) -> list[str]:
+    return [f"cache_dir={tmp_path / 'cache'}", *SMALL, "warmup.steps=3", "warmup.batch_size=8",
+            "rollout.max_new_tokens=16", "steps=2", "save_every=2", varied.OVERRIDE, *extra]  # fmt: skip
+
+
+@pytest.mark.parametrize("rule", ["mixture", "half", "policy"])
+def test_a_mode_mixed_run_trains_both_modes_against_their_behaviour(tmp_path, monkeypatch, rule):
+    seen = []
+    real = Actor.update
+
+    def update(self, batch, advantages, old_logp, ref_logp, token_weights=None):
+        seen.append((batch, advantages.clone(), old_logp.clone(), token_weights))
+        return real(self, batch, advantages, old_logp, ref_logp, token_weights)
+
+    monkeypatch.setattr(Actor, "update", update)
+    # the floor only with "policy", there at 0.999: varied gives every even group's forced direct row (sample 0) a
+    # negative advantage, and a barely warmed-up model is far from sure of </think>
+    floor = 0.999 if rule == "policy" else 0.0
+    extra = ("rollout.forced_non_thinking=0.25", "rollout.forced_thinking=0.25", f"loss.mode_token_logp={rule}",
+             f"loss.mode_token_floor={floor}")  # fmt: skip
+    trainer = Trainer(load_config(None, _small(tmp_path, *extra)), tmp_path / "run")
+    rows = trainer.run()
+    assert all(r["grad_norm"] > 0 for r in rows)
+    for row in rows:  # logged: what the model chooses unforced, and its own probability of answering directly
+        assert 0 <= row["free_non_thinking_ratio"] <= 1 and 0 < row["think_end_prob"] < 1
+        assert row["non_thinking_ratio"] >= 0.25  # the forced quarter at least
+        assert ("mode_floored" in row) == (rule == "policy")
+    assert len(seen) == 2
+    for row, (batch, advantages, old, weights) in zip(rows, seen, strict=True):
+        k = batch.group_size
+        assert batch.forced.tolist() == [1, 2, 0, 0] * (len(batch.responses) // k)
+        first = [r[0] for r in batch.responses]
+        assert all(t == END for t in first[::k]) and all(t != END for t in first[1::k])  # both modes in every group
+        # the engine's log-probs of the first tokens were replaced by the old ones the loss uses: the rollout
+        # correction and the stale-weight guard do not see them
+        starts = batch.cu_seqlens[:-1]
+        assert torch.equal(batch.rollout_logp[starts], old[starts])
+        if rule == "policy":  # the old policy's own log-probs; weight 0 exactly on the floored first tokens
+            forced = batch.forced != 0
+            drop = forced & (advantages < 0) & (old[starts] < math.log(floor))
+            assert drop.any(), "the construction: a forced token pushed down below the floor"
+            rest = torch.ones(len(old), dtype=torch.bool)
+            rest[starts[drop]] = False
+            assert (weights[starts[drop]] == 0).all() and (weights[rest] == 1).all()
+            assert row["mode_floored"] == pytest.approx(drop.sum().item() / forced.sum().item())
+            continue
+        if rule == "half":  # the forced first tokens' old log-prob is log 0.5; no weights
+            assert weights is None
+            assert torch.allclose(old[starts[::k]], torch.tensor(math.log(0.5))) and torch.allclose(
+                old[starts[1::k]], torch.tensor(math.log(0.5)))  # fmt: skip
+            continue
+        # "mixture": the old log-probs are the policy's own; the weights pi_old / mu sit on the first tokens only,
+        # for a forced </think>: p / (s_N + s_F p) with s_N = s_T = 1/4, s_F = 1/2 and p its own probability
+        rest = torch.ones(len(old), dtype=torch.bool)
+        rest[starts] = False
+        assert weights is not None and (weights[rest] == 1).all()
+        p = old[starts[::k]].double().exp()
+        torch.testing.assert_close(weights[starts[::k]].double(), p / (0.25 + 0.5 * p), rtol=1e-5, atol=1e-7)
+        # a forced thinking row's first token y1 (not </think>): pi_old(y1) / mu(y1) = 1 / (s_T / (1 - p) + s_F)
+        torch.testing.assert_close(weights[starts[1::k]].double(), 1 / (0.25 / (1 - p) + 0.5), rtol=1e-5, atol=1e-7)
+
+
+def test_forced_responses_are_scored_as_free_ones(tmp_path):
+    # the TNT reward of a mode-mixed draw is the kernel's on the same responses: no special case for forced rows
+    trainer = Trainer(load_config(None, _small(tmp_path, "rollout.forced_non_thinking=0.5", "reward.scheme=tnt")),
+                      tmp_path / "run")  # fmt: skip
+    draw = trainer._draw(1, 0, PhaseClock())
+    want = tnt_rewards(draw.batch.response_ids, draw.batch.cu_seqlens, draw.correct, 4, END)
+    assert draw.batch.forced is not None and (draw.rewards.non_thinking[::4]).all()
+    assert torch.equal(draw.rewards.rewards, want.rewards) and torch.equal(draw.rewards.limit, want.limit)
+    trainer.verifier.close()
+
+
+def test_a_share_of_zero_is_todays_run(tmp_path):
+    def run(name, *extra):
+        Trainer(load_config(None, _small(tmp_path, *extra)), tmp_path / name).run()
+        return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+    plain = run("plain")
+    zero = run("zero", "rollout.forced_non_thinking=0.0", "rollout.forced_thinking=0.1", "loss.mode_token_logp=half")
+    assert "free_non_thinking_ratio" not in zero[0]  # 0.1 of 4 samples rounds to no row: nothing forced
+    for a, b in zip(plain, zero, strict=True):
+        assert {k: v for k, v in a.items() if not k.startswith("time_") and not k.endswith("_per_s")} == {
+            k: v for k, v in b.items() if not k.startswith("time_") and not k.endswith("_per_s")
+        }
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("rollout.forced_non_thinking=1.5", "rollout.forced_non_thinking: must be a share of the group in [0, 1]"),
+        ("rollout.forced_thinking=0.75", "rollout.forced_thinking: with rollout.forced_non_thinking it forces 5 of"),
+        ("loss.mode_token_logp=exact", "loss.mode_token_logp: 'exact' is not one of"),
+    ],
+)
+def test_bad_mode_options_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, ["rollout.group_size=4", "rollout.forced_non_thinking=0.5", override]
+                    if "forced_thinking" in override else ["rollout.group_size=4", override])  # fmt: skip
+
+
+# -- AutoThink's batch balance and ellipsis prompt ------------------------------------------------------------
+
+
+def test_the_batch_balance_by_hand():
+    # 6 thinking and 2 non-thinking responses: z = 0.75 > gamma = 0.5, so each thinking reward loses
+    # clip(2 (0.75 - 0.5), 0, 1) = 0.5; the non-thinking share 0.25 is under gamma: unchanged
+    from fasttnt.rewards import RewardConfig, mode_balance
+
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 2.0, -1.0])
+    nt = torch.tensor([False] * 6 + [True] * 2)
+    got = mode_balance(rewards, nt, RewardConfig(mode_balance=True), torch.tensor([6.0, 2.0]))
+    assert got.tolist() == [0.5, -0.5, 0.5, 0.5, -0.5, 0.5, 2.0, -1.0]
+    # all of one mode: the whole penalty of 1 (clip at 1)
+    got = mode_balance(rewards[:2], nt[:2], RewardConfig(mode_balance=True), torch.tensor([2.0, 0.0]))
+    assert got.tolist() == [0.0, -1.0]
+
+
+def test_the_batch_balance_in_a_run(tmp_path):
+    # the first step samples the same responses with and without the balance (the same weights): its logged mean
+    # reward moves by exactly the penalty the thinking and non-thinking shares give
+    rows = {}
+    for name, extra in (("plain", ()), ("balanced", ("reward.mode_balance=true",))):
+        cfg = load_config(None, [*_small(tmp_path, "steps=1", *extra), "reward.scheme=tnt"])
+        rows[name] = Trainer(cfg, tmp_path / name).run()[0]
+    nt = rows["plain"]["non_thinking_ratio"]
+    assert rows["balanced"]["non_thinking_ratio"] == nt and rows["balanced"]["len"] == rows["plain"]["len"]
+    f_think, f_direct = (min(max(2 * (share - 0.5), 0.0), 1.0) for share in (1 - nt, nt))
+    assert max(f_think, f_direct) > 0, "the construction: one mode holds more than half of the responses"
+    penalty = f_think * (1 - nt) + f_direct * nt
+    assert rows["balanced"]["reward"] == pytest.approx(rows["plain"]["reward"] - penalty, abs=1e-6)
+
+
+def test_the_ellipsis_prompt_in_training_and_evaluation(tmp_path, monkeypatch):
+    plain, ellipsis = (build_prompt(TOK, "1+2", style=s).text for s in ("plain", "ellipsis"))
+    assert ellipsis == plain.rstrip() + "\n...\n" and plain.rstrip().endswith("<think>")
+    trainer = Trainer(load_config(None, _small(tmp_path, "data.prompt_style=ellipsis")), tmp_path / "run")
+    prompt = trainer.parts.prompt(held_out(1)[0])
+    assert prompt.text.endswith("<think>\n...\n")
+    trainer.verifier.close()
+    import fasttnt.evaluate as evaluate
+
+    styles = []
+    real = evaluate.build_prompt
+    monkeypatch.setattr(evaluate, "build_prompt", lambda *a, **kw: styles.append(kw["style"]) or real(*a, **kw))
+    model = tmp_path / "model"
+    shape = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                            num_key_value_heads=1)  # fmt: skip
+    build_tiny_model(TOK, shape).save_pretrained(model)
+    TOK.save_pretrained(model)
+    from fasttnt.cli import main as cli_main
+
+    args = ["eval", "--model", str(model), "--benchmarks", "synthetic", "--synthetic-per-level", "1", "--samples", "1",
+            "--max-new-tokens", "4", "--prompt-style", "ellipsis", "--output-dir", str(tmp_path / "eval")]  # fmt: skip
+    assert cli_main(args) == 0
+    assert styles and set(styles) == {"ellipsis"}
+
+
+def test_a_warm_up_whose_direct_examples_do_not_teach_the_choice():
+    # the stand-in for a thinking-only distilled model: its direct examples carry </think> in the prompt (pre-filled),
+    # so the loss teaches answering after it, never writing it first; the default recipe keeps it a response token
+    import itertools
+
+    from fasttnt.tiny import WarmupConfig, _examples
+
+    for choose in (True, False):
+        cfg = WarmupConfig(direct_share=0.5, choose_direct=choose)
+        examples = list(itertools.islice(_examples(TOK, cfg), 40))
+        direct = [(p, r) for p, r in examples if p[-1] == END or r[0] == END]
+        assert 5 < len(direct) < 35, "the construction: both kinds of example"
+        if choose:
+            assert all(r[0] == END and p[-1] != END for p, r in direct)
+        else:
+            assert all(p[-1] == END and r[0] != END for p, r in direct)
+    # the same examples otherwise: the prompt plus response, token for token
+    both = [list(itertools.islice(_examples(TOK, WarmupConfig(choose_direct=c)), 40)) for c in (True, False)]
+    assert [p + r for p, r in both[0]] == [p + r for p, r in both[1]]
