@@ -11,6 +11,7 @@ collective.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -38,7 +39,6 @@ class OldLogprobs(NamedTuple):
     ref: torch.Tensor | None  # (N,) the reference model's
     think_end: torch.Tensor | None  # (G,) mode-mixed: log pi_old(</think> | x) at each group's first position
     mode_weights: torch.Tensor | None = None  # (N,) mode-mixed "mixture": pi_old / mu at first tokens, 1 elsewhere
-    first: torch.Tensor | None = None  # (S,) mode-mixed: the old policy's own log-prob of each first token
 
 
 class Actor:
@@ -56,9 +56,15 @@ class Actor:
         # the stale-weight guard (fasttnt.trainer): an engine with its own copy of the weights, sampling the whole
         # distribution (under top-p both engines report log-probs renormalised over the nucleus, the trainer of the
         # whole: they differ by design, which the rollout correction weighs)
-        self.check_engine = (
-            parts.engine.separate_weights and cfg.rollout.max_logp_diff is not None and cfg.rollout.top_p == 1.0
-        )
+        guarded = parts.engine.separate_weights and cfg.rollout.max_logp_diff is not None
+        self.check_engine = guarded and cfg.rollout.top_p == 1.0
+        if guarded and not self.check_engine:
+            warnings.warn(
+                f"rollout.max_logp_diff: the stale-weight guard is off at rollout.top_p={cfg.rollout.top_p} (the "
+                "engine's log-probs are renormalised over the nucleus, the trainer's are not); nothing checks that "
+                "the engine samples from the trainer's weights",
+                stacklevel=2,
+            )
         self.modes, self.think_end_id = ModeMix.of(cfg), parts.think_end_id
 
     # -- log-probs without gradients ----------------------------------------------------------------------------
@@ -74,7 +80,7 @@ class Actor:
         correction, the stale-weight guard and its diagnostics leave them out. The reference model's log-probs when
         the KL term is on. None where not needed."""
         loss_cfg = self.cfg.loss
-        old_logp = ref_logp = end_logp = mode_weights = own_first = None
+        old_logp = ref_logp = end_logp = mode_weights = None
         compared = (self.correction != "none" or self.check_engine) and batch.rollout_logp is not None
         if loss_cfg.ppo_epochs > 1 or loss_cfg.mini_batches > 1 or compared or self.modes.active:
             old_logp = self.logprobs(self.policy, batch, zero3_collectives=self.zero3)
@@ -82,8 +88,7 @@ class Actor:
             probe = think_end_probe(batch, self.think_end_id)  # (G,) rows: each group's prompt, then </think>
             end_logp = self.logprobs(self.policy, probe, zero3_collectives=self.zero3)
             first = first_token_index(batch)
-            own_first = old_logp[first]
-            behaviour = self.modes.behaviour_logp(batch, own_first, end_logp, self.think_end_id)
+            behaviour = self.modes.behaviour_logp(batch, old_logp[first], end_logp, self.think_end_id)
             if self.modes.rule == "mixture":
                 weight = torch.exp(old_logp[first] - behaviour)  # at most 1 / (the smallest share): no cap needed
                 mode_weights = torch.ones_like(old_logp).index_copy(0, first, weight)
@@ -93,7 +98,7 @@ class Actor:
                 batch.rollout_logp = batch.rollout_logp.index_copy(0, first, old_logp[first])
         if self.ref_model is not None:  # a plain module on every rank: no collectives
             ref_logp = self.logprobs(self.ref_model, batch, zero3_collectives=False)
-        return OldLogprobs(old_logp, ref_logp, end_logp, mode_weights, own_first)
+        return OldLogprobs(old_logp, ref_logp, end_logp, mode_weights)
 
     def mode_token_weights(self, batch: RolloutBatch, advantages: torch.Tensor, old: OldLogprobs):
         """The update's per-token weights (N,) for a mode-mixed batch: the "mixture" rule's pi_old / mu on the first
@@ -103,7 +108,7 @@ class Actor:
         weights = old.mode_weights
         if not self.modes.active or self.modes.floor == 0:
             return weights, {}
-        drop = self.modes.floored(batch, advantages, old.first)  # (S,)
+        drop = self.modes.floored(batch, advantages, old.think_end)  # (S,)
         counts = self._sum(torch.stack([drop.sum(), forced_rows(batch).sum()]).double())
         if weights is None:
             weights = torch.ones_like(old.old)

@@ -7,6 +7,7 @@ CLI turns it into one line and exit code 2 before anything heavy starts.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -74,8 +75,8 @@ class RolloutConfig:
     max_draws: int = 10
     # mode-mixed rollouts (fasttnt.modes; AdaptThink forces half of each group into each mode): the share of each
     # group's K samples answered with </think> pre-filled, and the share forced to think (</think> forbidden as the
-    # first token); the rest sample freely. Rounded to rows of K. A thinking-only model (R1-Distill) practically
-    # never writes </think> first: without this TNT sees no non-thinking response to judge
+    # first token); the rest sample freely. Rounded to the nearest row of K, halves up. A thinking-only model
+    # (R1-Distill) practically never writes </think> first: without this TNT sees no non-thinking response to judge
     forced_non_thinking: float = 0.0
     forced_thinking: float = 0.0
     # the stale-weight guard: a step whose sampled tokens' log-probs under the engine differ from the trainer's by
@@ -89,6 +90,13 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5  # on CUDA; on a CPU the engine takes a fixed 1 GiB KV cache
     sleep_between_rollouts: bool = True  # CUDA only (vLLM's sleep mode); elsewhere the engine stays awake, warned
     weight_sync_bucket_mb: int = 512
+
+    def forced_rows(self) -> tuple[int, int]:
+        """Rows of each group forced (non-thinking, thinking): the shares of K rounded to the nearest row, halves up
+        (Python's round would take 2.5 to 2)."""
+        return tuple(
+            math.floor(share * self.group_size + 0.5) for share in (self.forced_non_thinking, self.forced_thinking)
+        )
 
 
 @dataclass(frozen=True)
@@ -112,14 +120,16 @@ class LossConfig:
     ] = "auto"
     rollout_correction_cap: float = 2.0  # TRL's default is 3.0
     # mode-mixed rollouts: how the first token is weighted against the probability it was drawn with
-    # (fasttnt.modes): "mixture", the exact probability under the group's mix of forced and free sampling
-    # (unbiased); "half", AdaptThink's fixed log 0.5 for the forced first tokens; "policy", none (the old policy's
-    # own, as a free sample's). "policy" because only it moves a thinking-only model's free choice (the two
-    # weighted rules scale the mode token's gradient with pi(</think>) ~ 1e-5: docs/experiments.md)
+    # (fasttnt.modes): "mixture", the exact probability under the group's mix of forced and free sampling (an
+    # unbiased weight for the mode token, token-level as PPO's ratio); "half", AdaptThink's fixed log 0.5 for the
+    # forced first tokens; "policy", none (the old policy's own, as a free sample's). "policy" because only it moves
+    # a thinking-only model's free choice (the two weighted rules scale the mode token's gradient with
+    # pi(</think>) ~ 1e-5: docs/experiments.md)
     mode_token_logp: Literal["mixture", "half", "policy"] = "policy"
-    # mode-mixed rollouts: a forced first token with a negative advantage that the old policy gives less than this
-    # probability is not pushed further down: without it, "policy" pushes log pi of a mode the model refuses down
-    # without bound, which wrecked the other mode's first token in the measurement (docs/experiments.md); 0: off
+    # mode-mixed rollouts: a forced first token with a negative advantage whose mode the old policy gives less than
+    # this probability (pi(</think>) for forced non-thinking, 1 - pi(</think>) for forced thinking) is not pushed
+    # further down: without it, "policy" pushes log pi of a mode the model refuses down without bound, which wrecked
+    # the other mode's first token in the measurement (docs/experiments.md); 0: off
     mode_token_floor: float = 0.1
     # leave sequences whose advantage is exactly 0 out of the update's forward and backward when they add nothing
     # to the gradient (entropy_coef and KL off); the normalisers still count them, so the gradient is the same
@@ -218,13 +228,21 @@ def validate(cfg: TrainConfig) -> None:
     )
     need(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
     need(r.max_draws >= 1, "rollout.max_draws", "must be >= 1")
-    for key, share in (("forced_non_thinking", r.forced_non_thinking), ("forced_thinking", r.forced_thinking)):
+    shares = {"forced_non_thinking": r.forced_non_thinking, "forced_thinking": r.forced_thinking}
+    for key, share in shares.items():
         need(0 <= share <= 1, f"rollout.{key}", "must be a share of the group in [0, 1]")
-    forced = round(r.forced_non_thinking * r.group_size) + round(r.forced_thinking * r.group_size)
+    forced = r.forced_rows()
+    for (key, share), rows in zip(shares.items(), forced, strict=True):
+        need(
+            share == 0 or rows > 0,
+            f"rollout.{key}",
+            f"{share} of rollout.group_size={r.group_size} rounds to no row ({0.5 / r.group_size:g} forces one)",
+        )
     need(
-        forced <= r.group_size,
-        "rollout.forced_thinking",
-        f"with rollout.forced_non_thinking it forces {forced} of rollout.group_size={r.group_size} samples",
+        sum(forced) <= r.group_size,
+        "rollout.forced_non_thinking + rollout.forced_thinking",
+        f"force {forced[0]} + {forced[1]} rows (each rounded to the nearest row, halves up), more than "
+        f"rollout.group_size={r.group_size}",
     )
     need(
         0 <= cfg.reward.overlong_buffer <= r.max_new_tokens,
@@ -253,6 +271,11 @@ def validate(cfg: TrainConfig) -> None:
     need(loss.kl_coef >= 0, "loss.kl_coef", "must be >= 0")
     need(loss.rollout_correction_cap >= 1, "loss.rollout_correction_cap", "must be >= 1 (1 means on-policy)")
     need(0 <= loss.mode_token_floor < 1, "loss.mode_token_floor", "must be a probability in [0, 1)")
+    need(
+        loss.mode_token_logp != "mixture" or r.top_p == 1,
+        "loss.mode_token_logp",
+        f"mixture assumes free samples drawn from the whole distribution; rollout.top_p={r.top_p} cuts it (use 1)",
+    )
     need(
         loss.agg != "seq-mean-token-sum-norm" or (loss.norm_length or 0) > 0,
         "loss.norm_length",

@@ -6,7 +6,7 @@
     limit_mean/min/max   the per-query limits L_x (finite ones; 0 when a scheme has none)
     limit_thinking_mean  TNT: the mean L_x of the queries that had a thinking response to set it (no fallback)
     limit_fallback_frac  TNT: the share of queries without one, whose limit is the fallback
-    free_non_thinking_ratio  mode-mixed rollouts: the non-thinking share of the freely sampled responses
+    free_non_thinking_ratio  mode-mixed rollouts with free rows: the non-thinking share of the free responses
     think_end_prob       mode-mixed rollouts: the policy's mean probability of </think> as its first token
     mode_floored         mode-mixed rollouts: the share of forced first tokens loss.mode_token_floor left out
                          (fasttnt.actor; the others here come from the rollout)

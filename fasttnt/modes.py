@@ -14,10 +14,11 @@ probability it was drawn with by one of three rules (``loss.mode_token_logp``):
       mu(y1)       = pi_old(y1) (s_T / (1 - p) + s_F)           for y1 != </think>
 
   (forced thinking draws from pi_old renormalised without ``</think>``). The group is a stratified sample of mu,
-  so w = pi_old(y1) / mu(y1) is an unbiased importance weight (the balance heuristic of multiple importance
-  sampling). It multiplies the token's clipped term from outside, as the rollout correction does, so the PPO ratio
-  pi / pi_old starts at 1 and clips as for any other token; w is at most 1 / (the smallest nonzero share), so it
-  needs no truncation.
+  so w = pi_old(y1) / mu(y1) is an unbiased importance weight for the mode token's term (the balance heuristic of
+  multiple importance sampling); token-level, as PPO's ratio is: the later tokens of a forced row keep weight 1,
+  though their context was reached with probability mu, not pi_old. It multiplies the token's clipped term from
+  outside, as the rollout correction does, so the PPO ratio pi / pi_old starts at 1 and clips as for any other
+  token; w is at most 1 / (the smallest nonzero share), so it needs no truncation.
 * ``half``: AdaptThink's fixed behaviour probability, log mu = log 0.5, for the forced first tokens, as their old
   log-prob inside the ratio (its paper's eq. 8, its code's ``adjust_old_logprobs``); free samples keep their own.
   Biased wherever the group is not half and half; the ratio pi / 0.5 of a token the policy gives 1e-5 starts far
@@ -33,8 +34,9 @@ neither moved the free choice in 80 steps of the CPU measurement (docs/experimen
 rows their full advantage and did. Its flaw: a forced token with a negative advantage is pushed down at full
 strength however improbable it already is, log pi having no floor; at the one position every response shares,
 that drift moved the first token of the other mode and broke the hard levels' thinking (accuracy 2%).
-``loss.mode_token_floor`` (0.1) stops it: a forced first token with a negative advantage that pi_old gives less
-than the floor is left out of the gradient (``ModeMix.floored``). With both shares 0 nothing here runs.
+``loss.mode_token_floor`` (0.1) stops it: a forced first token with a negative advantage whose mode pi_old gives
+less than the floor (p for forced non-thinking, 1 - p for forced thinking) is left out of the gradient
+(``ModeMix.floored``). With both shares 0 nothing here runs.
 
 The TNT limit, rewards, advantages and hack flags treat forced and free responses alike: a forced non-thinking
 response is a non-thinking response.
@@ -61,23 +63,25 @@ class ModeMix:
 
     @classmethod
     def of(cls, cfg) -> ModeMix:
-        """From ``rollout.forced_non_thinking`` / ``forced_thinking`` (shares of K, rounded to rows)."""
-        r = cfg.rollout
-        k = r.group_size
+        """From ``rollout.forced_non_thinking`` / ``forced_thinking`` (shares of K, ``RolloutConfig.forced_rows``)."""
+        non_thinking, thinking = cfg.rollout.forced_rows()
         loss = cfg.loss
-        return cls(round(r.forced_non_thinking * k), round(r.forced_thinking * k), k, loss.mode_token_logp,
-                   loss.mode_token_floor)  # fmt: skip
+        return cls(non_thinking, thinking, cfg.rollout.group_size, loss.mode_token_logp, loss.mode_token_floor)
 
     @property
     def active(self) -> bool:
         return self.non_thinking + self.thinking > 0
 
+    @property
+    def free(self) -> int:
+        """Of each group's K rows, the ones sampled freely."""
+        return self.group_size - self.non_thinking - self.thinking
+
     def modes(self, groups: int) -> list[PromptMode]:
         """Each row's mode (groups * K,): a group's forced non-thinking rows first, then its forced thinking ones,
         then its free ones (runs of one mode: one prefill, one vLLM request each)."""
-        free = self.group_size - self.non_thinking - self.thinking
         group = [PromptMode.NON_THINKING] * self.non_thinking + [PromptMode.THINKING] * self.thinking
-        return (group + [PromptMode.FREE] * free) * groups
+        return (group + [PromptMode.FREE] * self.free) * groups
 
     def behaviour_logp(
         self, batch: RolloutBatch, first_logp: torch.Tensor, end_logp: torch.Tensor, think_end_id: int
@@ -89,27 +93,35 @@ class ModeMix:
         if self.rule == "half":
             return torch.where(forced_rows(batch), torch.full_like(first_logp, math.log(0.5)), first_logp)
         k = self.group_size
-        s_n, s_t = self.non_thinking / k, self.thinking / k
-        s_f = 1.0 - s_n - s_t
+        s_n, s_t, s_f = self.non_thinking / k, self.thinking / k, self.free / k
         end = end_logp.double().repeat_interleave(k)  # (S,) log p
-        first = batch.response_ids[batch.cu_seqlens[:-1]]  # (S,) every response has a first token
+        first = batch.response_ids[first_token_index(batch)]  # (S,) every response has a first token
         # log(s_N + s_F p), the two terms in log space (either share may be 0)
         log_end = torch.logaddexp(torch.full_like(end, _log(s_n)), end + _log(s_f))
-        # log pi_old(y1) + log(s_T / (1 - p) + s_F); 1 - p in log space: p may round to 1
-        not_end = torch.log(-torch.expm1(end).clamp(max=-1e-30))  # (S,) log(1 - p)
+        # log pi_old(y1) + log(s_T / (1 - p) + s_F)
+        not_end = _log1mexp(end)  # (S,) log(1 - p)
         log_other = first_logp.double() + torch.logaddexp(_log(s_t) - not_end, torch.full_like(end, _log(s_f)))
         return torch.where(first == think_end_id, log_end, log_other).to(first_logp.dtype)
 
-    def floored(self, batch: RolloutBatch, advantages: torch.Tensor, first_logp: torch.Tensor) -> torch.Tensor:
+    def floored(self, batch: RolloutBatch, advantages: torch.Tensor, end_logp: torch.Tensor) -> torch.Tensor:
         """(S,) True for the forced first tokens left out of the gradient by ``floor``: a negative advantage (S,) on a
-        token the old policy gives less than ``floor`` (``first_logp`` (S,), its own log-prob). The model already
-        refuses that mode there; pushing log pi further down has no bound and, at the one position every response
-        shares, moves the tokens the other mode starts with (measured in docs/experiments.md)."""
-        return forced_rows(batch) & (advantages < 0) & (first_logp < _log(self.floor))
+        row whose forced mode the old policy gives less than ``floor``: pi_old(</think>) for forced non-thinking,
+        1 - pi_old(</think>) for forced thinking (``end_logp`` (G,), each group's log pi_old(</think> | x); the
+        probability of the one thinking token drawn says nothing of the mode). The model already refuses that mode
+        there; pushing log pi further down has no bound and, at the one position every response shares, moves the
+        tokens the other mode starts with (measured in docs/experiments.md)."""
+        end = end_logp.repeat_interleave(self.group_size)  # (S,)
+        mode_logp = torch.where(batch.forced == FORCED_CODES[PromptMode.NON_THINKING], end, _log1mexp(end))
+        return forced_rows(batch) & (advantages < 0) & (mode_logp < _log(self.floor))
 
 
 def _log(share: float) -> float:
     return math.log(share) if share > 0 else -math.inf
+
+
+def _log1mexp(logp: torch.Tensor) -> torch.Tensor:
+    """log(1 - p) from log p, with p allowed to round to 1 (then a very small number, not -inf)."""
+    return torch.log(-torch.expm1(logp).clamp(max=-1e-30))
 
 
 def forced_rows(batch: RolloutBatch) -> torch.Tensor:

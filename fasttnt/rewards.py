@@ -43,8 +43,10 @@ class RewardConfig:
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
     # AutoThink's stage-1 batch balance (Tu et al. 2025, sec. 3.1; their verl main_ppo.py): with z the thinking share
-    # of the step's responses, a mode above balance_gamma of the batch loses f = clip(balance_lambda (share - gamma),
-    # 0, 1) from each of its rewards, so neither mode dies out. Off by default; AutoThink's gamma 0.5, lambda 2
+    # of a draw's freely sampled responses (the step's without dynamic sampling; forced rows did not choose their
+    # mode, so they neither count nor lose), a mode above balance_gamma of them loses f = clip(balance_lambda (share
+    # - gamma), 0, 1) from each of its rewards, so neither mode dies out. Off by default; AutoThink's gamma 0.5,
+    # lambda 2
     mode_balance: bool = False
     balance_gamma: float = 0.5
     balance_lambda: float = 2.0
@@ -105,15 +107,20 @@ def overlong_shaping(lengths: torch.Tensor, max_new_tokens: int, buffer: int, pe
 
 
 def mode_balance(
-    rewards: torch.Tensor, non_thinking: torch.Tensor, cfg: RewardConfig, shares: torch.Tensor
+    rewards: torch.Tensor,
+    non_thinking: torch.Tensor,
+    cfg: RewardConfig,
+    shares: torch.Tensor,
+    free: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """AutoThink's batch balance (``RewardConfig.mode_balance``): ``shares`` = (thinking, non-thinking) responses of
-    the whole step (counts, summed over ranks); each response of a mode holding more than ``balance_gamma`` of them
-    loses clip(lambda (share - gamma), 0, 1). (AutoThink moves a reward towards one lower, r (1 - f) + (r - 1) f:
-    the same.) On the rewards' device, no host sync."""
+    """AutoThink's batch balance (``RewardConfig.mode_balance``): ``shares`` = (thinking, non-thinking) freely sampled
+    responses of the draw (counts, summed over ranks); each free response (``free`` (S,), None: all) of a mode
+    holding more than ``balance_gamma`` of them loses clip(lambda (share - gamma), 0, 1). (AutoThink moves a reward
+    towards one lower, r (1 - f) + (r - 1) f: the same.) On the rewards' device, no host sync."""
     share = shares.float() / shares.sum().clamp(min=1)  # (2,) thinking, non-thinking
     f = (cfg.balance_lambda * (share - cfg.balance_gamma)).clamp(0.0, 1.0)  # (2,)
-    return rewards - f[non_thinking.long()]
+    penalty = f[non_thinking.long()]  # (S,)
+    return rewards - (penalty if free is None else torch.where(free, penalty, torch.zeros_like(penalty)))
 
 
 def compute_rewards(

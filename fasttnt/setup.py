@@ -164,7 +164,7 @@ def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: b
         sleep_between_rollouts=r.sleep_between_rollouts,
         weight_sync_bucket_mb=r.weight_sync_bucket_mb,
         zero3_engine=ds_engine if dist and cfg.distributed.zero_stage == 3 else None,
-        forbid_think_end_first=round(r.forced_thinking * r.group_size) > 0,
+        forbid_think_end_first=r.forced_rows()[1] > 0,
     )
     engine = build_engine(r.engine, model, tokenizer, settings)
 

@@ -24,10 +24,9 @@ from . import checkpoint, distributed, scoring, setup
 from .actor import Actor
 from .checkpoint import TrainerState
 from .config import TrainConfig, rollout_correction
-from .data import PromptMode
 from .dynamic_sampling import Draw, choose_groups, concat_draws, select_groups, varied_groups
-from .engines.batch import FORCED_CODES
 from .metrics import own_limits, rollout_metrics, to_floats
+from .modes import forced_rows
 from .plots import plot_curves
 from .preemption import Preempted, StopSignals, agree
 from .rewards import mode_balance
@@ -147,11 +146,12 @@ class Trainer:
         # all K samples of a prompt are on this rank, so the reward is local
         scores = scoring.add_rewards(judged, batch, reward=cfg.reward, think_end_id=self.parts.think_end_id,
                                      markers=self.parts.markers, max_new_tokens=r.max_new_tokens)  # fmt: skip
-        if cfg.reward.mode_balance:  # the modes' shares of the whole draw, over all ranks
+        if cfg.reward.mode_balance:  # the modes' shares of the draw's free responses, over all ranks
             nt = scores.rewards.non_thinking
-            shares = self.actor._sum(torch.stack([(~nt).sum(), nt.sum()]).float())
+            free = torch.ones_like(nt) if batch.forced is None else ~forced_rows(batch)
+            shares = self.actor._sum(torch.stack([(free & ~nt).sum(), (free & nt).sum()]).float())
             scores.rewards = scores.rewards._replace(
-                rewards=mode_balance(scores.rewards.rewards, nt, cfg.reward, shares)
+                rewards=mode_balance(scores.rewards.rewards, nt, cfg.reward, shares, free)
             )
         clock.lap("reward")
         return Draw(batch, scores.correct, scores.rewards, scores.hacked, scores.timeouts, scores.crashes)
@@ -184,9 +184,10 @@ class Trainer:
                         "limit": rewards.limit, "rewards": rewards.rewards}  # fmt: skip
         if self.cfg.reward.scheme == "tnt":  # where the limit comes from the query's own thinking responses
             per_response["own_limit"] = own_limits(rewards.non_thinking, rewards.solution_len, r.group_size)
-        if think_end is not None:  # mode-mixed: what the model chooses unforced
-            per_response["free"] = drawn.batch.forced == FORCED_CODES[PromptMode.FREE]
+        if think_end is not None:  # mode-mixed: what the model chooses unforced, where any row is free
             per_response["think_end_logp"] = think_end
+            if self.actor.modes.free:
+                per_response["free"] = ~forced_rows(drawn.batch)
         if self.dist:
             per_response = {k: distributed.all_gather_cat(v) for k, v in per_response.items()}
         batch = trained.batch

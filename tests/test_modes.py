@@ -93,19 +93,24 @@ def test_the_loss_gradient_on_the_mode_token_by_hand():
         assert stats["ratio_mean"].item() == pytest.approx((0.4 + 2) / 3, rel=1e-6)
 
 
-def test_the_floor_leaves_out_only_forced_tokens_pushed_down_below_it():
-    # rows: forced direct (A < 0, pi_old 0.005 < floor 0.01: left out), forced thinking (A < 0 but pi_old 0.5),
-    # free (A < 0, pi_old 0.005: sampled by the policy itself, kept), forced direct with A > 0 (kept)
-    batch = _batch([END, A, END, END], [1, 2, 0, 1], 4)
-    advantages = torch.tensor([-1.0, -1.0, -1.0, 1.0])
-    first = torch.tensor([0.005, 0.5, 0.005, 0.005]).log()
+def test_the_floor_leaves_out_only_forced_modes_pushed_down_below_it():
+    # the floor reads the probability of the forced *mode*: p = pi_old(</think> | x) for forced direct rows, 1 - p
+    # for forced thinking ones, whatever the thinking row's own first token had (A below is improbable, its mode not).
+    # Two groups of K = 4, rows: forced direct, forced thinking, free (chose </think>), forced direct with A > 0
+    batch = _batch([END, A, END, END] * 2, [1, 2, 0, 1] * 2, 4)
+    advantages = torch.tensor([-1.0, -1.0, -1.0, 1.0] * 2)
     mix = ModeMix(non_thinking=2, thinking=1, group_size=4, rule="policy", floor=0.01)
-    assert mix.floored(batch, advantages, first).tolist() == [True, False, False, False]
-    # above the floor the token is pushed down as any other; without a floor nothing is left out
-    above = torch.tensor([0.02, 0.5, 0.005, 0.005]).log()
-    assert mix.floored(batch, advantages, above).tolist() == [False] * 4
+    # group 0: p = 0.005 < floor: its forced direct row with A < 0 is left out (the free one, the policy's own
+    # choice, and the A > 0 one are kept); the forced thinking row's mode has 0.995. Group 1: p = 0.02, above
+    end_logp = torch.tensor([0.005, 0.02]).log()  # (G,)
+    assert mix.floored(batch, advantages, end_logp).tolist() == [True, False, False, False] + [False] * 4
+    # a model that refuses to think (p = 0.995): the forced thinking row is left out, the direct ones kept
+    refuses = torch.tensor([0.995, 0.5]).log()
+    assert mix.floored(batch, advantages, refuses).tolist() == [False, True, False, False] + [False] * 4
+    # p rounding to 1 in float32 still gives a finite log(1 - p) below any floor, not NaN
+    assert mix.floored(batch, advantages, torch.zeros(2)).tolist() == [False, True, False, False] * 2
     off = ModeMix(non_thinking=2, thinking=1, group_size=4, rule="policy")
-    assert not off.floored(batch, advantages, first).any()
+    assert not off.floored(batch, advantages, end_logp.min().expand(2)).any()
 
 
 def test_requests_of_all_free_rows_are_the_plain_ones_bit_for_bit():
@@ -139,10 +144,11 @@ def test_a_mode_mixed_run_trains_both_modes_against_their_behaviour(tmp_path, mo
         return real(self, batch, advantages, old_logp, ref_logp, token_weights)
 
     monkeypatch.setattr(Actor, "update", update)
-    # the floor only with "policy", there at 0.999: varied gives every even group's forced direct row (sample 0) a
-    # negative advantage, and a barely warmed-up model is far from sure of </think>
+    # rows of K = 4: forced direct, two forced thinking, one free. The floor only with "policy", there at 0.999:
+    # varied gives every even group's samples 0 and 2 (forced direct, forced thinking) a negative advantage, and a
+    # barely warmed-up model is far from sure of either mode
     floor = 0.999 if rule == "policy" else 0.0
-    extra = ("rollout.forced_non_thinking=0.25", "rollout.forced_thinking=0.25", f"loss.mode_token_logp={rule}",
+    extra = ("rollout.forced_non_thinking=0.25", "rollout.forced_thinking=0.5", f"loss.mode_token_logp={rule}",
              f"loss.mode_token_floor={floor}")  # fmt: skip
     trainer = Trainer(load_config(None, _small(tmp_path, *extra)), tmp_path / "run")
     rows = trainer.run()
@@ -154,16 +160,22 @@ def test_a_mode_mixed_run_trains_both_modes_against_their_behaviour(tmp_path, mo
     assert len(seen) == 2
     for row, (batch, advantages, old, weights) in zip(rows, seen, strict=True):
         k = batch.group_size
-        assert batch.forced.tolist() == [1, 2, 0, 0] * (len(batch.responses) // k)
+        assert batch.forced.tolist() == [1, 2, 2, 0] * (len(batch.responses) // k)
         first = [r[0] for r in batch.responses]
-        assert all(t == END for t in first[::k]) and all(t != END for t in first[1::k])  # both modes in every group
+        assert all(t == END for t in first[::k])  # both modes in every group
+        assert all(t != END for t in first[1::k]) and all(t != END for t in first[2::k])
         # the engine's log-probs of the first tokens were replaced by the old ones the loss uses: the rollout
         # correction and the stale-weight guard do not see them
         starts = batch.cu_seqlens[:-1]
         assert torch.equal(batch.rollout_logp[starts], old[starts])
-        if rule == "policy":  # the old policy's own log-probs; weight 0 exactly on the floored first tokens
+        # each group's p = pi_old(</think> | x): its forced direct row's first token is </think>
+        p = old[starts[::k]].double().exp().repeat_interleave(k)  # (S,)
+        if rule == "policy":  # the old policy's own log-probs; weight 0 exactly on the floored first tokens: those
+            # with a negative advantage whose forced mode has probability p (direct) or 1 - p (thinking) < floor
             forced = batch.forced != 0
-            drop = forced & (advantages < 0) & (old[starts] < math.log(floor))
+            mode_p = torch.where(batch.forced == 1, p, 1 - p)
+            drop = forced & (advantages < 0) & (mode_p < floor)
+            assert (drop & (batch.forced == 1)).any() and (drop & (batch.forced == 2)).any(), "the construction"
             assert drop.any(), "the construction: a forced token pushed down below the floor"
             rest = torch.ones(len(old), dtype=torch.bool)
             rest[starts[drop]] = False
@@ -172,18 +184,21 @@ def test_a_mode_mixed_run_trains_both_modes_against_their_behaviour(tmp_path, mo
             continue
         if rule == "half":  # the forced first tokens' old log-prob is log 0.5; no weights
             assert weights is None
-            assert torch.allclose(old[starts[::k]], torch.tensor(math.log(0.5))) and torch.allclose(
-                old[starts[1::k]], torch.tensor(math.log(0.5)))  # fmt: skip
+            forced = (batch.forced != 0).nonzero().squeeze(1)
+            assert len(forced) == 3 * len(batch.responses) // k
+            assert torch.allclose(old[starts[forced]], torch.tensor(math.log(0.5)))
             continue
         # "mixture": the old log-probs are the policy's own; the weights pi_old / mu sit on the first tokens only,
-        # for a forced </think>: p / (s_N + s_F p) with s_N = s_T = 1/4, s_F = 1/2 and p its own probability
+        # with s_N = s_F = 1/4, s_T = 1/2, forced or free alike: a first </think> gets p / (s_N + s_F p), any other
+        # first token y1 pi_old(y1) / mu(y1) = 1 / (s_T / (1 - p) + s_F)
         rest = torch.ones(len(old), dtype=torch.bool)
         rest[starts] = False
         assert weights is not None and (weights[rest] == 1).all()
-        p = old[starts[::k]].double().exp()
-        torch.testing.assert_close(weights[starts[::k]].double(), p / (0.25 + 0.5 * p), rtol=1e-5, atol=1e-7)
-        # a forced thinking row's first token y1 (not </think>): pi_old(y1) / mu(y1) = 1 / (s_T / (1 - p) + s_F)
-        torch.testing.assert_close(weights[starts[1::k]].double(), 1 / (0.25 / (1 - p) + 0.5), rtol=1e-5, atol=1e-7)
+        ends = torch.tensor([t == END for t in first])
+        want = torch.where(ends, p / (0.25 + 0.25 * p), 1 / (0.5 / (1 - p) + 0.25))  # (S,)
+        free = batch.forced == 0
+        assert free.any() and (~ends[free]).any(), "the construction: free rows, some of which think"
+        torch.testing.assert_close(weights[starts].double(), want, rtol=1e-5, atol=1e-7)
 
 
 def test_forced_responses_are_scored_as_free_ones(tmp_path):
@@ -203,8 +218,8 @@ def test_a_share_of_zero_is_todays_run(tmp_path):
         return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
     plain = run("plain")
-    zero = run("zero", "rollout.forced_non_thinking=0.0", "rollout.forced_thinking=0.1", "loss.mode_token_logp=half")
-    assert "free_non_thinking_ratio" not in zero[0]  # 0.1 of 4 samples rounds to no row: nothing forced
+    zero = run("zero", "rollout.forced_non_thinking=0.0", "rollout.forced_thinking=0.0", "loss.mode_token_logp=half")
+    assert "free_non_thinking_ratio" not in zero[0]  # nothing forced
     for a, b in zip(plain, zero, strict=True):
         assert {k: v for k, v in a.items() if not k.startswith("time_") and not k.endswith("_per_s")} == {
             k: v for k, v in b.items() if not k.startswith("time_") and not k.endswith("_per_s")
@@ -215,14 +230,26 @@ def test_a_share_of_zero_is_todays_run(tmp_path):
     ("override", "message"),
     [
         ("rollout.forced_non_thinking=1.5", "rollout.forced_non_thinking: must be a share of the group in [0, 1]"),
-        ("rollout.forced_thinking=0.75", "rollout.forced_thinking: with rollout.forced_non_thinking it forces 5 of"),
+        (
+            "rollout.forced_thinking=0.625",  # 2.5 rows round up to 3: 2 + 3 > 4
+            "rollout.forced_non_thinking + rollout.forced_thinking: force 2 + 3 rows (each rounded to the nearest row,"
+            " halves up), more than rollout.group_size=4",
+        ),
+        ("rollout.forced_thinking=0.1", "rollout.forced_thinking: 0.1 of rollout.group_size=4 rounds to no row"),
         ("loss.mode_token_logp=exact", "loss.mode_token_logp: 'exact' is not one of"),
+        ("rollout.top_p=0.9", "loss.mode_token_logp: mixture assumes free samples drawn from the whole distribution"),
     ],
 )
 def test_bad_mode_options_name_the_key(override, message):
+    rule = ["loss.mode_token_logp=mixture"] if "top_p" in override else []
     with pytest.raises(ConfigError, match=re.escape(message)):
-        load_config(None, ["rollout.group_size=4", "rollout.forced_non_thinking=0.5", override]
-                    if "forced_thinking" in override else ["rollout.group_size=4", override])  # fmt: skip
+        load_config(None, ["rollout.group_size=4", "rollout.forced_non_thinking=0.5", *rule, override])
+
+
+def test_forced_rows_round_to_the_nearest_row_halves_up():
+    cfg = load_config(None, ["rollout.group_size=5", "rollout.forced_non_thinking=0.5", "rollout.forced_thinking=0.3"])
+    assert cfg.rollout.forced_rows() == (3, 2)  # 2.5 -> 3 (Python's round: 2), 1.5 -> 2
+    assert ModeMix.of(cfg).free == 0
 
 
 # -- AutoThink's batch balance and ellipsis prompt ------------------------------------------------------------
@@ -240,6 +267,10 @@ def test_the_batch_balance_by_hand():
     # all of one mode: the whole penalty of 1 (clip at 1)
     got = mode_balance(rewards[:2], nt[:2], RewardConfig(mode_balance=True), torch.tensor([2.0, 0.0]))
     assert got.tolist() == [0.0, -1.0]
+    # forced rows (the last two, non-thinking) neither count nor lose: among the 6 free thinking ones z = 1
+    free = torch.tensor([True] * 6 + [False] * 2)
+    got = mode_balance(rewards, nt, RewardConfig(mode_balance=True), torch.tensor([6.0, 0.0]), free)
+    assert got.tolist() == [0.0, -1.0, 0.0, 0.0, -1.0, 0.0, 2.0, -1.0]
 
 
 def test_the_batch_balance_in_a_run(tmp_path):

@@ -57,6 +57,17 @@ class Requests:
                 runs.append((i, 1))
         return cls(rows, runs)
 
+    def tokenized_runs(self, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
+        """Each run's prompt ids and its pre-filled response prefix (empty when none), tokenised apart: a BPE merge
+        across the two would make the engines' prompts differ, and the pre-fill is the start of the response."""
+        prompts = [self.rows[start] for start, _ in self.runs]
+        ids = [tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
+        prefixes = [
+            tokenizer(p.response_prefix, add_special_tokens=False)["input_ids"] if p.response_prefix else []
+            for p in prompts
+        ]
+        return ids, prefixes
+
     def forced(self, device) -> torch.Tensor | None:
         """(S,) int8 of ``FORCED_CODES`` when any row is forced, else None."""
         codes = [FORCED_CODES[_mode_of(p)] for p in self.rows]

@@ -92,17 +92,8 @@ class HFEngine:
 
     def _generate(self, requests: Requests, group_size: int, seed: int, first_row: int) -> RolloutBatch:
         device = next(self.model.parameters()).device
-        run_prompts = [requests.rows[start] for start, _ in requests.runs]
-        prefixes = [
-            self.tokenizer(p.response_prefix, add_special_tokens=False)["input_ids"] if p.response_prefix else []
-            for p in run_prompts
-        ]
-        # the prompt and its pre-fill tokenised apart, as the vllm engine does (a BPE merge across the two would
-        # make the engines' prompts differ); the pre-fill is the start of the response
-        encoded = [
-            self.tokenizer(p.text, add_special_tokens=False)["input_ids"] + prefix
-            for p, prefix in zip(run_prompts, prefixes, strict=True)
-        ]
+        run_prompt_ids, prefixes = requests.tokenized_runs(self.tokenizer)  # the prompt proper, the pre-fill apart
+        encoded = [ids + prefix for ids, prefix in zip(run_prompt_ids, prefixes, strict=True)]  # what is prefilled
         counts = [n for _, n in requests.runs]
         run_of_row = [r for r, n in enumerate(counts) for _ in range(n)]  # (S,)
         seeds = row_seeds(seed, first_row, len(requests.rows)).to(device)  # (S,)
@@ -122,9 +113,7 @@ class HFEngine:
             responses.append(prefix + tokens)  # EOS is kept: the policy learns to stop
             logprobs.extend([0.0] * len(prefix) + logp)
         truncated = truncated_without_eos(responses, self.eos_id)
-        # the prompt proper, each row's: a pre-filled prefix belongs to the response
-        run_prompt_ids = [ids[: len(ids) - len(pre)] for ids, pre in zip(encoded, prefixes, strict=True)]
-        prompt_ids = [run_prompt_ids[r] for r in run_of_row]  # (S,)
+        prompt_ids = [run_prompt_ids[r] for r in run_of_row]  # (S,) a pre-filled prefix belongs to the response
         ids, cu = pack_sequences(responses, device)
         return RolloutBatch(
             prompt_ids,

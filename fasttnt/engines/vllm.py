@@ -143,14 +143,8 @@ class VLLMEngine:
             self.sync_weights(self.model)
         self._wake("kv_cache")
         runs = [(requests.rows[start], start, n) for start, n in requests.runs]
-        prefixes = [
-            self.tokenizer(p.response_prefix, add_special_tokens=False)["input_ids"] if p.response_prefix else []
-            for p, _, _ in runs
-        ]
-        prompt_ids = [
-            self.tokenizer(p.text, add_special_tokens=False)["input_ids"] + prefix
-            for (p, _, _), prefix in zip(runs, prefixes, strict=True)
-        ]
+        run_prompt_ids, prefixes = requests.tokenized_runs(self.tokenizer)  # the prompt proper, the pre-fill apart
+        prompt_ids = [ids + prefix for ids, prefix in zip(run_prompt_ids, prefixes, strict=True)]
         params = [
             self._sampling_params(
                 n=n,
@@ -173,7 +167,7 @@ class VLLMEngine:
                 # each position's dict holds the sampled token (and, were logprobs > 0, the top ones: look it up)
                 token_lp = [lp[t].logprob for t, lp in zip(tokens, completion.logprobs, strict=True)]
                 logprobs.extend([0.0] * len(prefixes[i]) + token_lp)
-                rows.append(prompt_ids[i][: len(prompt_ids[i]) - len(prefixes[i])])
+                rows.append(run_prompt_ids[i])  # a pre-filled prefix belongs to the response
         ids, cu = pack_sequences(responses, self.device)
         return RolloutBatch(
             rows,
