@@ -1,6 +1,7 @@
 """Config overrides for a run of seconds: a 1-layer width-32 tiny model, a short warm-up, 4 prompts x 4 samples;
-and a free port for the launchers."""
+a run's logged metrics (all, and the deterministic ones); and a free port for the launchers."""
 
+import json
 import shutil
 import socket
 import sys
@@ -18,6 +19,16 @@ SMALL = [
     "rollout.max_new_tokens=24",
     "verify_workers=1",
 ]
+
+
+def metric_rows(out) -> list[dict]:
+    """The rows of a run's metrics.jsonl (``out``: its output directory)."""
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def deterministic(row: dict) -> dict:
+    """A metrics row without its times and rates: what two runs of the same config log alike."""
+    return {k: v for k, v in row.items() if not k.startswith("time_") and not k.endswith("_per_s")}
 
 
 def free_port() -> int:

@@ -3,12 +3,10 @@ reward scheme: the pieces against their definitions, and real training steps of 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import varied
-from small import SMALL
+from small import SMALL, deterministic, metric_rows
 
 from fasttnt.actor import Actor
 from fasttnt.cli import main as cli_main
@@ -24,10 +22,6 @@ from fasttnt_kernels import TntRewards
 def _small(tmp_path, *extra: str) -> list[str]:
     return [f"cache_dir={tmp_path / 'cache'}", *SMALL, "warmup.steps=3", "warmup.batch_size=8",
             "rollout.max_new_tokens=16", "steps=2", "save_every=2", *extra]  # fmt: skip
-
-
-def _rows(out) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 # -- overlong reward shaping --------------------------------------------------------------------------------------
@@ -193,9 +187,8 @@ def test_dynamic_sampling_with_one_draw_changes_nothing(tmp_path):
     assert all(r["grad_norm"] > 0 for r in plain), "a step without a gradient"
     dynamic, w_dynamic = run("dynamic", "rollout.dynamic_sampling=true", "rollout.max_draws=1")
     for a, b in zip(plain, dynamic, strict=True):
-        for key, value in a.items():
-            if not key.startswith("time_") and not key.endswith("_per_s"):
-                assert b[key] == value, key
+        for key, value in deterministic(a).items():
+            assert b[key] == value, key
         assert b["draws"] == 1
     assert all(torch.equal(w_plain[k], w_dynamic[k]) for k in w_plain)
 
@@ -206,10 +199,7 @@ def test_resume_reproduces_a_dynamically_sampled_run(tmp_path):
 
     def run(name, *more, resume=False):
         Trainer(load_config(None, _small(tmp_path, *extra, *more)), tmp_path / name, resume=resume).run()
-        return [
-            {k: v for k, v in r.items() if not k.startswith("time_") and not k.endswith("_per_s")}
-            for r in _rows(tmp_path / name)
-        ]
+        return [deterministic(r) for r in metric_rows(tmp_path / name)]
 
     straight = run("straight")
     assert all(r["grad_norm"] > 0 and r["draws"] == 2 for r in straight)
@@ -289,7 +279,7 @@ def test_train_takes_a_variant_and_the_overrides_win(tmp_path, capsys):
     assert "dynamic sampling: " in capsys.readouterr().out  # the end-of-run summary says how many draws it took
     cfg = load_config(out / "config.yaml")
     assert cfg.rollout.dynamic_sampling and cfg.rollout.max_draws == 2 and cfg.reward.overlong_buffer == 3
-    assert all(1 <= r["draws"] <= 2 for r in _rows(out))
+    assert all(1 <= r["draws"] <= 2 for r in metric_rows(out))
     assert cli_main(["train", "--variant", "tnt+ppo", "--output-dir", str(tmp_path / "x")]) == 2
     assert "--variant tnt+ppo: unknown algorithm 'ppo'" in capsys.readouterr().err
 

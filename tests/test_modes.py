@@ -5,14 +5,14 @@ AutoThink's batch balance and ellipsis prompt."""
 
 from __future__ import annotations
 
-import json
 import math
 import re
 
 import pytest
 import torch
 import varied
-from small import SMALL
+from safetensors.torch import load_file
+from small import SMALL, deterministic, metric_rows
 
 from fasttnt.actor import Actor
 from fasttnt.char_tokenizer import build_char_tokenizer
@@ -196,8 +196,7 @@ def test_a_mode_mixed_run_trains_both_modes_against_their_behaviour(tmp_path, mo
         assert weights is not None and (weights[rest] == 1).all()
         ends = torch.tensor([t == END for t in first])
         want = torch.where(ends, p / (0.25 + 0.25 * p), 1 / (0.5 / (1 - p) + 0.25))  # (S,)
-        free = batch.forced == 0
-        assert free.any() and (~ends[free]).any(), "the construction: free rows, some of which think"
+        assert (batch.forced == 0).any(), "the construction: free rows"
         torch.testing.assert_close(weights[starts].double(), want, rtol=1e-5, atol=1e-7)
 
 
@@ -215,15 +214,24 @@ def test_forced_responses_are_scored_as_free_ones(tmp_path):
 def test_a_share_of_zero_is_todays_run(tmp_path):
     def run(name, *extra):
         Trainer(load_config(None, _small(tmp_path, *extra)), tmp_path / name).run()
-        return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return metric_rows(tmp_path / name), load_file(tmp_path / name / "final" / "model.safetensors")
 
-    plain = run("plain")
-    zero = run("zero", "rollout.forced_non_thinking=0.0", "rollout.forced_thinking=0.0", "loss.mode_token_logp=half")
+    plain, w_plain = run("plain")
+    assert all(r["grad_norm"] > 0 for r in plain), "a step without a gradient"
+    zero, w_zero = run("zero", "rollout.forced_non_thinking=0.0", "rollout.forced_thinking=0.0",
+                       "loss.mode_token_logp=half")  # fmt: skip
     assert "free_non_thinking_ratio" not in zero[0]  # nothing forced
-    for a, b in zip(plain, zero, strict=True):
-        assert {k: v for k, v in a.items() if not k.startswith("time_") and not k.endswith("_per_s")} == {
-            k: v for k, v in b.items() if not k.startswith("time_") and not k.endswith("_per_s")
-        }
+    assert [deterministic(r) for r in zero] == [deterministic(r) for r in plain]
+    assert all(torch.equal(w_plain[k], w_zero[k]) for k in w_plain)
+
+
+def test_a_group_without_free_rows_logs_no_free_choice(tmp_path):
+    # half forced direct, half forced thinking: no row chooses, so there is no free share to log (not a 0)
+    cfg = load_config(None, _small(tmp_path, "steps=1", "rollout.forced_non_thinking=0.5",
+                                   "rollout.forced_thinking=0.5"))  # fmt: skip
+    row = Trainer(cfg, tmp_path / "run").run()[0]
+    assert row["non_thinking_ratio"] == 0.5 and 0 < row["think_end_prob"] < 1
+    assert "free_non_thinking_ratio" not in row
 
 
 @pytest.mark.parametrize(
@@ -267,24 +275,33 @@ def test_the_batch_balance_by_hand():
     # all of one mode: the whole penalty of 1 (clip at 1)
     got = mode_balance(rewards[:2], nt[:2], RewardConfig(mode_balance=True), torch.tensor([2.0, 0.0]))
     assert got.tolist() == [0.0, -1.0]
-    # forced rows (the last two, non-thinking) neither count nor lose: among the 6 free thinking ones z = 1
-    free = torch.tensor([True] * 6 + [False] * 2)
-    got = mode_balance(rewards, nt, RewardConfig(mode_balance=True), torch.tensor([6.0, 0.0]), free)
-    assert got.tolist() == [0.0, -1.0, 0.0, 0.0, -1.0, 0.0, 2.0, -1.0]
+    # forced rows neither count nor lose: rows 0-1 forced to think, 2-5 free thinking, 6-7 free non-thinking, so
+    # z = 4/6 of the free ones: each free thinking reward loses clip(2 (2/3 - 0.5), 0, 1) = 1/3, the forced none
+    free = torch.tensor([False] * 2 + [True] * 6)
+    got = mode_balance(rewards, nt, RewardConfig(mode_balance=True), torch.tensor([4.0, 2.0]), free)
+    torch.testing.assert_close(got, torch.tensor([1.0, 0.0, 2 / 3, 2 / 3, -1 / 3, 2 / 3, 2.0, -1.0]))
 
 
-def test_the_batch_balance_in_a_run(tmp_path):
+@pytest.mark.parametrize("forced", [(0.0, 0.0), (0.25, 0.5)])
+def test_the_batch_balance_in_a_run(tmp_path, forced):
     # the first step samples the same responses with and without the balance (the same weights): its logged mean
-    # reward moves by exactly the penalty the thinking and non-thinking shares give
+    # reward moves by exactly the penalty the thinking and non-thinking shares give. With one row of each group of 4
+    # forced to answer directly and two to think, only the free row counts and loses: a forced row that paid, or
+    # shares counted over every row, would move the mean by at least 0.006 at any free share (a quarter's
+    # multiple). gamma 0.4: the larger free mode (>= half) always pays
+    direct, think = forced
+    mix = [f"rollout.forced_non_thinking={direct}", f"rollout.forced_thinking={think}"] if direct else []
     rows = {}
     for name, extra in (("plain", ()), ("balanced", ("reward.mode_balance=true",))):
-        cfg = load_config(None, [*_small(tmp_path, "steps=1", *extra), "reward.scheme=tnt"])
+        cfg = load_config(None, [*_small(tmp_path, "steps=1", *mix, *extra), "reward.scheme=tnt",
+                                 "reward.balance_gamma=0.4"])  # fmt: skip
         rows[name] = Trainer(cfg, tmp_path / name).run()[0]
-    nt = rows["plain"]["non_thinking_ratio"]
-    assert rows["balanced"]["non_thinking_ratio"] == nt and rows["balanced"]["len"] == rows["plain"]["len"]
-    f_think, f_direct = (min(max(2 * (share - 0.5), 0.0), 1.0) for share in (1 - nt, nt))
-    assert max(f_think, f_direct) > 0, "the construction: one mode holds more than half of the responses"
-    penalty = f_think * (1 - nt) + f_direct * nt
+    key = "free_non_thinking_ratio" if direct else "non_thinking_ratio"
+    nt = rows["plain"][key]
+    assert rows["balanced"][key] == nt and rows["balanced"]["len"] == rows["plain"]["len"]
+    f_think, f_direct = (min(max(2 * (share - 0.4), 0.0), 1.0) for share in (1 - nt, nt))
+    assert max(f_think, f_direct) > 0, "the construction: a mode above gamma pays"
+    penalty = (1 - direct - think) * (f_think * (1 - nt) + f_direct * nt)
     assert rows["balanced"]["reward"] == pytest.approx(rows["plain"]["reward"] - penalty, abs=1e-6)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import varied
-from small import SMALL, launch_command
+from small import SMALL, deterministic, launch_command
 
 from fasttnt.checkpoint import list_checkpoints
 from fasttnt.cli import main as cli_main
@@ -33,10 +33,6 @@ def _args(out: Path, cache: Path, *extra: str) -> list[str]:
 def _metrics(out: Path) -> list[dict]:
     path = out / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _deterministic(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith("time_") and not k.endswith("_per_s")}
 
 
 def _signal_after_first_step(cmd: list[str], out: Path, sig: int = signal.SIGTERM) -> subprocess.CompletedProcess:
@@ -74,8 +70,8 @@ def test_sigterm_saves_and_resume_reproduces_the_run(tmp_path, launcher):
         capture_output=True, text=True, env=ENV, timeout=300,
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    expected = [_deterministic(r) for r in _metrics(tmp_path / "straight")]
-    assert [_deterministic(r) for r in _metrics(out)] == expected
+    expected = [deterministic(r) for r in _metrics(tmp_path / "straight")]
+    assert [deterministic(r) for r in _metrics(out)] == expected
 
 
 def test_a_second_sigint_stops_at_once(tmp_path):

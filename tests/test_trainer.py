@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import varied
-from small import SMALL
+from small import SMALL, deterministic, metric_rows
 from transformers import AutoModelForCausalLM
 
 from fasttnt.actor import Actor
@@ -48,11 +48,7 @@ def small(tmp_path: Path, *extra: str) -> list[str]:
 def _run(tmp_path: Path, out: str, *extra: str, resume: bool = False) -> list[dict]:
     cfg = load_config(None, small(tmp_path, *extra))
     Trainer(cfg, tmp_path / out, resume=resume).run()
-    return [json.loads(line) for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
-
-
-def _deterministic(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith("time_") and not k.endswith("_per_s")}
+    return metric_rows(tmp_path / out)
 
 
 def test_a_run_writes_every_output(tmp_path):
@@ -152,7 +148,7 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, monkeypatch):
     _scramble_global_rngs()
     resumed = _run(tmp_path, "resumed", varied.OVERRIDE, resume=True)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
-    assert [_deterministic(r) for r in resumed] == [_deterministic(r) for r in straight]
+    assert [deterministic(r) for r in resumed] == [deterministic(r) for r in straight]
     assert draws == straight_draws, "the global RNG states after a resume are not the uninterrupted run's"
     state = json.loads((tmp_path / "resumed" / "checkpoints" / "step-000004" / "trainer_state.json").read_text())
     assert state["data_position"] == 4 * 4  # 4 steps of 4 prompts (tests/small.py)
@@ -277,7 +273,7 @@ def test_resume_from_a_dataset_file(tmp_path):
     assert all(r["grad_norm"] > 0 for r in straight), "a step without a gradient"
     _run(tmp_path, "resumed", *extra, "steps=2")
     resumed = _run(tmp_path, "resumed", *extra, resume=True)
-    assert [_deterministic(r) for r in resumed] == [_deterministic(r) for r in straight]
+    assert [deterministic(r) for r in resumed] == [deterministic(r) for r in straight]
 
 
 def test_a_fresh_run_will_not_overwrite_another_runs_checkpoints(tmp_path, capsys):

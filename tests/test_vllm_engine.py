@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import vllm_standin
-from small import SMALL
+from small import SMALL, deterministic, metric_rows
 
 from fasttnt.checkpoint import list_checkpoints
 from fasttnt.config import load_config
@@ -38,12 +38,8 @@ def _train(tmp_path: Path, out: str, *extra: str, resume: bool = False) -> tuple
     cfg = load_config(None, [f"cache_dir={tmp_path / 'cache'}", *OVERRIDES, *extra])
     trainer = Trainer(cfg, tmp_path / out, resume=resume)
     trainer.run()
-    rows = [json.loads(line) for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(tmp_path / out)
     return trainer, rows
-
-
-def _deterministic(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith("time_") and not k.endswith("_per_s")}
 
 
 def test_three_steps_follow_vllms_sleep_rules(tmp_path, standin):
@@ -78,8 +74,8 @@ def test_resume_pushes_the_checkpoint_and_restores_the_rng(tmp_path, standin):
         assert t.device == trainer.device
     assert batch.rollout_logp.shape == batch.response_ids.shape and (batch.rollout_logp <= 0).all()
     trainer.run()
-    resumed = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
-    assert [_deterministic(r) for r in resumed] == [_deterministic(r) for r in straight]
+    resumed = metric_rows(tmp_path / "resumed")
+    assert [deterministic(r) for r in resumed] == [deterministic(r) for r in straight]
 
 
 def test_the_standin_catches_the_old_call_order(standin, tmp_path):

@@ -7,7 +7,6 @@ is tested against a stand-in (tests/test_vllm_engine.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 from dataclasses import replace
@@ -19,7 +18,7 @@ import torch
 vllm = pytest.importorskip("vllm")
 
 import varied  # noqa: E402
-from small import launch_command  # noqa: E402
+from small import deterministic, launch_command, metric_rows  # noqa: E402
 
 from fasttnt.char_tokenizer import build_char_tokenizer  # noqa: E402
 from fasttnt.cli import main as cli_main  # noqa: E402
@@ -49,18 +48,10 @@ def _single_process(monkeypatch):
         monkeypatch.delenv(key, raising=False)
 
 
-def _rows(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def _deterministic(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith("time_") and not k.endswith("_per_s")}
-
-
 def _train(tmp_path: Path, out: str, *extra: str, resume: bool = False) -> list[dict]:
     cfg = load_config(None, [f"cache_dir={tmp_path / 'cache'}", *RUN, *extra])
     Trainer(cfg, tmp_path / out, resume=resume).run()
-    return _rows(tmp_path / out)
+    return metric_rows(tmp_path / out)
 
 
 def test_twenty_steps_sample_from_the_trainers_current_weights(tmp_path):
@@ -102,7 +93,7 @@ def test_a_push_that_does_not_arrive_stops_the_run(tmp_path, monkeypatch, capfd,
     err = capfd.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("fasttnt train: step 2: the vllm engine's log-probs differ from the trainer's by ")
     assert "rollout.max_logp_diff=0.1" in err
-    assert [r["step"] for r in _rows(tmp_path / "run")] == [1]  # step 2 never trained
+    assert [r["step"] for r in metric_rows(tmp_path / "run")] == [1]  # step 2 never trained
 
 
 def test_under_top_p_the_guard_is_off_and_says_so(tmp_path):
@@ -120,7 +111,7 @@ def test_resume_after_step_ten_reproduces_the_straight_run(tmp_path):
     resumed = _train(tmp_path, "resumed", "steps=12", "save_every=10", resume=True)
     assert [r["step"] for r in resumed] == list(range(1, 13))
     # the resumed engine loads the warm-up from disk: its first rollout must come from the checkpoint's weights
-    assert [_deterministic(r) for r in resumed] == [_deterministic(r) for r in straight]
+    assert [deterministic(r) for r in resumed] == [deterministic(r) for r in straight]
 
 
 def test_dynamic_sampling_draws_with_one_push_per_step(tmp_path, monkeypatch):
@@ -144,7 +135,7 @@ def test_two_ranks_each_with_its_engine(tmp_path, stage):
     result = subprocess.run(launch_command("torchrun", varied.MODULE, *args), capture_output=True, text=True,
                             env=ENV, timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    rows = _rows(out)
+    rows = metric_rows(out)
     assert [r["step"] for r in rows] == list(range(1, 21))
     assert all(r["grad_norm"] > 0 for r in rows)
     for row in rows:
