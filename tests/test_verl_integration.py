@@ -294,6 +294,38 @@ def test_the_trainer_rescores_a_step_by_uid_before_verls_advantages(transfer_que
     assert metrics["fasttnt/correct_mean"] == pytest.approx(4 / 6)
 
 
+def test_the_trainers_overlong_shaping_counts_back_from_verls_response_budget():
+    # TransferQueue's rows are jagged: padded to the longest response alone, the shaping would count back from that
+    # length instead of data.max_response_length. Rows as the step's batch holds them, scored directly
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+    from fasttnt.char_tokenizer import build_char_tokenizer
+    from fasttnt.integrations.verl_trainer import tnt_rm_scores
+    from fasttnt.rewards import RewardConfig, overlong_shaping
+
+    tok = build_char_tokenizer()
+    texts = ["<think>3+4=7</think> \\boxed{7}", "<think>3+4 is 7</think> \\boxed{7}", "</think> \\boxed{7}"]
+    ids = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts]
+    data = list_of_dict_to_tensordict([
+        {"uid": "a", "prompts": torch.tensor([5, 6]), "responses": torch.tensor(r),
+         "reward_model": {"ground_truth": "7", "style": "rule"}} for r in ids
+    ])  # fmt: skip
+    config = RewardConfig(overlong_buffer=20, overlong_penalty=1.0)
+    manager = fasttnt_verl.TNTRewardManager(tok, config=config)
+    budget = 40  # the shorter responses fall inside the buffer (40 - 20) only when counted from it
+    lengths = torch.tensor([len(r) for r in ids])
+    assert max(lengths) < budget and (lengths > budget - 20).any(), "the construction: shaping only from 40"
+    rows, _ = tnt_rm_scores(data, manager, tok.pad_token_id, response_budget=budget)
+    cu = torch.tensor([0, *np.cumsum(lengths.tolist())])
+    plain = tnt_rewards(torch.tensor([t for r in ids for t in r]), cu, torch.ones(3, dtype=torch.bool), 3,
+                        tok.convert_tokens_to_ids("</think>")).rewards  # fmt: skip
+    want = plain + overlong_shaping(lengths, budget, 20, 1.0)
+    assert (want != plain).any()
+    assert [float(r[-1]) for r in rows] == pytest.approx(want.tolist())
+    with pytest.raises(ValueError, match=re.escape("set data.max_response_length")):
+        tnt_rm_scores(data, manager, tok.pad_token_id)
+
+
 def test_compute_score_is_the_verifiers_verdict():
     # verl's per-response loop decodes without special tokens: the answer is found with or without </think>
     score = fasttnt_verl.compute_score

@@ -15,8 +15,9 @@ rollout dumps all see the TNT reward. verl's padding rows (tag ``is_padding``, t
 
 The per-response reward loop still runs during rollout (validation reports its scores): ``compute_score`` gives it
 the verifier's verdict. ``+reward.fasttnt.<field>`` sets the TNT reward (``fasttnt.rewards.RewardConfig``: scheme,
-omega, the reward values). Not with ``algorithm.filter_groups`` (DAPO): verl filters on the per-response scores,
-before this trainer re-scores them. The sync trainer only.
+omega, the reward values; ``overlong_buffer`` counts back from ``data.max_response_length``). Not with
+``algorithm.filter_groups`` (DAPO): verl filters on the per-response scores, before this trainer re-scores them.
+The sync trainer only.
 
 Importing this module imports verl's V1 trainer (it needs TransferQueue: the ``verl`` extra installs it) and
 registers the trainer: verl imports it through the ``verl.plugins`` entry point ``fasttnt_trainer``.
@@ -39,10 +40,11 @@ NAME = "fasttnt"
 FIELDS = ["uid", "prompts", "responses", "reward_model"]
 
 
-def _padded(rows: list[torch.Tensor], value: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded (B, T) rows and their (B, T) mask."""
+def _padded(rows: list[torch.Tensor], value: int, width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded (B, T) rows and their (B, T) mask, T the longest row or ``width`` if wider."""
     lengths = torch.tensor([len(r) for r in rows])
     padded = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=value)
+    padded = torch.nn.functional.pad(padded, (0, max(width - padded.shape[1], 0)), value=value)
     return padded, (torch.arange(padded.shape[1])[None, :] < lengths[:, None]).long()
 
 
@@ -53,13 +55,18 @@ def _objects(items: list) -> np.ndarray:
     return out
 
 
-def tnt_rm_scores(data: TensorDict, manager: TNTRewardManager, pad_token_id: int) -> tuple[list[torch.Tensor], dict]:
+def tnt_rm_scores(
+    data: TensorDict, manager: TNTRewardManager, pad_token_id: int, response_budget: int | None = None
+) -> tuple[list[torch.Tensor], dict]:
     """The TNT reward of TransferQueue's rows (fields ``uid``, ``prompts``, ``responses``, ``reward_model``; the
     tensors per row, jagged): one float tensor per row as long as its response, the reward at its last token (verl's
     ``rm_scores`` layout), and the manager's per-row extras. The ``DataProto`` is laid out as verl's colocated reward
-    path makes it (``_compute_reward_colocate``: prompts and responses right-padded, the attention mask both)."""
+    path makes it (``_compute_reward_colocate``: prompts and responses right-padded, the attention mask both), the
+    responses to ``response_budget`` (``data.max_response_length``), from which the overlong shaping counts back."""
+    if manager.config.overlong_buffer > 0 and response_budget is None:
+        raise ValueError("reward.fasttnt.overlong_buffer > 0 needs the response budget: set data.max_response_length")
     prompts, prompt_mask = _padded(list(data["prompts"].unbind(0)), pad_token_id)
-    responses, response_mask = _padded(list(data["responses"].unbind(0)), pad_token_id)
+    responses, response_mask = _padded(list(data["responses"].unbind(0)), pad_token_id, response_budget or 0)
     batch = DataProto(
         batch=TensorDict(
             {"prompts": prompts, "responses": responses, "attention_mask": torch.cat([prompt_mask, response_mask], 1)},
@@ -75,8 +82,11 @@ def tnt_rm_scores(data: TensorDict, manager: TNTRewardManager, pad_token_id: int
     return [scores[i, :n].clone() for i, n in enumerate(lengths)], out["reward_extra_info"]
 
 
-def rescore(batch, manager: TNTRewardManager, pad_token_id: int, metrics: dict | None = None) -> None:
-    """Replace the ``rm_scores`` of a V1 batch (TransferQueue's ``KVBatchMeta``) with the TNT reward, in place."""
+def rescore(
+    batch, manager: TNTRewardManager, pad_token_id: int, metrics: dict | None = None, response_budget: int | None = None
+) -> None:
+    """Replace the ``rm_scores`` of a V1 batch (TransferQueue's ``KVBatchMeta``) with the TNT reward, in place
+    (``response_budget``: verl's ``data.max_response_length``, ``tnt_rm_scores``)."""
     keys = [key for key, tag in zip(batch.keys, batch.tags, strict=True) if not tag.get("is_padding", False)]
     if not keys:
         return
@@ -84,7 +94,7 @@ def rescore(batch, manager: TNTRewardManager, pad_token_id: int, metrics: dict |
     if several:
         raise ValueError(f"the TNT reward takes one output per session; the batch has {several[:3]}")
     data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=FIELDS)
-    rows, extra = tnt_rm_scores(data, manager, pad_token_id)
+    rows, extra = tnt_rm_scores(data, manager, pad_token_id, response_budget)
     scores = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
     tq.kv_batch_put(keys=keys, partition_id=batch.partition_id,
                     fields=TensorDict({"rm_scores": scores}, batch_size=len(keys)))  # fmt: skip
@@ -115,7 +125,8 @@ class TNTTrainer(PPOTrainerSync):
     def _compute_advantage(self, batch, metrics):
         if getattr(self, "_tnt", None) is None:
             self._tnt = TNTRewardManager(self.tokenizer, config=reward_config(self.config))
-        rescore(batch, self._tnt, self.tokenizer.pad_token_id, metrics)
+        budget = self.config.get("data", {}).get("max_response_length")
+        rescore(batch, self._tnt, self.tokenizer.pad_token_id, metrics, budget)
         return super()._compute_advantage(batch, metrics)
 
 
