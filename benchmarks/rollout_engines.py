@@ -33,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
 
     from fasttnt.config import load_config
-    from fasttnt.engines import EngineSettings, build_engine
-    from fasttnt.setup import load_policy
+    from fasttnt.engines import build_engine
+    from fasttnt.setup import engine_settings, load_policy, prompt_budget_of, training_prompt
     from fasttnt.stream import ProblemStream
 
     cfg = load_config(args.config, args.overrides)
@@ -42,19 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer, path = load_policy(cfg, device)
     model.to(device).eval()
-    built = {}
-    for name in engines:
-        settings = EngineSettings(
-            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, model_path=str(path),
-            seed=cfg.seed, dtype="bfloat16" if device.type == "cuda" else "float32", device=device,
-        )  # fmt: skip
-        built[name] = build_engine(name, None if name == "vllm" else model, tokenizer, settings)
-    from fasttnt.data import PromptMode, build_prompt
+    settings = engine_settings(cfg, path, device, prompt_budget_of(cfg))  # the training run's engine, as built
+    built = {name: build_engine(name, None if name == "vllm" else model, tokenizer, settings) for name in engines}
 
     stream = ProblemStream(cfg)
     rounds: dict[str, list[dict]] = {name: [] for name in engines}
     for i in range(args.rounds + 1):
-        prompts = [build_prompt(tokenizer, p.problem, PromptMode.FREE) for p in stream.take(r.prompts_per_step)]
+        prompts = [training_prompt(cfg, tokenizer, p) for p in stream.take(r.prompts_per_step)]
         order = list(built.items()) if i % 2 == 0 else list(built.items())[::-1]
         for name, engine in order:  # the engines take turns on the same prompts, the first of them alternating
             start = time.perf_counter()

@@ -109,7 +109,7 @@ class Actor:
         if not self.modes.active or self.modes.floor == 0:
             return weights, {}
         drop = self.modes.floored(batch, advantages, old.think_end)  # (S,)
-        counts = self._sum(torch.stack([drop.sum(), forced_rows(batch).sum()]).double())
+        counts = self.sum_over_ranks(torch.stack([drop.sum(), forced_rows(batch).sum()]).double())
         if weights is None:
             weights = torch.ones_like(old.old)
         first = first_token_index(batch)
@@ -130,7 +130,7 @@ class Actor:
         """The mean |old - rollout| log-prob per sampled token, over all ranks (the stale-weight guard's number, the
         ``rollout_logp_diff`` the update logs). sync: one read."""
         diff = (old_logp.float() - batch.rollout_logp).abs().sum()
-        total = self._sum(torch.stack([diff, diff.new_tensor(float(old_logp.numel()))]))
+        total = self.sum_over_ranks(torch.stack([diff, diff.new_tensor(float(old_logp.numel()))]))
         return float(total[0] / total[1].clamp(min=1.0))
 
     # -- the update ---------------------------------------------------------------------------------------------
@@ -162,8 +162,7 @@ class Actor:
                     token_weights[lo:hi] if token_weights is not None else None,
                 )
                 add_into(token_sums, step_sums)
-                for name, value in metrics.items():
-                    sums[name] = sums.get(name, 0) + value
+                add_into(sums, metrics)
                 count += 1
         means = {name: value / count for name, value in sums.items()}
         for name in TOKEN_METRICS:
@@ -179,7 +178,7 @@ class Actor:
         still count them. Returns the step's metrics and its named sums over the ranks: ``TOKEN_METRICS``' token
         sums, the tokens trained on (``trained``) and the tokens the rollout diagnostics cover (``rollout``)."""
         local = torch.tensor([float(part.bounds[-1]), float(part.lengths.numel())], device=self.device)
-        n_tokens, n_seqs = self._sum(local).tolist()  # sync: one read per mini-batch
+        n_tokens, n_seqs = self.sum_over_ranks(local).tolist()  # sync: one read per mini-batch
         sums = {name: torch.zeros((), dtype=torch.float32, device=self.device) for name in ("loss", *TOKEN_METRICS)}
         # the rollout correction over the whole mini-batch when the old log-probs are known; else (on-policy, no
         # correction) its diagnostics come from each micro-batch's log-probs, of the sequences trained on
@@ -239,7 +238,7 @@ class Actor:
         counts = {"micro_batches": float(len(plan)), "skipped": float(skipped), "trained": trained_tokens,
                   "rollout": rollout_tokens}  # fmt: skip
         local_sums = {**sums, **{k: sums["loss"].new_tensor(v) for k, v in counts.items()}}
-        totals = reduce_named(local_sums, self._sum)  # one collective per optimizer step
+        totals = reduce_named(local_sums, self.sum_over_ranks)  # one collective per optimizer step
         metrics = {
             "loss": totals["loss"],
             "grad_norm": grad_norm.to(totals["loss"].device).float(),
@@ -321,7 +320,8 @@ class Actor:
             return contextlib.nullcontext()
         return torch.autocast("cuda", dtype=torch.bfloat16)
 
-    def _sum(self, t: torch.Tensor) -> torch.Tensor:
+    def sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the ranks (itself in one process): a collective every rank calls."""
         return distributed.all_sum(t) if self.distributed else t
 
     def _max_over_ranks(self, n: int) -> int:

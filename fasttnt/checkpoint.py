@@ -76,13 +76,19 @@ def save_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     final, tmp = checkpoint_paths(root, state.step)
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    if tokenizer is not None:  # a checkpoint is a model folder of its own: `fasttnt eval --model` takes it
-        tokenizer.save_pretrained(tmp)
+    write_model_folder(tmp, model, tokenizer)
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     write_trainer_files(tmp, state, rank=0, config_yaml=config_yaml)
     commit_checkpoint(root, tmp, final, keep=keep)
     return final
+
+
+def write_model_folder(folder: Path, model, tokenizer=None) -> None:
+    """The weights (safetensors) and, given one, the tokenizer in Hugging Face's layout: a checkpoint is a model
+    folder of its own, which `fasttnt eval --model` takes."""
+    model.save_pretrained(folder, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
 
 
 def write_trainer_files(folder: Path, state: TrainerState, *, rank: int, config_yaml: str) -> None:
@@ -220,9 +226,7 @@ def save(
     ds_engine.save_checkpoint(str(tmp), tag="deepspeed")
     with distributed.gathered(list(model.parameters())):
         if rank == 0:
-            model.save_pretrained(tmp, safe_serialization=True)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)
+            write_model_folder(tmp, model, tokenizer)
     write_trainer_files(tmp, state, rank=rank, config_yaml=text)
     distributed.barrier()
     if rank == 0:
@@ -236,8 +240,7 @@ def export_final(out: Path, model, tokenizer, *, rank: int = 0) -> Path:
     with distributed.gathered(list(model.parameters())):
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            model.save_pretrained(tmp, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
+            write_model_folder(tmp, model, tokenizer)
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
     return final

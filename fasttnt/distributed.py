@@ -123,10 +123,15 @@ def deepspeed_config(cfg, world: int) -> dict:
     }
 
 
+def zero3_sharded(params: list[torch.nn.Parameter]) -> bool:
+    """Whether any of ``params`` is a ZeRO-3 shard (DeepSpeed marks them with ``ds_id``)."""
+    return any(hasattr(p, "ds_id") for p in params)
+
+
 def gathered(params: list[torch.nn.Parameter]):
-    """Full parameters for the duration where they are ZeRO-3 shards (they carry ``ds_id``), on every rank at once
+    """Full parameters for the duration where they are ZeRO-3 shards (``zero3_sharded``), on every rank at once
     (the gather is collective); nothing to do otherwise."""
-    if any(hasattr(p, "ds_id") for p in params):
+    if zero3_sharded(params):
         import deepspeed
 
         return deepspeed.zero.GatheredParameters(params, modifier_rank=None)

@@ -125,7 +125,9 @@ def _log1mexp(logp: torch.Tensor) -> torch.Tensor:
 
 
 def forced_rows(batch: RolloutBatch) -> torch.Tensor:
-    """(S,) True for the responses sampled with a forced mode."""
+    """(S,) True for the responses sampled with a forced mode (none when the batch has no ``forced`` codes)."""
+    if batch.forced is None:
+        return torch.zeros(len(batch.cu_seqlens) - 1, dtype=torch.bool, device=batch.cu_seqlens.device)
     return batch.forced != FORCED_CODES[PromptMode.FREE]
 
 

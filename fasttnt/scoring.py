@@ -16,7 +16,7 @@ import torch
 
 from fasttnt_kernels import TntRewards
 
-from .engines.batch import RolloutBatch, decode_responses, pack_sequences, truncated_without_eos
+from .engines.batch import RolloutBatch, decode_responses, truncated_without_eos
 from .metrics import HackMarkers, hack_flags
 from .rewards import PackedResponses, RewardConfig, compute_rewards
 from .verify import VerifierPool, verify_batch
@@ -44,9 +44,9 @@ class Scores(Judged):
 def batch_of(responses: list[list[int]], *, group_size: int, eos_id: int, device="cpu") -> RolloutBatch:
     """Responses as token lists (another framework's completions, K per prompt adjacent) as a ``RolloutBatch``:
     truncated where they do not end with EOS."""
-    ids, cu = pack_sequences(responses, device)
-    truncated = torch.tensor(truncated_without_eos(responses, eos_id), dtype=torch.bool, device=device)
-    return RolloutBatch([[] for _ in responses], ids, cu, truncated, group_size)
+    responses = [list(r) for r in responses]
+    truncated = truncated_without_eos(responses, eos_id)
+    return RolloutBatch.of_responses([[] for _ in responses], responses, truncated, group_size, device=device)
 
 
 def judge(

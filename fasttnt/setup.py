@@ -56,7 +56,6 @@ class Parts:
     stream: ProblemStream
     state: TrainerState
     think_end_id: int
-    instruction: str
     markers: HackMarkers
 
     @property
@@ -76,8 +75,45 @@ class Parts:
         return self.cfg.rollout.prompts_per_step // self.world
 
     def prompt(self, problem: Problem):
-        return build_prompt(self.tokenizer, problem.problem, PromptMode.FREE, instruction=self.instruction,
-                            style=self.cfg.data.prompt_style)  # fmt: skip
+        return training_prompt(self.cfg, self.tokenizer, problem)
+
+
+def cuda_autocast(cfg: TrainConfig, device: torch.device) -> bool:
+    """bf16 autocast: on CUDA, for a model whose ``model.dtype`` is auto (the forwards and the engine alike)."""
+    return device.type == "cuda" and cfg.model.dtype == "auto"
+
+
+def training_prompt(cfg: TrainConfig, tokenizer, problem: Problem):
+    """The prompt a run gives ``problem``: free mode, ``data.instruction`` (by default none for the synthetic task,
+    the math instruction otherwise), ``data.prompt_style``."""
+    instruction = cfg.data.instruction
+    if instruction is None:
+        instruction = "" if cfg.data.train == "synthetic" else MATH_INSTRUCTION
+    return build_prompt(tokenizer, problem.problem, PromptMode.FREE, instruction=instruction,
+                        style=cfg.data.prompt_style)  # fmt: skip
+
+
+def engine_settings(cfg: TrainConfig, model_path, device: torch.device, prompt_budget: int | None, *,
+                    zero3_engine=None) -> EngineSettings:  # fmt: skip
+    """What the rollout engine of a run is built with: its sampling, the model it serves (bf16 under CUDA autocast),
+    the longest sequence (``prompt_budget`` + the length budget), vLLM's memory and weight push."""
+    r = cfg.rollout
+    return EngineSettings(
+        max_new_tokens=r.max_new_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        model_path=str(model_path),
+        max_model_len=None if prompt_budget is None else prompt_budget + r.max_new_tokens,
+        seed=cfg.seed,
+        dtype="bfloat16" if cuda_autocast(cfg, device) else "float32",
+        device=device,
+        trust_remote_code=cfg.model.trust_remote_code,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        sleep_between_rollouts=r.sleep_between_rollouts,
+        weight_sync_bucket_mb=r.weight_sync_bucket_mb,
+        zero3_engine=zero3_engine,
+        forbid_think_end_first=r.forced_rows()[1] > 0,
+    )
 
 
 def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: bool = False) -> Parts:
@@ -101,7 +137,7 @@ def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: b
             "choose another --output-dir"
         )
     stream = ProblemStream(cfg)
-    prompt_budget = _prompt_budget(cfg)  # from the model's config alone, before its weights load
+    prompt_budget = prompt_budget_of(cfg)  # from the model's config alone, before its weights load
     resume_from = existing[-1] if resume and existing else None
     if resume_from is not None:
         checkpoint.check_resume(cfg, resume_from, world, new_config_ok=new_config_ok)
@@ -149,23 +185,9 @@ def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: b
             deepspeed.zero.register_external_parameter(head, model.get_output_embeddings().weight)
 
     # -- the rollout engine: before any RNG state is set (vLLM reseeds them when it starts) --
-    autocast = device.type == "cuda" and cfg.model.dtype == "auto"
-    settings = EngineSettings(
-        max_new_tokens=r.max_new_tokens,
-        temperature=r.temperature,
-        top_p=r.top_p,
-        model_path=str(model_path),
-        max_model_len=None if prompt_budget is None else prompt_budget + r.max_new_tokens,
-        seed=cfg.seed,
-        dtype="bfloat16" if autocast else "float32",
-        device=device,
-        trust_remote_code=cfg.model.trust_remote_code,
-        gpu_memory_utilization=r.gpu_memory_utilization,
-        sleep_between_rollouts=r.sleep_between_rollouts,
-        weight_sync_bucket_mb=r.weight_sync_bucket_mb,
-        zero3_engine=ds_engine if dist and cfg.distributed.zero_stage == 3 else None,
-        forbid_think_end_first=r.forced_rows()[1] > 0,
-    )
+    autocast = cuda_autocast(cfg, device)
+    zero3 = ds_engine if dist and cfg.distributed.zero_stage == 3 else None
+    settings = engine_settings(cfg, model_path, device, prompt_budget, zero3_engine=zero3)
     engine = build_engine(r.engine, model, tokenizer, settings)
 
     # -- the training state: the checkpoint's (optimizer, RNG states, step, data position) or a fresh start --
@@ -185,16 +207,13 @@ def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: b
     if is_main:
         truncate_metrics(out / "metrics.jsonl", state.step)
 
-    # -- the prompts --
-    instruction = cfg.data.instruction
-    if instruction is None:
-        instruction = "" if cfg.data.train == "synthetic" else MATH_INSTRUCTION
+    # -- the prompts' hack markers --
     markers = cfg.data.hack_markers
     if markers == "auto":
         markers = "synthetic" if cfg.data.train == "synthetic" else "math"
     parts = Parts(
         cfg, out, dist, device, autocast, model, tokenizer, model_path, ref_model, head, optimizer, ds_engine,
-        engine, stream, state, think_end_id, instruction, MARKER_SETS[markers],
+        engine, stream, state, think_end_id, MARKER_SETS[markers],
     )  # fmt: skip
     if prompt_budget is not None:
         dropped = stream.drop_long_prompts(
@@ -205,7 +224,7 @@ def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: b
     return parts
 
 
-def _prompt_budget(cfg: TrainConfig) -> int | None:
+def prompt_budget_of(cfg: TrainConfig) -> int | None:
     """The longest prompt a run takes: ``data.max_prompt_tokens``, or what the model's positions leave after
     ``rollout.max_new_tokens``; a config that asks for more positions than the model has is an error naming both
     numbers. None where the model's config names no limit (and none is configured)."""

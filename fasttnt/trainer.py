@@ -148,8 +148,8 @@ class Trainer:
                                      markers=self.parts.markers, max_new_tokens=r.max_new_tokens)  # fmt: skip
         if cfg.reward.mode_balance:  # the modes' shares of the draw's free responses, over all ranks
             nt = scores.rewards.non_thinking
-            free = torch.ones_like(nt) if batch.forced is None else ~forced_rows(batch)
-            shares = self.actor._sum(torch.stack([(free & ~nt).sum(), (free & nt).sum()]).float())
+            free = ~forced_rows(batch)
+            shares = self.actor.sum_over_ranks(torch.stack([(free & ~nt).sum(), (free & nt).sum()]).float())
             scores.rewards = scores.rewards._replace(
                 rewards=mode_balance(scores.rewards.rewards, nt, cfg.reward, shares, free)
             )
@@ -195,12 +195,12 @@ class Trainer:
                   "prompt_tokens": sum(len(p) for p in batch.prompt_ids), "timeouts": drawn.timeouts,
                   "crashes": drawn.crashes, "varied": sum(varied), "groups": len(varied), "filled": filled}  # fmt: skip
         counts = {k: torch.tensor(float(v), dtype=torch.float64, device=self.device) for k, v in counts.items()}
-        counts = reduce_named(counts, self.actor._sum)
+        counts = reduce_named(counts, self.actor.sum_over_ranks)
         values = to_floats({**rollout_metrics(**per_response), **update})  # sync: one read per step
         for name in TOKEN_METRICS:  # measured on no token (every sequence skipped): not written, rather than NaN
             if name in values and not math.isfinite(values[name]):
                 del values[name]
-        n = {k: v.item() for k, v in counts.items()}
+        n = dict(zip(counts, torch.stack(list(counts.values())).tolist(), strict=True))  # sync: one read
         values.update(times)
         values.update(
             step=step, lr=lr, verify_timeouts=int(n["timeouts"]), verify_crashes=int(n["crashes"]),

@@ -21,6 +21,10 @@ SMALL = [
 ]
 
 
+LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What a launcher (torchrun, deepspeed) sets for each rank, and vLLM's external launcher reads."""
+
+
 def metric_rows(out) -> list[dict]:
     """The rows of a run's metrics.jsonl (``out``: its output directory)."""
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import vllm_standin
-from small import SMALL, deterministic, metric_rows
+from small import LAUNCHER_ENV, SMALL, deterministic, metric_rows
 
 from fasttnt.checkpoint import list_checkpoints
 from fasttnt.config import load_config
@@ -19,7 +19,6 @@ from fasttnt.evaluate import EvalSettings, run_eval
 from fasttnt.synthetic import held_out
 from fasttnt.trainer import Trainer
 
-LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # the entropy bonus moves the policy at every step whatever the rewards, so stale weights in the engine would show
 OVERRIDES = [*SMALL, "warmup.steps=3", "warmup.batch_size=8", "rollout.max_new_tokens=12", "rollout.engine=vllm",
              "loss.entropy_coef=0.01", "optim.lr=1e-2", "optim.warmup_steps=0", "steps=3", "save_every=2"]  # fmt: skip

@@ -18,7 +18,7 @@ import torch
 vllm = pytest.importorskip("vllm")
 
 import varied  # noqa: E402
-from small import deterministic, launch_command, metric_rows  # noqa: E402
+from small import LAUNCHER_ENV, deterministic, launch_command, metric_rows  # noqa: E402
 
 from fasttnt.char_tokenizer import build_char_tokenizer  # noqa: E402
 from fasttnt.cli import main as cli_main  # noqa: E402
@@ -39,7 +39,6 @@ RUN = [*SHAPE, "warmup.steps=20", "warmup.batch_size=16", "rollout.prompts_per_s
        "rollout.max_new_tokens=16", "verify_workers=1", "rollout.engine=vllm", "optim.lr=1e-2",
        "optim.warmup_steps=0", "loss.entropy_coef=0.01", varied.OVERRIDE, "save_every=1000"]  # fmt: skip
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": varied.PYTHONPATH}
-LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @pytest.fixture(autouse=True)

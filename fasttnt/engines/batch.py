@@ -30,6 +30,26 @@ class RolloutBatch:
     # (S,) int8: each row's mode as FORCED_CODES codes it, when any row was forced; None when every row was free
     forced: torch.Tensor | None = None
 
+    @classmethod
+    def of_responses(
+        cls,
+        prompt_ids: list[list[int]],
+        responses: list[list[int]],
+        truncated: list[bool],
+        group_size: int,
+        *,
+        device: torch.device | str = "cpu",
+        rollout_logp: list[float] | None = None,
+        forced: torch.Tensor | None = None,
+    ) -> RolloutBatch:
+        """Token lists (S,) packed on ``device``, with their flags and (N,) log-probs; the lists stay the batch's host
+        copies, so nothing is read back from the device."""
+        ids, cu = pack_sequences(responses, device)
+        logp = None if rollout_logp is None else torch.tensor(rollout_logp, dtype=torch.float32, device=device)
+        batch = cls(prompt_ids, ids, cu, torch.tensor(truncated, dtype=torch.bool, device=device), group_size,
+                    rollout_logp=logp, forced=forced)  # fmt: skip
+        return batch._with_host_copies([0, *itertools.accumulate(map(len, responses))], responses)
+
     @property
     def lengths(self) -> torch.Tensor:
         return self.cu_seqlens[1:] - self.cu_seqlens[:-1]  # (S,)

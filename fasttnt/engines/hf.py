@@ -16,7 +16,7 @@ from transformers import DynamicCache
 from .. import distributed
 from ..data import Prompt, think_end_token_id
 from .base import ENGINES, EngineSettings, Requests
-from .batch import RolloutBatch, pack_sequences, truncated_without_eos
+from .batch import RolloutBatch, truncated_without_eos
 from .sampler import row_seeds, seeded_sample
 
 # compact once this share of the decode batch has finished: a compaction copies the KV cache once, and rows left in
@@ -114,16 +114,8 @@ class HFEngine:
             logprobs.extend([0.0] * len(prefix) + logp)
         truncated = truncated_without_eos(responses, self.eos_id)
         prompt_ids = [run_prompt_ids[r] for r in run_of_row]  # (S,) a pre-filled prefix belongs to the response
-        ids, cu = pack_sequences(responses, device)
-        return RolloutBatch(
-            prompt_ids,
-            ids,
-            cu,
-            torch.tensor(truncated, device=device),
-            group_size,
-            rollout_logp=torch.tensor(logprobs, dtype=torch.float32, device=device),
-            forced=requests.forced(device),
-        )
+        return RolloutBatch.of_responses(prompt_ids, responses, truncated, group_size, device=device,
+                                         rollout_logp=logprobs, forced=requests.forced(device))  # fmt: skip
 
     def _decode(
         self, encoded: list[list[int]], counts: list[int], seeds: torch.Tensor, forbid: torch.Tensor

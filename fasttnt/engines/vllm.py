@@ -43,7 +43,7 @@ import torch
 from .. import distributed
 from ..data import Prompt, think_end_token_id
 from .base import ENGINES, EngineSettings, Requests
-from .batch import RolloutBatch, pack_sequences
+from .batch import RolloutBatch
 from .sampler import row_seeds
 
 VLLM_VERSION = "0.31"  # the release read and tested: reload_weights(weights_iterator=) and the V1 logits processors
@@ -168,16 +168,8 @@ class VLLMEngine:
                 token_lp = [lp[t].logprob for t, lp in zip(tokens, completion.logprobs, strict=True)]
                 logprobs.extend([0.0] * len(prefixes[i]) + token_lp)
                 rows.append(run_prompt_ids[i])  # a pre-filled prefix belongs to the response
-        ids, cu = pack_sequences(responses, self.device)
-        return RolloutBatch(
-            rows,
-            ids,
-            cu,
-            torch.tensor(truncated, device=self.device),
-            group_size,
-            rollout_logp=torch.tensor(logprobs, dtype=torch.float32, device=self.device),
-            forced=requests.forced(self.device),
-        )
+        return RolloutBatch.of_responses(rows, responses, truncated, group_size, device=self.device,
+                                         rollout_logp=logprobs, forced=requests.forced(self.device))  # fmt: skip
 
     def end_rollout(self) -> None:
         """Asleep for the update (its memory back to the trainer), once per step after all its draws: a level-2
@@ -299,7 +291,7 @@ def _pushed_weights(model: torch.nn.Module, bucket_bytes: int):
     for bucket in _layer_buckets(model, bucket_bytes):
         params = [p for _, p in bucket]
         with distributed.gathered(params):
-            sharded = any(hasattr(p, "ds_id") for p in params)
+            sharded = distributed.zero3_sharded(params)
             for name, param in bucket:
                 tensor = param.detach()
                 if sharded and not _LAYER.match(name):

@@ -193,7 +193,7 @@ class FastTNTGRPOTrainer(GRPOTrainer):
             def logprobs(model, hidden, valid=valid, targets=targets):
                 weight = _lm_head_weight(model)
                 states = hidden[:, -logits_to_keep - 1 : -1][valid]  # (n, H): each predicts the next token
-                with _gathered(weight):
+                with maybe_gather_lm_head_ctx(weight):  # gathered under ZeRO-3 while the fused op reads it
                     return linear_token_logprobs(
                         states.to(weight.dtype), weight, targets, temperature=self.temperature,
                         with_entropy=compute_entropy,
@@ -241,7 +241,7 @@ class FastTNTGRPOTrainer(GRPOTrainer):
         def loss_fn(model, hidden):
             weight = _lm_head_weight(model)
             states = hidden[:, P - 1 : -1][valid]  # (N, H): the state before each completion token
-            with _gathered(weight):
+            with maybe_gather_lm_head_ctx(weight):  # gathered under ZeRO-3 while the fused op reads it
                 return linear_policy_loss(states.to(weight.dtype), weight, targets, return_logp=True, **loss_kwargs)
 
         with self.accelerator.autocast():  # as TRL's own forward for the loss
@@ -298,11 +298,6 @@ class FastTNTGRPOTrainer(GRPOTrainer):
         high_seq = self.accelerator.gather(per_sequence(high))
         self._metrics[mode]["clip_ratio/low_min"].append(nanmin(low_seq).item())
         self._metrics[mode]["clip_ratio/high_max"].append(nanmax(high_seq).item())
-
-
-def _gathered(weight: torch.Tensor):
-    """The lm_head weight gathered under ZeRO-3 while the fused op reads it (TRL's own context)."""
-    return maybe_gather_lm_head_ctx(weight)
 
 
 def _unpack(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
