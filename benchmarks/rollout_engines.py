@@ -17,6 +17,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -33,16 +34,19 @@ def main(argv: list[str] | None = None) -> int:
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
 
     from fasttnt.config import load_config
+    from fasttnt.distributed import local_device
     from fasttnt.engines import build_engine
     from fasttnt.setup import engine_settings, load_policy, prompt_budget_of, training_prompt
     from fasttnt.stream import ProblemStream
 
     cfg = load_config(args.config, args.overrides)
     r = cfg.rollout
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = local_device("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer, path = load_policy(cfg, device)
     model.to(device).eval()
-    settings = engine_settings(cfg, path, device, prompt_budget_of(cfg))  # the training run's engine, as built
+    # the training run's engine, as built, but awake throughout: the vllm one is built without the model (it serves
+    # the checkpoint it loads), and a level-2 sleep would discard weights it could not be given back
+    settings = replace(engine_settings(cfg, path, device, prompt_budget_of(cfg)), sleep_between_rollouts=False)
     built = {name: build_engine(name, None if name == "vllm" else model, tokenizer, settings) for name in engines}
 
     stream = ProblemStream(cfg)

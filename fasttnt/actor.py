@@ -318,7 +318,7 @@ class Actor:
     def autocast(self):
         if not self.autocast_on:
             return contextlib.nullcontext()
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     def sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over the ranks (itself in one process): a collective every rank calls."""

@@ -212,10 +212,11 @@ def packed_attention(
             f"packed attention takes one flattened row of {packing.tokens} tokens, got query {tuple(query.shape)}"
         )
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D) each
-    if q.is_cuda and q.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
+    if q.dtype == torch.float32 and torch.is_autocast_enabled(q.device.type):
         # RoPE's float32 cos/sin promote autocast's bf16 projections back to float32; FlashAttention takes 16-bit
-        # inputs, so cast them as transformers' own flash integration does (to autocast's dtype)
-        dtype = torch.get_autocast_dtype("cuda")
+        # inputs, so cast them as transformers' own flash integration does (to autocast's dtype); the CPU's padded
+        # SDPA gets the same inputs, so both paths attend in the precision autocast chose
+        dtype = torch.get_autocast_dtype(q.device.type)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     out = varlen_attention(q, k, v, packing, scale=scaling, dropout=dropout)  # (T, Hq, D)
     return out.unsqueeze(0), None
@@ -322,22 +323,32 @@ def _activate_fa3(device: torch.device) -> str | None:
     return "FA3"
 
 
+def varlen_options(params, *, scale: float | None, head_dim: int, gqa: bool) -> dict:
+    """The keyword arguments for this PyTorch's ``varlen_attn`` (``params``: its signature's parameter names), which
+    have changed across releases: causality is ``is_causal=True`` in 2.9-2.10 and a (left, right) window later, (-1, 0)
+    being causal; ``enable_gqa`` and ``scale`` exist in some releases only. Without ``scale`` the kernel uses
+    1/sqrt(head_dim): a model with another scale is refused rather than attended with the wrong one."""
+    options: dict = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    if gqa and "enable_gqa" in params:
+        options["enable_gqa"] = True
+    if "scale" in params:
+        options["scale"] = scale
+    elif scale is not None and abs(scale * head_dim**0.5 - 1) > 1e-6:
+        raise ValueError(
+            f"this PyTorch's varlen_attn ({torch.__version__}) takes no scale, and the model's attention scale {scale} "
+            f"is not 1/sqrt(head_dim={head_dim}): install flash-attn, or a PyTorch whose varlen_attn takes scale"
+        )
+    return options
+
+
 def _torch_varlen(q, k, v, packing: Packing, scale: float | None) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
-    params = inspect.signature(varlen_attn).parameters
-    options: dict = {"scale": scale}
-    # PyTorch 2.9-2.10 spell causality is_causal=True; later releases a (left, right) window, (-1, 0) being causal
-    if "is_causal" in params:
-        options["is_causal"] = True
-    else:
-        options["window_size"] = (-1, 0)
-    if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in params:
-            options["enable_gqa"] = True
-        else:
-            groups = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    options = varlen_options(inspect.signature(varlen_attn).parameters, scale=scale, head_dim=q.shape[-1],
+                             gqa=k.shape[1] != q.shape[1])  # fmt: skip
+    if k.shape[1] != q.shape[1] and "enable_gqa" not in options:
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     cu = packing.cu_seqlens
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # (T, H, D) from a transposed view
     return varlen_attn(q, k, v, cu, cu, packing.max_len, packing.max_len, **options)

@@ -32,6 +32,8 @@ class TrainerState:
     step: int  # steps completed
     data_position: int  # problems consumed from the training stream
     world: int = 1  # the ranks that wrote it (a distributed checkpoint holds one optimizer shard per rank)
+    # under bf16: the stale-weight guard's noise floor, the engine's difference from the trainer at step 1 (Trainer)
+    logp_diff_floor: float | None = None
 
 
 def seed_rngs(seed: int) -> None:

@@ -34,8 +34,8 @@ class ModelConfig:
     name: str = "tiny"  # "tiny" (the embedded default, built from `tiny`) or a hub id / local HF folder
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     # the weights and AdamW state stay float32 (16-bit weights would round lr-1e-6 updates away); "auto" adds
-    # bf16 autocast on CUDA
-    dtype: Literal["auto", "float32"] = "auto"
+    # bf16 autocast on CUDA; "bfloat16" adds it on any device (the CPU's is slow: how the CPU checks the bf16 paths)
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
     gradient_checkpointing: bool = False
     liger_kernels: bool = True  # Liger's RMSNorm/SwiGLU/RoPE on CUDA when liger-kernel is installed

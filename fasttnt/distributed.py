@@ -32,6 +32,15 @@ def launched_distributed() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+def local_device(device_type: str) -> torch.device:
+    """This process's device, with its index on CUDA (the current device: ``cuda:0`` in a single process). An
+    index-less ``torch.device("cuda")`` is refused by ``torch.cuda.set_device`` ("Expected a torch.device with a
+    specified index or an integer, but got:cuda", torch 2.13), which the vllm engine calls once vLLM has started."""
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def init(device_type: str) -> DistContext:
     """Join the process group the launcher describes (gloo on the CPU, NCCL on CUDA)."""
     import deepspeed
@@ -96,9 +105,10 @@ def all_max_tensor(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def deepspeed_config(cfg, world: int) -> dict:
-    """The DeepSpeed config from ours: ZeRO stage, clipping, bf16 on CUDA; the optimizer is ours (AdamW)."""
-    return {
+def deepspeed_config(cfg, world: int, *, autocast: bool = False) -> dict:
+    """The DeepSpeed config from ours: ZeRO stage, clipping, float32 master weights, bf16 autocast in the forward
+    when ``autocast``; the optimizer is ours (AdamW)."""
+    config = {
         # one optimizer step per engine.step(); we do our own batching, and mark the last micro-batch of a
         # mini-batch with set_gradient_accumulation_boundary (their number varies from step to step)
         "train_batch_size": world,
@@ -117,10 +127,17 @@ def deepspeed_config(cfg, world: int) -> dict:
             "stage3_param_persistence_threshold": 0,
         },
         "zero_allow_untested_optimizer": True,
-        "bf16": {"enabled": False},  # float32 master weights; the forward uses autocast on CUDA
+        "bf16": {"enabled": False},  # float32 master weights, float32 gradients reduced in float32
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if autocast:
+        # DeepSpeed 0.19's engine.forward re-enters torch.autocast(enabled=False) when autocast is on outside it and
+        # its config has no torch_autocast section (deepspeed/runtime/torch_autocast.py, autocast_if_enabled): the
+        # forward would run in float32. Its own section keeps it on; no lower-precision modules, so no parameter
+        # gets a bf16 communication dtype and the gradients are still reduced in float32
+        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
+    return config
 
 
 def zero3_sharded(params: list[torch.nn.Parameter]) -> bool:

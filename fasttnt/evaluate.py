@@ -27,6 +27,7 @@ from .data import (
     loading_model,
     think_end_token_id,
 )
+from .distributed import local_device
 from .engines import EngineSettings, build_engine
 from .metrics import MARKER_SETS, rollout_metrics, to_floats, token_efficiency
 from .rewards import RewardConfig
@@ -192,7 +193,7 @@ def run_eval(
     save_responses: bool = False,
     device: torch.device | None = None,
 ) -> dict:
-    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or local_device("cuda" if torch.cuda.is_available() else "cpu")
     output_dir.mkdir(parents=True, exist_ok=True)
     # every benchmark is loaded, and so checked, before any generation starts
     problem_sets = {name: load_benchmark(name, settings) for name in benchmarks}

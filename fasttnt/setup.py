@@ -44,7 +44,7 @@ class Parts:
     out: Path
     dist: distributed.DistContext | None
     device: torch.device
-    autocast: bool  # bf16 autocast on CUDA
+    autocast: bool  # bf16 autocast (setup.bf16_autocast)
     model: torch.nn.Module
     tokenizer: object
     model_path: Path | str
@@ -78,9 +78,9 @@ class Parts:
         return training_prompt(self.cfg, self.tokenizer, problem)
 
 
-def cuda_autocast(cfg: TrainConfig, device: torch.device) -> bool:
-    """bf16 autocast: on CUDA, for a model whose ``model.dtype`` is auto (the forwards and the engine alike)."""
-    return device.type == "cuda" and cfg.model.dtype == "auto"
+def bf16_autocast(cfg: TrainConfig, device: torch.device) -> bool:
+    """bf16 autocast (the forwards and the engine alike): ``model.dtype`` bfloat16 on any device, auto on CUDA."""
+    return cfg.model.dtype == "bfloat16" or (cfg.model.dtype == "auto" and device.type == "cuda")
 
 
 def training_prompt(cfg: TrainConfig, tokenizer, problem: Problem):
@@ -105,7 +105,7 @@ def engine_settings(cfg: TrainConfig, model_path, device: torch.device, prompt_b
         model_path=str(model_path),
         max_model_len=None if prompt_budget is None else prompt_budget + r.max_new_tokens,
         seed=cfg.seed,
-        dtype="bfloat16" if cuda_autocast(cfg, device) else "float32",
+        dtype="bfloat16" if bf16_autocast(cfg, device) else "float32",
         device=device,
         trust_remote_code=cfg.model.trust_remote_code,
         gpu_memory_utilization=r.gpu_memory_utilization,
@@ -120,7 +120,7 @@ def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: b
     device_type = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
     dist = distributed.init(device_type) if distributed.launched_distributed() else None
     world, is_main = (dist.world, dist.rank == 0) if dist else (1, True)
-    device = dist.device if dist else torch.device(device_type)
+    device = dist.device if dist else distributed.local_device(device_type)
     r = cfg.rollout
     if r.prompts_per_step % (world * cfg.loss.mini_batches):
         raise ValueError(
@@ -174,18 +174,18 @@ def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: b
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay, fused=True
     )  # fused: one kernel for all parameters, on the CPU as on CUDA
+    autocast = bf16_autocast(cfg, device)
     ds_engine = None
     if dist:
         import deepspeed
 
         ds_engine, optimizer, _, _ = deepspeed.initialize(
-            model=head, optimizer=optimizer, config=distributed.deepspeed_config(cfg, world)
+            model=head, optimizer=optimizer, config=distributed.deepspeed_config(cfg, world, autocast=autocast)
         )
         if cfg.distributed.zero_stage == 3:  # the fused op reads the lm_head weight outside its module
             deepspeed.zero.register_external_parameter(head, model.get_output_embeddings().weight)
 
     # -- the rollout engine: before any RNG state is set (vLLM reseeds them when it starts) --
-    autocast = cuda_autocast(cfg, device)
     zero3 = ds_engine if dist and cfg.distributed.zero_stage == 3 else None
     settings = engine_settings(cfg, model_path, device, prompt_budget, zero3_engine=zero3)
     engine = build_engine(r.engine, model, tokenizer, settings)

@@ -43,6 +43,24 @@ class StaleWeightsError(RuntimeError):
     """The rollout engine sampled from other weights than the trainer's: a weight push that did not arrive."""
 
 
+# The stale-weight guard under bf16. Two bf16 implementations of one network (the engine's kernels, the trainer's
+# autocast) differ in every rounding, so their log-probs differ even on the same weights; at step 1 of a run they
+# hold the same weights by construction (the engine loaded the checkpoint the trainer starts from, and nothing has
+# moved), so that step's difference is the run's noise floor. The guard then stops past max(rollout.max_logp_diff,
+# GUARD_NOISE_FACTOR x floor): a mean over a step's thousands of tokens moves little from step to step, and 3x leaves
+# room for the logits to grow as the policy sharpens, while a push that did not arrive or was garbled (a tied head
+# left out measured 3.7 nats) is far past it. A floor whose 3x passes GUARD_CEILING (0.5 nats per token, a likelihood
+# ratio of e^0.5 per token on average) is no rounding: that engine is not serving the trainer's model.
+GUARD_NOISE_FACTOR = 3.0
+GUARD_CEILING = 0.5
+
+
+def stale_weights(diff: float, limit: float) -> bool:
+    """The stale-weight guard's rule: the engine's mean log-prob difference per token is over ``limit``, or NaN (an
+    engine whose numbers cannot be checked is not trusted)."""
+    return not diff <= limit
+
+
 class PhaseClock:
     """Seconds per phase (``time_<phase>``); a phase that runs once per draw adds up over the draws."""
 
@@ -67,6 +85,7 @@ class Trainer:
         self.dist, self.rank, self.world, self.is_main = parts.dist, parts.rank, parts.world, parts.is_main
         self.device, self.model, self.tokenizer = parts.device, parts.model, parts.tokenizer
         self.engine, self.stream, self.state = parts.engine, parts.stream, parts.state
+        self.guard_floor = parts.state.logp_diff_floor  # measured at step 1 under bf16 (GUARD_NOISE_FACTOR)
         self.correction = rollout_correction(cfg)
         self.actor = Actor(cfg, parts, correction=self.correction)
         self.verifier = VerifierPool(cfg.verify_workers, cfg.verify_timeout)
@@ -116,7 +135,8 @@ class Trainer:
 
         # log
         values = self._record(step, lr, drawn, trained, update, len(draws), varied, filled, clock.times, old.think_end)
-        self.state = TrainerState(step=step, data_position=self.stream.position, world=self.world)
+        self.state = TrainerState(step=step, data_position=self.stream.position, world=self.world,
+                                  logp_diff_floor=self.guard_floor)  # fmt: skip
         return values
 
     def _draw(self, step: int, draw: int, clock: PhaseClock) -> Draw:
@@ -158,15 +178,27 @@ class Trainer:
 
     def _check_engine_weights(self, step: int, batch, old_logp) -> None:
         """Stop before training on samples that the engine drew from weights other than the trainer's."""
-        limit = self.cfg.rollout.max_logp_diff
+        limit = configured = self.cfg.rollout.max_logp_diff
         if not self.actor.check_engine or old_logp is None or batch.rollout_logp is None:
             return
         diff = self.actor.engine_logp_diff(batch, old_logp)
-        if not diff <= limit:  # NaN included
+        if self.parts.autocast and step == 1:  # bf16: the noise floor, on weights that match by construction
+            if stale_weights(GUARD_NOISE_FACTOR * diff, GUARD_CEILING):
+                raise StaleWeightsError(
+                    f"step 1: the {self.cfg.rollout.engine} engine's log-probs differ from the trainer's by {diff:.3g} "
+                    f"per token while both hold the run's starting weights: more than bf16 rounding explains (the "
+                    f"guard's ceiling {GUARD_CEILING} / {GUARD_NOISE_FACTOR}); the engine is not serving this model"
+                )
+            self.guard_floor = diff
+        if self.guard_floor is not None:
+            limit = max(limit, GUARD_NOISE_FACTOR * self.guard_floor)
+        if stale_weights(diff, limit):
+            floor = self.guard_floor
+            floor = "" if floor is None else f", or {GUARD_NOISE_FACTOR:g}x step 1's bf16 floor {floor:.3g}"
             raise StaleWeightsError(
                 f"step {step}: the {self.cfg.rollout.engine} engine's log-probs differ from the trainer's by "
-                f"{diff:.3g} per token (rollout.max_logp_diff={limit}): it sampled from other weights (a weight push "
-                "that did not arrive?); not training on them"
+                f"{diff:.3g} per token, past the guard's {limit:.3g} (rollout.max_logp_diff={configured}{floor}): it "
+                "sampled from other weights (a weight push that did not arrive?); not training on them"
             )
 
     def _short_of_groups(self, varied: int) -> bool:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import zlib
 
 import pytest
 import torch
+from small import SEED
 
 # Triton reads TRITON_INTERPRET when a kernel is defined, i.e. when fasttnt_kernels is imported: set it before
 # any test module imports it. With a GPU the kernels run natively on CUDA tensors instead.
@@ -16,8 +16,9 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Fresh random inputs every run; FASTTNT_TEST_SEED=N replays a run (the header prints the seed).
-SEED = int(os.environ.get("FASTTNT_TEST_SEED", random.SystemRandom().randrange(2**31)))
+# the runs a test launches in other processes read it too
+os.environ["FASTTNT_TEST_SEED"] = str(SEED)
+REPLAY = f"FASTTNT_TEST_SEED={SEED}"
 
 
 def pytest_configure(config):
@@ -29,7 +30,21 @@ def pytest_configure(config):
 
 def pytest_report_header(config):
     where = "CUDA (native Triton)" if HAS_CUDA else "CPU (Triton interpreter)"
-    return f"fasttnt: kernels on {where}; FASTTNT_TEST_SEED={SEED}"
+    return f"fasttnt: kernels on {where}; {REPLAY}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    # a failure names the seed that replays it, in its own section of the failure's report
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        report.sections.append(("fasttnt seed", f"replay: {REPLAY} python -m pytest '{item.nodeid}'"))
+
+
+def pytest_terminal_summary(terminalreporter):
+    # -q hides the header: the seed is printed again at the end of the run, which -q keeps
+    terminalreporter.write_line(f"fasttnt: {REPLAY} (set it to replay this run)")
 
 
 @pytest.fixture(autouse=True)

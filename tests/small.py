@@ -1,12 +1,23 @@
-"""Config overrides for a run of seconds: a 1-layer width-32 tiny model, a short warm-up, 4 prompts x 4 samples;
-a run's logged metrics (all, and the deterministic ones); and a free port for the launchers."""
+"""The test seed; config overrides for a run of seconds (a 1-layer width-32 tiny model, a short warm-up, 4 prompts x
+4 samples, seeded from the test seed); a run's logged metrics (all, and the deterministic ones); and a free port for
+the launchers."""
 
 import json
+import os
+import random
 import shutil
 import socket
 import sys
 
+# Fresh random inputs every run; FASTTNT_TEST_SEED=N replays a run (conftest prints the seed at the start and the
+# end of every run, and beside every failure). Set here so that the tests and the runs they launch share it.
+SEED = int(os.environ.get("FASTTNT_TEST_SEED") or random.SystemRandom().randrange(2**31))
+RUN_SEED = SEED % 1000
+"""The seed of the runs the tests make (the trainer's and the warm-up's): the tests that train vary with it too."""
+
 SMALL = [
+    f"seed={RUN_SEED}",
+    f"warmup.seed={RUN_SEED}",
     "model.tiny.hidden_size=32",
     "model.tiny.intermediate_size=64",
     "model.tiny.num_hidden_layers=1",

@@ -196,6 +196,22 @@ def test_the_mean_is_over_the_papers_five_math_sets():
     assert head.index("olympiad") < head.index("math500")  # the averaged sets first
 
 
+def test_run_eval_averages_the_papers_sets_it_evaluated(tmp_path, models, monkeypatch):
+    # AIME24 stands for the paper's five (its hub copy is out of reach here; its problems are local ones) beside the
+    # synthetic set, which is not one of them: the mean is AIME24's alone, not the two sets' average
+    from fasttnt.data import Problem
+
+    real = evaluate.load_problems
+    local = [Problem(f"{a}+2", str(a + 2)) for a in range(3)]
+    monkeypatch.setattr(evaluate, "load_problems", lambda name: local if name == "aime24" else real(name))
+    report = run_eval([models[0]], ["aime24", "synthetic"], SETTINGS, tmp_path)
+    per = report["results"][models[0]]
+    assert per["aime24"]["responses"] == 3 * SETTINGS.samples and per["synthetic"]["responses"] > 0
+    assert report["mean_over"] == ["aime24"]
+    for key in ("acc", "len", "non_thinking_ratio", "hack_rate"):
+        assert report["mean"][models[0]][key] == per["aime24"][key], key
+
+
 def test_a_checkpoint_evaluates_as_a_model(tmp_path):
     # every checkpoint folder holds the tokenizer beside the weights: `fasttnt eval --model run/checkpoints/step-N`
     from small import SMALL

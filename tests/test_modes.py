@@ -5,6 +5,7 @@ AutoThink's batch balance and ellipsis prompt."""
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 
@@ -308,6 +309,12 @@ def test_the_batch_balance_in_a_run(tmp_path, forced):
 def test_the_ellipsis_prompt_in_training_and_evaluation(tmp_path, monkeypatch):
     plain, ellipsis = (build_prompt(TOK, "1+2", style=s).text for s in ("plain", "ellipsis"))
     assert ellipsis == plain.rstrip() + "\n...\n" and plain.rstrip().endswith("<think>")
+    # an R1-style template opens the think block with a newline: the ellipsis follows "<think>" with one newline
+    r1 = copy.deepcopy(TOK)
+    r1.chat_template = TOK.chat_template.replace("<think>{% endif %}", "<think>\n{% endif %}")
+    r1_plain, r1_ellipsis = (build_prompt(r1, "1+2", style=s).text for s in ("plain", "ellipsis"))
+    assert r1_plain.endswith("<think>\n"), "the construction: a template whose prompt ends in whitespace"
+    assert r1_ellipsis == plain.rstrip() + "\n...\n" and not r1_ellipsis.endswith("<think>\n\n...\n")
     trainer = Trainer(load_config(None, _small(tmp_path, "data.prompt_style=ellipsis")), tmp_path / "run")
     prompt = trainer.parts.prompt(held_out(1)[0])
     assert prompt.text.endswith("<think>\n...\n")
@@ -349,3 +356,13 @@ def test_a_warm_up_whose_direct_examples_do_not_teach_the_choice():
     # the same examples otherwise: the prompt plus response, token for token
     both = [list(itertools.islice(_examples(TOK, WarmupConfig(choose_direct=c)), 40)) for c in (True, False)]
     assert [p + r for p, r in both[0]] == [p + r for p, r in both[1]]
+
+
+def test_select_keeps_the_forced_codes_of_the_rows_it_keeps():
+    # four rows of modes free, direct, thinking, direct: keeping rows 1 and 2 keeps their codes, in that order
+    forced = torch.tensor([0, 1, 2, 1], dtype=torch.int8)
+    batch = RolloutBatch.of_responses([[1]] * 4, [[5, 6], [7], [8, 9, 10], [11]], [False] * 4, 2,
+                                      rollout_logp=[-0.1] * 7, forced=forced)  # fmt: skip
+    kept, index = batch.select([1, 2])
+    assert kept.forced.tolist() == [1, 2]
+    assert kept.responses == [[7], [8, 9, 10]] and index.tolist() == [2, 3, 4, 5]

@@ -301,3 +301,17 @@ def test_a_model_that_drops_the_packing_raises():
     batch = _batch(len(tok), [4], [3])
     with pytest.raises(RuntimeError, match="was called without the packing"):
         response_logprobs(head, batch, plan_micro_batches(batch, 1000), temperature=TEMPERATURE)
+
+
+def test_varlen_options_follow_the_pytorch_release():
+    # PyTorch's varlen_attn (CUDA only) changed its keywords across releases; the options are ours, so checked here
+    # against each release's parameter names: 2.9-2.10 (is_causal, no window), 2.13 (window_size, enable_gqa, scale)
+    from fasttnt.attention import varlen_options
+
+    torch_2_13 = {"query", "key", "value", "window_size", "enable_gqa", "scale", "return_aux"}
+    assert varlen_options(torch_2_13, scale=0.125, head_dim=64, gqa=True) == {
+        "window_size": (-1, 0), "enable_gqa": True, "scale": 0.125}  # fmt: skip
+    older = {"query", "key", "value", "is_causal"}
+    assert varlen_options(older, scale=64**-0.5, head_dim=64, gqa=True) == {"is_causal": True}  # GQA by repeating
+    with pytest.raises(ValueError, match=r"takes no scale, and the model.s attention scale 0\.1 is not 1/sqrt"):
+        varlen_options(older, scale=0.1, head_dim=64, gqa=False)

@@ -176,3 +176,14 @@ def test_decoding_drops_the_final_eos_but_keeps_think_end():
     ids = TOK("</think>The answer is 5<eos>", add_special_tokens=False)["input_ids"]
     (text,) = decode_responses(TOK, [ids])
     assert text == "</think>The answer is 5"
+
+
+def test_think_end_prob_is_the_arithmetic_mean_of_the_probabilities():
+    # p(</think>) of three groups: 0.5, 0.1 and 0.0 (a model that never stops thinking): (0.5 + 0.1 + 0) / 3 = 0.2;
+    # a geometric mean would give 0, a mean of the log-probs exponentiated exp(-inf) = 0, a constant 0.5
+    logp = torch.tensor([0.5, 0.1, 0.0]).log()
+    m = to_floats(
+        rollout_metrics(correct=torch.tensor([True] * 3), non_thinking=torch.tensor([False] * 3),
+                        lengths=torch.tensor([4, 4, 4]), hacked=torch.tensor([False] * 3), think_end_logp=logp)
+    )  # fmt: skip
+    assert math.isclose(m["think_end_prob"], 0.2, rel_tol=1e-6)

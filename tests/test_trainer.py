@@ -5,6 +5,7 @@ with rewards that vary by construction (tests/varied.py) and first assert that t
 from __future__ import annotations
 
 import json
+import math
 import random
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from fasttnt.policy import plan_micro_batches
 from fasttnt.step_metrics import TOKEN_METRICS
 from fasttnt.synthetic import held_out
 from fasttnt.tiny import TinyModelConfig
-from fasttnt.trainer import Trainer
+from fasttnt.trainer import Trainer, stale_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -483,6 +484,26 @@ def test_the_stale_weight_guard_leaves_top_p_and_the_hf_engine_alone(tmp_path):
     rows = _run(tmp_path, "run", varied.OVERRIDE, "rollout.top_p=0.5", "loss.mini_batches=2", "steps=2")
     assert [r["step"] for r in rows] == [1, 2]
     assert max(r["rollout_logp_diff"] for r in rows) > 0.1  # what the guard would have taken for stale weights
+
+
+def test_the_guard_stops_past_its_limit_and_at_nan():
+    limit = 0.1
+    assert not stale_weights(limit, limit) and not stale_weights(0.0, limit)  # at the limit: still the same weights
+    assert stale_weights(math.nextafter(limit, 1.0), limit) and stale_weights(math.inf, limit)
+    assert stale_weights(math.nan, limit)
+
+
+def test_the_guards_number_is_a_mean_over_tokens(tmp_path):
+    # two sequences of 1 and 3 tokens, the first off by 4 and the others by 0: (4 + 0 + 0 + 0) / 4 = 1 per token,
+    # where a mean per sequence would give (4 + 0) / 2 = 2, and a mean of signed differences (4 - 0 - 0 - 0) / 4 the
+    # same 1 only by accident of signs: the third token is off by -2 and the fourth by +2 in the second case
+    from fasttnt.engines import RolloutBatch
+
+    trainer = Trainer(load_config(None, small(tmp_path)), tmp_path / "run")
+    trainer.verifier.close()
+    batch = RolloutBatch.of_responses([[1], [1]], [[5], [6, 7, 8]], [False, False], 2, rollout_logp=[-1.0] * 4)
+    assert trainer.actor.engine_logp_diff(batch, torch.tensor([-5.0, -1.0, -1.0, -1.0])) == 1.0
+    assert trainer.actor.engine_logp_diff(batch, torch.tensor([-1.0, -1.0, -3.0, 1.0])) == 1.0
 
 
 def test_a_checkpoint_without_numpys_rng_state_is_refused_in_one_line(tmp_path, capsys):

@@ -101,6 +101,8 @@ CASES = [
     *[dict(loss_type=t, beta=0.0) for t in SUPPORTED_LOSS_TYPES],
     *[dict(loss_type=t, beta=0.04) for t in SUPPORTED_LOSS_TYPES],
     dict(loss_type="dapo", beta=0.0, delta=1.5),  # TRL's two-sided clip = fasttnt's dual clip
+    # dapo's normaliser counts the generation batch's tokens, spread over steps_per_generation optimizer steps
+    dict(loss_type="dapo", beta=0.0, steps_per_generation=2),
     dict(loss_type="grpo", beta=0.0, delta=1.1),  # below 1 + epsilon_high: clip_high 0.1 and a dual clip at 1.28
     dict(loss_type="grpo", beta=0.04, is_ratio=True),  # vLLM's importance-sampling correction
     dict(loss_type="bnpo", beta=0.0, on_policy=True),  # no old log-probs: TRL uses the detached current ones

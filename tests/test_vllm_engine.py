@@ -12,12 +12,15 @@ import pytest
 import torch
 import vllm_standin
 from small import LAUNCHER_ENV, SMALL, deterministic, metric_rows
+from transformers import AutoModelForCausalLM
 
 from fasttnt.checkpoint import list_checkpoints
 from fasttnt.config import load_config
 from fasttnt.evaluate import EvalSettings, run_eval
 from fasttnt.synthetic import held_out
 from fasttnt.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # the entropy bonus moves the policy at every step whatever the rewards, so stale weights in the engine would show
 OVERRIDES = [*SMALL, "warmup.steps=3", "warmup.batch_size=8", "rollout.max_new_tokens=12", "rollout.engine=vllm",
@@ -137,3 +140,162 @@ def test_dynamic_sampling_pushes_the_weights_once_per_step(tmp_path, standin):
     assert log.count("sleep(2)") == len(rows) + 1  # at the start, and before each step's update
     for row in rows:  # every draw sampled from the current weights
         assert row["rollout_logp_diff"] < 1e-4, row
+
+
+# -- the stale-weight guard's stop path ------------------------------------------------------------------------
+# awake between rollouts (a level-2 sleep would discard the engine's weights, which the stand-in turns into NaN and
+# refuses to sample from): a push that does not arrive leaves the engine on the previous step's weights
+
+
+def _guarded(tmp_path: Path, capsys, *extra: str) -> tuple[int, list[dict], str]:
+    """``fasttnt train`` through the CLI with the stand-in: (exit code, the metrics rows, stderr's last line)."""
+    from fasttnt.cli import main as cli_main
+
+    out = tmp_path / "run"
+    args = ["train", "--output-dir", str(out), f"cache_dir={tmp_path / 'cache'}", *OVERRIDES,
+            "rollout.sleep_between_rollouts=false", *extra]  # fmt: skip
+    capsys.readouterr()
+    code = cli_main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, metric_rows(out), err[-1] if err else ""
+
+
+def test_a_push_that_does_not_arrive_stops_the_run(tmp_path, standin, monkeypatch, capsys):
+    pushed = []
+    monkeypatch.setattr(vllm_standin._EngineModel, "load_weights", lambda self, w: pushed.append(len(list(w))))
+    code, rows, err = _guarded(tmp_path, capsys, "rollout.max_logp_diff=1e-3")
+    # step 1 sampled from the weights the engine was built with, the trainer's: within float32 rounding
+    assert [r["step"] for r in rows] == [1] and rows[0]["rollout_logp_diff"] < 1e-5 and rows[0]["grad_norm"] > 0
+    assert pushed, "no push was attempted: the guard would have nothing to catch"
+    # AdamW's first step moves every weight by ~lr (1e-2): step 2's samples come from weights a step behind
+    assert code == 1
+    assert "step 2: the vllm engine's log-probs differ from the trainer's by" in err and "max_logp_diff=0.001" in err
+
+
+def test_nan_log_probs_from_the_engine_stop_the_run(tmp_path, standin, monkeypatch, capsys):
+    # an engine whose weights a push broke (a bf16 overflow, a discarded buffer) reports NaN: NaN is not <= any limit
+    real = vllm_standin.Logprob
+    monkeypatch.setattr(vllm_standin, "Logprob", lambda value: real(float("nan")))
+    code, rows, err = _guarded(tmp_path, capsys)
+    assert code == 1 and rows == []
+    assert "step 1: the vllm engine's log-probs differ from the trainer's by nan per token" in err
+
+
+def test_the_guard_is_off_and_says_so_under_top_p(tmp_path, standin, capsys):
+    # under top-p the engine's log-probs are renormalised over the nucleus: they differ from the trainer's by design,
+    # so the guard (however tight) must not stop the run, and a warning says nothing checks the weights
+    with pytest.warns(UserWarning, match="the stale-weight guard is off at rollout.top_p=0.5"):
+        code, rows, _ = _guarded(tmp_path, capsys, "rollout.top_p=0.5", "rollout.max_logp_diff=1e-6", "steps=2")
+    assert code == 0 and [r["step"] for r in rows] == [1, 2]
+    assert min(r["rollout_logp_diff"] for r in rows) > 1e-6  # what the guard, left on, would have stopped
+
+
+# -- the CUDA branches, on the CPU ------------------------------------------------------------------------------
+
+
+def _engine_folder(tmp_path: Path):
+    from fasttnt.char_tokenizer import build_char_tokenizer
+    from fasttnt.tiny import TinyModelConfig, build_tiny_model
+
+    tok = build_char_tokenizer()
+    shape = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    build_tiny_model(tok, shape).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    return tok, str(tmp_path / "model")
+
+
+def test_an_index_less_cuda_device_gets_its_index(tmp_path, standin, monkeypatch):
+    # what setup.build made for one process before: torch.device("cuda"), which torch.cuda.set_device refuses
+    # ("Expected a torch.device with a specified index"); the recorded set_device checks its argument as PyTorch does
+    from torch.cuda._utils import _get_device_index
+
+    from fasttnt import distributed
+    from fasttnt.engines import EngineSettings
+    from fasttnt.engines.vllm import VLLMEngine
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(_get_device_index(device)))
+    assert distributed.local_device("cuda") == torch.device("cuda", 0)
+    assert distributed.local_device("cpu") == torch.device("cpu")
+    tok, folder = _engine_folder(tmp_path)
+    engine = VLLMEngine(None, tok, EngineSettings(max_new_tokens=4, model_path=folder, device="cuda"))
+    assert engine.device == torch.device("cuda", 0) and calls == [0]
+    assert standin.LLM.built[0]["gpu_memory_utilization"] == 0.5  # the CUDA branch of the build was taken
+
+
+def test_the_engine_runs_vllms_v1_model_runner(tmp_path, standin, monkeypatch):
+    from fasttnt.engines import EngineSettings
+    from fasttnt.engines.vllm import VLLMEngine
+
+    tok, folder = _engine_folder(tmp_path)
+    settings = EngineSettings(max_new_tokens=4, model_path=folder)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(RuntimeError, match="VLLM_USE_V2_MODEL_RUNNER=1 asks for vLLM's V2 model runner"):
+        VLLMEngine(None, tok, settings)
+    assert standin.LLM.built == []  # refused before vLLM started
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    engine = VLLMEngine(None, tok, settings)  # the stand-in, as vLLM on CUDA, runs V2 unless told 0
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert not engine.llm.llm_engine.vllm_config.use_v2_model_runner
+    engine.close()
+    # an environment vLLM read before fasttnt's engine set it (an engine built earlier in the process): V2 anyway
+    real_init = standin.LLM.__init__
+
+    def cached_env(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.llm_engine.vllm_config.use_v2_model_runner = True
+
+    monkeypatch.setattr(standin.LLM, "__init__", cached_env)
+    with pytest.raises(RuntimeError, match="built this engine on its V2 model runner"):
+        VLLMEngine(None, tok, settings)
+
+
+def test_the_rollout_benchmark_builds_the_vllm_engine_awake(tmp_path, standin):
+    # the benchmark builds the vllm engine without the model; with the config's sleep_between_rollouts on (the
+    # stand-in, as CUDA, has sleep mode) the engine refused: "sleep_between_rollouts discards the weights"
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rollout_engines", ROOT / "benchmarks" / "rollout_engines.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = ["--engines", "vllm", "--rounds", "1", f"cache_dir={tmp_path / 'cache'}", *OVERRIDES]
+    assert load_config(None, args[4:]).rollout.sleep_between_rollouts, "the construction: sleep asked for"
+    assert bench.main(args) == 0
+    assert "sleep(2)" not in standin.LLM.logs[0] and standin.LLM.logs[0].count("generate") == 2
+
+
+def test_under_bf16_the_guard_calibrates_at_step_1_and_stops_a_missed_push(
+    tmp_path, standin, monkeypatch, capsys
+):
+    # the trainer under bf16 autocast (model.dtype=bfloat16, on the CPU too), the engine in float32: their log-probs
+    # differ by bf16 rounding on the same weights, far past a limit of 1e-4, which uncalibrated stopped step 1
+    from fasttnt.checkpoint import read_trainer_state
+
+    tight = ("model.dtype=bfloat16", "rollout.max_logp_diff=1e-4")
+    code, rows, err = _guarded(tmp_path, capsys, *tight)
+    assert code == 0, err
+    floor = read_trainer_state(list_checkpoints(tmp_path / "run" / "checkpoints")[-1]).logp_diff_floor
+    assert rows[0]["rollout_logp_diff"] == pytest.approx(floor) and floor > 1e-4  # bf16's, not float32's 1e-7
+    assert all(r["rollout_logp_diff"] <= 3 * floor for r in rows) and all(r["grad_norm"] > 0 for r in rows)
+    # the same run with the push lost after step 1: the drift of AdamW's first step is past 3x the floor
+    monkeypatch.setattr(vllm_standin._EngineModel, "load_weights", lambda self, w: list(w))
+    code, rows, err = _guarded(tmp_path / "missed", capsys, *tight)
+    assert code == 1 and [r["step"] for r in rows] == [1]
+    assert "step 2: the vllm engine's log-probs differ" in err and "step 1's bf16 floor" in err, err
+
+
+def test_a_prefix_cache_that_was_not_reset_stops_the_push(tmp_path, standin, monkeypatch):
+    # vLLM returns False (and only warns) when blocks are still in use: the old weights' KV would be served
+    from fasttnt.engines import EngineSettings
+    from fasttnt.engines.vllm import VLLMEngine
+
+    tok, folder = _engine_folder(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    engine = VLLMEngine(model, tok, EngineSettings(max_new_tokens=4, model_path=folder))
+    engine.sync_weights(model)  # reset: True
+    assert engine.llm.calls[-1] == "reset_prefix_cache"
+    monkeypatch.setattr(standin.LLM, "reset_prefix_cache", lambda self: False)
+    with pytest.raises(RuntimeError, match="did not reset its prefix cache after the weight push"):
+        engine.sync_weights(model)
+    engine.close()

@@ -9,7 +9,8 @@ in its source):
 * ``sleep(level=2)`` discards the weights: here they become NaN, so generating from them is caught;
 * waking memory that is already mapped raises (0.22's allocator would map it twice: a CUDA error);
 * generating with any part asleep raises (0.31 schedules nothing until every part is awake: a hang);
-* one engine per process holds the GPU: a second one fails while the first is alive (vLLM's memory check).
+* one engine per process holds the GPU: a second one fails while the first is alive (vLLM's memory check);
+* the V2 model runner unless ``VLLM_USE_V2_MODEL_RUNNER=0`` (0.31 on CUDA with Triton, for a dense model).
 
 Generation is real: the weights pushed through ``apply_model`` sample tokens on the CPU, each request from its own
 seeded generator, and the log-probs returned are "processed" (after temperature and top-p), as
@@ -87,6 +88,8 @@ class LLM:
         self.kwargs = {"model": model, **kwargs}
         LLM.built.append(self.kwargs)
         self.model = _EngineModel(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval())
+        v2 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0"
+        self.llm_engine = types.SimpleNamespace(vllm_config=types.SimpleNamespace(use_v2_model_runner=v2))
         seed = kwargs.get("seed", 0)
         random.seed(seed)
         np.random.seed(seed)

@@ -64,7 +64,7 @@ class HFEngine:
         self.model, self.tokenizer = model, tokenizer
         self.max_new_tokens = settings.max_new_tokens
         self.temperature, self.top_p = settings.temperature, settings.top_p
-        self.bf16_autocast = settings.dtype == "bfloat16"  # on CUDA, as the training forwards
+        self.bf16_autocast = settings.dtype == "bfloat16"  # as the training forwards (setup.bf16_autocast)
         self.zero3_engine = settings.zero3_engine
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
@@ -100,8 +100,8 @@ class HFEngine:
         forbid = torch.tensor([p.forbid_think_end_first for p in requests.rows], device=device)  # (S,)
         was_training = self.model.training
         self.model.eval()
-        # on CUDA, the same bf16 autocast as the training forwards (FlashAttention rejects float32 inputs)
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and self.bf16_autocast)
+        # the same bf16 autocast as the training forwards (on CUDA FlashAttention rejects float32 inputs)
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16_autocast)
         try:
             with autocast:
                 sampled, sampled_logp = self._decode(encoded, counts, seeds, forbid)

@@ -69,6 +69,8 @@ class VLLMEngine:
         self._sampling_params = vllm.SamplingParams
         self.model, self.tokenizer = model, tokenizer
         self.device = torch.device(settings.device)
+        if self.device.type == "cuda" and self.device.index is None:  # read before vLLM changes the current device
+            self.device = distributed.local_device("cuda")
         self.max_new_tokens = settings.max_new_tokens
         self.temperature, self.top_p = settings.temperature, settings.top_p
         self.bucket_bytes = settings.weight_sync_bucket_mb * 2**20
@@ -102,8 +104,7 @@ class VLLMEngine:
             from .vllm_first_token import ForbidFirstToken
 
             options["logits_processors"] = [ForbidFirstToken]
-            if self.device.type == "cuda":
-                os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the processor's interface is V1's
+        _pin_v1_model_runner()
         self.llm = vllm.LLM(
             model=settings.model_path,
             dtype=settings.dtype,
@@ -117,10 +118,11 @@ class VLLMEngine:
             trust_remote_code=settings.trust_remote_code,
             **options,
         )
-        if self.forbid_first and self.llm.llm_engine.vllm_config.use_v2_model_runner:
+        if self.llm.llm_engine.vllm_config.use_v2_model_runner:
             raise RuntimeError(
-                "forced thinking needs vLLM's V1 model runner (its first-token processor has V1's interface), but "
-                "this engine runs V2: set VLLM_USE_V2_MODEL_RUNNER=0 before the first engine is built"
+                "vLLM built this engine on its V2 model runner although VLLM_USE_V2_MODEL_RUNNER=0 was set: vLLM "
+                "reads its environment once, and an engine built earlier in this process fixed it; build fasttnt's "
+                "engine first (the vllm engine runs the V1 runner: _pin_v1_model_runner)"
             )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # vLLM made cuda:LOCAL_RANK current; the trainer's device stays so
@@ -187,7 +189,13 @@ class VLLMEngine:
             self._wake("weights")
         weights = _pushed_weights(model, self.bucket_bytes)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        self.llm.reset_prefix_cache()
+        # False (with only a warning from vLLM) while any cache block is in use: its KV of the old weights would be
+        # served to the next rollout's prompts
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError(
+                "vLLM did not reset its prefix cache after the weight push (blocks still in use): the next rollout "
+                "would reuse KV computed with the previous weights"
+            )
         self.weights_current = True
 
     def close(self) -> None:
@@ -265,6 +273,24 @@ def _destroy_vllm_world_only() -> None:
         parallel_state._WORLD.destroy()
     parallel_state._WORLD = None
     parallel_state._NODE_COUNT = None
+
+
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def _pin_v1_model_runner() -> None:
+    """vLLM's V1 model runner, on every device. vLLM 0.31 picks V2 for dense models wherever Triton is installed
+    (``vllm/config/vllm.py``, ``VllmConfig.use_v2_model_runner``) and V1 where it is not (its CPU build, whose runner
+    subclasses V1's): V1 is the runner this engine's tests run, and the one whose logits-processor interface forced
+    thinking's first-token processor has. V2 has never run with this engine. Set before ``LLM()``: vLLM caches its
+    environment once an engine starts."""
+    asked = os.environ.get(V2_RUNNER_ENV)
+    if asked not in (None, "", "0"):
+        raise RuntimeError(
+            f"{V2_RUNNER_ENV}={asked} asks for vLLM's V2 model runner; the vllm engine runs the V1 runner (the one "
+            "its tests run, and forced thinking's first-token processor has V1's interface): unset it"
+        )
+    os.environ[V2_RUNNER_ENV] = "0"
 
 
 def _external_launcher_env() -> None:

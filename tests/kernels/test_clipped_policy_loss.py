@@ -17,7 +17,7 @@ from fasttnt_kernels import (
     rollout_correction_weights,
 )
 
-from checks import DEVICE, assert_close, hand_worked_case
+from checks import DEVICE, FP32_LOG_RATIO_MARGIN, assert_close, hand_worked_case, off_the_bounds
 
 
 def _packed_batch(lengths, dtype=torch.float32, *, spread=0.4):
@@ -25,12 +25,14 @@ def _packed_batch(lengths, dtype=torch.float32, *, spread=0.4):
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int64, device=DEVICE)
     cu[1:] = lengths.cumsum(0)
     n = int(cu[-1])
-    logp = -torch.rand(n, device=DEVICE) * 4
-    # old and ref policies differ by ~spread in log space: ratios land on both sides of both clip bounds
-    old = logp + torch.randn(n, device=DEVICE) * spread
-    ref = logp + torch.randn(n, device=DEVICE) * spread
+    logp = (-torch.rand(n, device=DEVICE) * 4).to(dtype)
+    # old and ref policies differ by ~spread in log space: ratios land on both sides of both clip bounds, never
+    # within rounding of one (the kernel and the float64 truth compute the same ratio from the same inputs)
+    old = (logp + torch.randn(n, device=DEVICE) * spread).to(dtype)
+    old = off_the_bounds(logp, old, spread=spread, margin=FP32_LOG_RATIO_MARGIN)
+    ref = (logp + torch.randn(n, device=DEVICE) * spread).to(dtype)
     adv = torch.randn(len(lengths), device=DEVICE)
-    return logp.to(dtype), old.to(dtype), ref.to(dtype), adv, cu
+    return logp, old, ref, adv, cu
 
 
 def _run(logp, old, adv, cu, **kw):

@@ -18,7 +18,15 @@ from fasttnt_kernels import (
     linear_token_logprobs,
 )
 
-from checks import DEVICE, assert_close, assert_no_worse_than, hand_worked_case
+from checks import (
+    DEVICE,
+    FP32_LOG_RATIO_MARGIN,
+    assert_close,
+    assert_no_worse_than,
+    bf16_logit_margin,
+    hand_worked_case,
+    off_the_bounds,
+)
 
 V, H = 300, 24
 ROWS_PER_CHUNK = 16
@@ -26,7 +34,8 @@ ROWS_PER_CHUNK = 16
 LENGTHS = [9, 20, 0, 1, 17, 14]
 
 
-def _batch(dtype=torch.float32, *, spread=0.5):
+def _batch(dtype=torch.float32, *, spread=0.5, logits_dtype=None):
+    """``logits_dtype``: the precision the loss computes its logits in (``dtype``, or bfloat16 under autocast)."""
     lengths = torch.tensor(LENGTHS, device=DEVICE)
     cu = torch.zeros(len(LENGTHS) + 1, dtype=torch.int64, device=DEVICE)
     cu[1:] = lengths.cumsum(0)
@@ -35,9 +44,17 @@ def _batch(dtype=torch.float32, *, spread=0.5):
     weight = (torch.randn(V, H, device=DEVICE) / H**0.5 * 3).to(dtype)
     ids = torch.randint(0, V, (n,), device=DEVICE)
     with torch.no_grad():
-        logp = torch.log_softmax(hidden.double() @ weight.double().T, -1).gather(-1, ids[:, None])[:, 0].float()
-    # old and reference policies ~spread away in log space: ratios on both sides of both clip bounds
+        logits = hidden.double() @ weight.double().T  # (N, V)
+        logp = torch.log_softmax(logits, -1).gather(-1, ids[:, None])[:, 0].float()
+    # old and reference policies ~spread away in log space: ratios on both sides of both clip bounds, never within
+    # the log-probs' rounding of one (16-bit logits: a per-token bound; float32: 10x a float32 matmul's error)
     old = logp + torch.randn(n, device=DEVICE) * spread
+    if (logits_dtype or dtype) == torch.bfloat16:
+        with torch.no_grad():
+            margin = bf16_logit_margin(hidden.bfloat16().double() @ weight.bfloat16().double().T, ids)
+    else:
+        margin = 10 * FP32_LOG_RATIO_MARGIN
+    old = off_the_bounds(logp, old, spread=spread, margin=margin)
     ref = logp + torch.randn(n, device=DEVICE) * spread
     is_w = torch.rand(n, device=DEVICE) * 1.5
     adv = torch.randn(len(LENGTHS), device=DEVICE)
@@ -200,7 +217,7 @@ def test_autocast_accumulates_the_weight_gradient_in_float32(monkeypatch, path):
     # float32 master weights under bf16 autocast: bf16 logits and gradient matmuls, the weight's gradient summed
     # over chunks in float32, so it is no worse than the materialised bf16 reference's
     monkeypatch.setenv("FASTTNT_KERNELS", path)
-    hidden, weight, ids, old, _ref, _is_w, adv, cu = _batch()
+    hidden, weight, ids, old, _ref, _is_w, adv, cu = _batch(logits_dtype=torch.bfloat16)
     with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
         got = _fused(hidden, weight, ids, old, adv, cu, entropy_coef=0.05)
         lowp = _truth(hidden, weight, ids, old, adv, cu, entropy_coef=0.05, dtype=torch.float32)
