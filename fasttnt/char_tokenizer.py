@@ -25,11 +25,17 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_char_tokenizer(alphabet: str = ALPHABET) -> PreTrainedTokenizerFast:
-    """A character-level fast tokenizer: special tokens first (ids 0-6), then one id per character."""
+def build_char_tokenizer(alphabet: str = ALPHABET, *, vocab_size: int | None = None) -> PreTrainedTokenizerFast:
+    """A character-level fast tokenizer: special tokens first (ids 0-6), then one id per character. ``vocab_size``:
+    the vocabulary padded with entries no text encodes to (``<unused_N>``, which decode as such), to stand in for a
+    real model's vocabulary size (Qwen2's 151,936) where the costs that grow with it are measured."""
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in dict.fromkeys(alphabet):
         vocab.setdefault(ch, len(vocab))
+    if vocab_size is not None:
+        if vocab_size < len(vocab):
+            raise ValueError(f"vocab_size {vocab_size} is smaller than the character vocabulary ({len(vocab)})")
+        vocab.update({f"<unused_{i}>": i for i in range(len(vocab), vocab_size)})
     core = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()

@@ -201,3 +201,12 @@ def test_trl_loss_smoke(tmp_path):
     numbers = json.loads((tmp_path / "trl.json").read_text())
     assert numbers["trl"]["step_s"] > 0 and numbers["fasttnt"]["step_s"] > 0
     assert numbers["fasttnt"]["peak_rss_mib"] > 0 and "steps/s with fasttnt's loss" in out
+
+
+def test_gpu_loop_smoke(tmp_path):
+    # the GPU check's loop script, run on the CPU with its --smoke shapes, so its own code has run before a GPU does
+    out = _run("benchmarks/gpu_loop.py", "--smoke", "--out", str(tmp_path))
+    assert "embedded default: 1 steps, loss finite at every step: True" in out and out.rstrip().endswith("OK")
+    runs = json.loads((tmp_path / "gpu_loop.json").read_text())["runs"]
+    assert [r["run"] for r in runs] == ["embedded default", "real vocabulary"]
+    assert all(0 <= r["rollout_logp_diff_max"] < 1e-4 for r in runs)  # float32 on the CPU: the same weights

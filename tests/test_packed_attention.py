@@ -203,6 +203,9 @@ def test_micro_batch_plan_keeps_order_and_budget():
     batch = _batch(len(tok), [p for p, _ in lengths], [r for _, r in lengths])
     plan = plan_micro_batches(batch, 20)
     assert [(mb.first, mb.last) for mb in plan] == [(0, 2), (2, 3), (3, 5), (5, 6)]  # 65 > 20 alone; 32 alone
+    # a micro-batch that fills its budget exactly still takes the sequence: 13 + 4 + 3 = 20 tokens of 20
+    exact = _batch(len(tok), [3, 2, 1], [10, 2, 2])
+    assert [(mb.first, mb.last) for mb in plan_micro_batches(exact, 20)] == [(0, 3)]
     assert all(mb.tokens <= 20 or mb.last - mb.first == 1 for mb in plan)
     for mb in plan:  # distinct prompts: nothing shared; positions restart at every sequence, back to back
         assert mb.expand is None and mb.keep is None
@@ -315,3 +318,26 @@ def test_varlen_options_follow_the_pytorch_release():
     assert varlen_options(older, scale=64**-0.5, head_dim=64, gqa=True) == {"is_causal": True}  # GQA by repeating
     with pytest.raises(ValueError, match=r"takes no scale, and the model.s attention scale 0\.1 is not 1/sqrt"):
         varlen_options(older, scale=0.1, head_dim=64, gqa=False)
+
+
+def test_the_update_backward_is_reproducible_at_two_threads():
+    # a shared prompt's last state predicts the first token of each of its K responses: its gradient sums K repeats,
+    # which advanced indexing's backward added with atomics on the CPU (run-to-run differences at 2 threads); the
+    # gather is an index_select, whose backward adds them in index order. Two groups of K = 64 at the default width:
+    # each prompt's repeats spread over the whole index, so both threads reach them
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, TinyModelConfig(), seed=0).float()
+    batch = _grouped_batch(len(tok), [40, *[0] * 63] * 2, torch.randint(20, 60, (128,)).tolist(), 64)
+    plan = plan_micro_batches(batch, 100_000)
+    (mb,) = plan
+    assert mb.hidden_index.numel() > mb.hidden_index.unique().numel()  # the repeats this is about
+    upstream = torch.randn(batch.response_ids.numel())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runs = [_grads(model, response_logprobs(model, batch, plan, temperature=1.0)[0], upstream) for _ in range(4)]
+    finally:
+        torch.set_num_threads(threads)
+    assert any(g.abs().max() > 0 for g in runs[0].values())
+    for run in runs[1:]:
+        assert all(torch.equal(run[name], g) for name, g in runs[0].items())

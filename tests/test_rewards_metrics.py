@@ -187,3 +187,11 @@ def test_think_end_prob_is_the_arithmetic_mean_of_the_probabilities():
                         lengths=torch.tensor([4, 4, 4]), hacked=torch.tensor([False] * 3), think_end_logp=logp)
     )  # fmt: skip
     assert math.isclose(m["think_end_prob"], 0.2, rel_tol=1e-6)
+
+
+def test_a_response_without_its_eos_is_truncated():
+    # the budget ran out before EOS: no tokens at all (a zero budget) counts as cut too
+    from fasttnt.engines.batch import truncated_without_eos
+
+    eos = TOK.eos_token_id
+    assert truncated_without_eos([[], [5, eos], [5, 6], [eos]], eos) == [True, False, True, False]

@@ -517,3 +517,25 @@ def test_a_checkpoint_without_numpys_rng_state_is_refused_in_one_line(tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()
     assert "rng.pt holds no numpy RNG state (written by an earlier version)" in err[-1]
     assert err[-1].startswith("fasttnt train: --resume: ")
+
+
+def test_the_learning_rate_schedule_by_hand():
+    # 3 warm-up steps rise linearly to the full rate (never 0, the first step trains); then constant, or a cosine or
+    # linear decay from 1 to min_lr_ratio over the remaining 8 steps
+    from fasttnt.setup import lr_factor
+
+    def factors(schedule: str) -> list[float]:
+        cfg = load_config(None, ["steps=11", "optim.warmup_steps=3", f"optim.schedule={schedule}",
+                                 "optim.min_lr_ratio=0.2"])  # fmt: skip
+        return [lr_factor(cfg, step) for step in range(11)]
+
+    warm = [0.25, 0.5, 0.75]
+    assert factors("constant") == pytest.approx([*warm, *[1.0] * 8])
+    assert factors("linear") == pytest.approx([*warm, *[0.2 + 0.8 * (1 - i / 8) for i in range(8)]])
+    cosine = [0.2 + 0.8 * 0.5 * (1 + math.cos(math.pi * i / 8)) for i in range(8)]
+    assert factors("cosine") == pytest.approx([*warm, *cosine])
+
+
+def test_only_the_newest_checkpoints_are_kept(tmp_path):
+    _run(tmp_path, "run", "save_every=1", "keep_checkpoints=2")  # four saves, two kept
+    assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-000003", "step-000004"]

@@ -150,12 +150,20 @@ EXTRACTION = [
     ("<think>draft \\boxed{1}</think> final \\boxed{2}", "2"),
     ("<think>only a draft \\boxed{1}</think> and nothing boxed after", None),  # only after </think>
     ("</think>\\boxed{5}", "5"),
+    # only the first </think> ends the think block: a second one later is part of the answer's text
+    ("</think>So \\boxed{3}. </think> and some words", "3"),
 ]
 
 
 @pytest.mark.parametrize(("text", "expected"), EXTRACTION)
 def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
+
+
+def test_the_fast_path_decides_percentages_itself():
+    # a percentage is its number or its hundredth: decided without the symbolic path (which agrees, more slowly)
+    assert fast_equivalent("50\\%", "0.5") is True and fast_equivalent("50\\%", "50") is True
+    assert fast_equivalent("0.5", "50\\%") is True
 
 
 def test_fast_path_decides_integers_without_symbolic_work():

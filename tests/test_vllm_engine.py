@@ -265,9 +265,7 @@ def test_the_rollout_benchmark_builds_the_vllm_engine_awake(tmp_path, standin):
     assert "sleep(2)" not in standin.LLM.logs[0] and standin.LLM.logs[0].count("generate") == 2
 
 
-def test_under_bf16_the_guard_calibrates_at_step_1_and_stops_a_missed_push(
-    tmp_path, standin, monkeypatch, capsys
-):
+def test_under_bf16_the_guard_calibrates_at_step_1_and_stops_a_missed_push(tmp_path, standin, monkeypatch, capsys):
     # the trainer under bf16 autocast (model.dtype=bfloat16, on the CPU too), the engine in float32: their log-probs
     # differ by bf16 rounding on the same weights, far past a limit of 1e-4, which uncalibrated stopped step 1
     from fasttnt.checkpoint import read_trainer_state
