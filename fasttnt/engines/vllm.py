@@ -21,7 +21,8 @@ the sleep order; the weight push is vLLM's own reload):
   CUDA transports). Three rules it imposes, each measured on the CPU build: a tied ``lm_head.weight`` is pushed
   by name (the reload gives the head its own layer, which otherwise keeps its old packed copy: the logits were
   3.7 nats off; 0.31's ``Qwen2ForCausalLM.load_weights`` loads through ``AutoWeightsLoader``, which skips no
-  ``lm_head.`` name, unlike releases that dropped it when tied, and runs the same Python on CUDA); a decoder layer's tensors go in one bucket (a fused q/k/v layer split across buckets is loaded
+  ``lm_head.`` name, unlike releases that dropped it when tied, and runs the same Python on CUDA); a decoder
+  layer's tensors go in one bucket (a fused q/k/v layer split across buckets is loaded
   from uninitialised pieces); tensors that a layer holds until the end of the call (an embedding whose rows vLLM
   pads) stay valid until it returns (cloned when gathered from ZeRO-3 shards).
 * Sleep mode (CUDA only: vLLM refuses it elsewhere, and the engine then stays awake with a warning): asleep at
