@@ -65,7 +65,18 @@ def run_seed(stage: str, paths: tuple[str, ...], seed: int, workdir: Path) -> Se
     return result
 
 
-def sweep(stage: str, paths: tuple[str, ...], seeds: list[int], jobs: int, workdir: Path) -> list[SeedResult]:
+def sweep(
+    stage: str,
+    paths: tuple[str, ...],
+    seeds: list[int],
+    jobs: int,
+    workdir: Path,
+    *,
+    done: list[SeedResult],
+    out: Path | None,
+) -> list[SeedResult]:
+    """Every seed of one stage; each result is added to ``done`` (and ``out`` rewritten) as it comes, so a sweep
+    stopped early keeps what it ran."""
     if not seeds:
         return []
     with ThreadPoolExecutor(jobs) as pool:
@@ -74,6 +85,9 @@ def sweep(stage: str, paths: tuple[str, ...], seeds: list[int], jobs: int, workd
         bar = tqdm(futures, desc=f"{stage} seeds", unit="seed")
         for future in bar:
             results.append(future.result())
+            done.append(results[-1])
+            if out:
+                out.write_text(json.dumps([asdict(r) for r in done], indent=1))
             if results[-1].failed:  # as it happens: a long sweep is worth reading before it ends
                 bar.write(f"{stage}: FASTTNT_TEST_SEED={results[-1].seed} failed {', '.join(results[-1].failed)}")
             bar.set_postfix(failed_seeds=sum(bool(r.failed) for r in results))
@@ -93,12 +107,11 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(tmp)
         kernel_seeds = list(range(args.first, args.first + args.kernel_seeds))
         run_seeds = list(range(args.first, args.first + args.run_seeds))
-        results = sweep("kernels", KERNEL_TESTS, kernel_seeds, args.jobs, workdir)
+        results: list[SeedResult] = []
+        sweep("kernels", KERNEL_TESTS, kernel_seeds, args.jobs, workdir, done=results, out=args.out)
         # the 2-rank tests start two processes of their own: one seed at a time
-        results += sweep("runs", RUN_TESTS, run_seeds, 1, workdir)
+        sweep("runs", RUN_TESTS, run_seeds, 1, workdir, done=results, out=args.out)
 
-    if args.out:
-        args.out.write_text(json.dumps([asdict(r) for r in results], indent=1))
     for stage, seeds in (("kernels", kernel_seeds), ("runs", run_seeds)):
         if not seeds:
             continue

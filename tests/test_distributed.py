@@ -39,6 +39,9 @@ KEYS = ("loss", "grad_norm", "reward", "acc", "len", "non_thinking_ratio", "entr
 
 
 def _assert_same_run(a: list[dict], b: list[dict]) -> None:
+    """Every logged value of each step alike. Ranks sum the same float32 terms in another order (~1e-7 relative per
+    reduction, a few reductions deep), and the samples and rewards are the same by construction: 1e-4 relative is
+    1000x that rounding, while a rank on other data or weights changes rewards and losses in the leading digits."""
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for ra, rb in zip(a, b, strict=True):
         for key in KEYS:
