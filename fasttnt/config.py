@@ -141,6 +141,7 @@ class OptimConfig:
     lr: float = 3e-4  # the tiny model's; real models use 1e-6 (configs/*.yaml)
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.99)
+    eps: float = 1e-8  # AdamW's, PyTorch's default
     warmup_steps: int = 5
     schedule: Literal["constant", "cosine", "linear"] = "constant"
     min_lr_ratio: float = 0.1
@@ -283,6 +284,7 @@ def validate(cfg: TrainConfig) -> None:
     )
     need(o.lr > 0, "optim.lr", "must be > 0")
     need(o.grad_clip > 0, "optim.grad_clip", "must be > 0")
+    need(o.eps > 0, "optim.eps", "must be > 0")
     need(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
     need(cfg.reward.scheme in REWARD_SCHEMES, "reward.scheme", f"unknown; choose one of {REWARD_SCHEMES.names()}")
     need(

@@ -172,7 +172,7 @@ def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: b
     o = cfg.optim
     head = PolicyHead(model)
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay, fused=True
+        model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, fused=True
     )  # fused: one kernel for all parameters, on the CPU as on CUDA
     autocast = bf16_autocast(cfg, device)
     ds_engine = None

@@ -296,12 +296,16 @@ def test_bad_data_is_reported_before_the_model_loads(tmp_path, capsys):
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 def test_micro_batched_update_equals_the_one_forward_update(tmp_path, agg):
     # the same mini-batch through one forward and through micro-batches of <= 40 tokens (several per mini-batch,
-    # some holding one sequence): loss, gradient norm and the weights after the step agree
+    # some holding one sequence): loss, gradient norm and the weights after the step agree. AdamW's first step moves
+    # a weight by lr g / (|g| + eps): at eps = 1e-8 a gradient element that cancels to ~1e-9 turns the summation
+    # order's rounding into a visible step (seeds 2 and 3 moved one weight by 1e-4 relative); at eps = 1 the step is
+    # ~lr g, linear in the gradient, so the weights compare the gradients themselves
     results = []
     for budget in (100_000, 64):
         cfg = load_config(
             None, small(tmp_path, f"micro_batch_tokens={budget}", f"loss.agg={agg}", "optim.warmup_steps=0",
-                        "loss.entropy_coef=0.01", "loss.rollout_correction=token-truncate"),
+                        "loss.entropy_coef=0.01", "loss.rollout_correction=token-truncate", "optim.eps=1.0",
+                        "optim.lr=1.0"),
         )  # fmt: skip
         trainer = Trainer(cfg, tmp_path / f"run-{budget}")
         prompts = [build_prompt(trainer.tokenizer, p.problem) for p in held_out(2)]
@@ -310,16 +314,22 @@ def test_micro_batched_update_equals_the_one_forward_update(tmp_path, agg):
         n_micro = len(plan_micro_batches(batch, budget))
         # the rollout correction needs the old log-probs
         old_logp = trainer.actor.logprobs(trainer.actor.policy, batch, zero3_collectives=False)
+        before = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
         metrics = trainer.actor.update(batch, advantages, old_logp, None)
-        weights = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
-        results.append((n_micro, {k: float(v) for k, v in metrics.items()}, weights))
+        after = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+        results.append((n_micro, {k: float(v) for k, v in metrics.items()}, before, after))
         trainer.verifier.close()
-    (n_one, one, w_one), (n_many, many, w_many) = results
+    (n_one, one, w0, w_one), (n_many, many, _, w_many) = results
     assert n_one == 1 and n_many >= 3
     assert one["grad_norm"] > 0 and one["clip_frac"] == 0  # a gradient to compare; on-policy, nothing clipped
     for name in ("loss", "grad_norm", "entropy", "clip_frac", "rollout_logp_diff", "rollout_is_mean"):
         assert one[name] == pytest.approx(many[name], rel=1e-5, abs=1e-7), name
-    torch.testing.assert_close(w_many, w_one, rtol=1e-5, atol=1e-7)
+    # the gradients' float32 sums in another order: ~1e-6 of the largest step; each weight's own float32 rounding
+    # after the step: half an ulp of it in each run
+    step = (w_one - w0).abs().max()
+    assert step > 0
+    tolerance = 1e-5 * step + 2 * 2**-24 * w_one.abs()
+    assert ((w_many - w_one).abs() <= tolerance).all(), ((w_many - w_one).abs() / tolerance).max()
 
 
 @pytest.mark.parametrize(

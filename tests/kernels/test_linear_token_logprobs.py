@@ -8,7 +8,7 @@ import torch
 from fasttnt_kernels import linear_token_logprobs, linear_token_logprobs_reference
 from fasttnt_kernels.linear_token_logprobs import chunk_rows_for
 
-from checks import DEVICE, assert_close, assert_no_worse_than
+from checks import DEVICE, assert_close, assert_within, bf16_logit_bounds
 
 
 def _inputs(n, h, v, dtype):
@@ -54,20 +54,20 @@ def test_float32_matches_float64_reference(monkeypatch, case, path):
 
 
 @pytest.mark.parametrize("path", ["triton", "torch"])
-def test_bfloat16_no_worse_than_materialised_logits(monkeypatch, path):
-    # the logits are bf16 (what the lm_head itself would give), so neither path can beat that rounding; the
-    # chunked one must be as close to the float64 truth as the materialised one, and never NaN
+def test_bfloat16_within_what_the_logits_rounding_allows(monkeypatch, path):
+    # the logits are bf16 (what the lm_head itself would give), so no path can beat that rounding: the chunked one
+    # is within its first-order bound (checks.bf16_logit_bounds), and never NaN
     monkeypatch.setenv("FASTTNT_KERNELS", path)
     n, h, v = 64, 64, 5000
     hidden, weight, ids = _inputs(n, h, v, torch.bfloat16)
     g_logp, g_ent = torch.randn(n, device=DEVICE), torch.randn(n, device=DEVICE)
     chunk = _bytes_for_rows(16, v, torch.bfloat16)
     got = _grads(linear_token_logprobs, hidden, weight, ids, g_logp, g_ent, chunk_bytes=chunk)
-    lowp = _grads(linear_token_logprobs_reference, hidden, weight, ids, g_logp, g_ent)
     truth = _grads(linear_token_logprobs_reference, hidden.double(), weight.double(), ids, g_logp, g_ent)
+    bounds = bf16_logit_bounds(hidden, weight, ids, a=g_logp, c=g_ent)  # the loss: sum(g_logp logp + g_ent H)
     assert got[2].dtype == torch.bfloat16 and got[3].dtype == torch.bfloat16
-    for name, a, r, t in zip(("logp", "entropy", "grad hidden", "grad weight"), got, lowp, truth, strict=True):
-        assert_no_worse_than(a, r, t, name=name)
+    for name, a, t in zip(("logp", "entropy", "grad hidden", "grad weight"), got, truth, strict=True):
+        assert_within(a, t, bounds[name], name=name)
 
 
 def test_same_values_as_token_logprobs_of_the_product(triton_path):
@@ -93,13 +93,12 @@ def test_autocast_recomputes_the_logits_the_forward_used(monkeypatch, path):
     chunk = _bytes_for_rows(16, v, torch.bfloat16)
     with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
         got = _grads(linear_token_logprobs, hidden, weight, ids, g_logp, g_ent, chunk_bytes=chunk)
-        lowp = _grads(linear_token_logprobs_reference, hidden, weight, ids, g_logp, g_ent)
-    truth = _grads(
-        linear_token_logprobs_reference, hidden.bfloat16().double(), weight.bfloat16().double(), ids, g_logp, g_ent
-    )
+    h16, w16 = hidden.bfloat16(), weight.bfloat16()  # what autocast computes from
+    truth = _grads(linear_token_logprobs_reference, h16.double(), w16.double(), ids, g_logp, g_ent)
+    bounds = bf16_logit_bounds(h16, w16, ids, a=g_logp, c=g_ent, float32_inputs=True)
     assert got[2].dtype == torch.float32 and got[3].dtype == torch.float32
-    for name, a, r, t in zip(("logp", "entropy", "grad hidden", "grad weight"), got, lowp, truth, strict=True):
-        assert_no_worse_than(a, r, t, name=name)
+    for name, a, t in zip(("logp", "entropy", "grad hidden", "grad weight"), got, truth, strict=True):
+        assert_within(a, t, bounds[name], name=name)
 
 
 def test_weight_without_grad_and_no_grad(triton_path):
