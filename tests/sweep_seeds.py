@@ -35,17 +35,20 @@ class SeedResult:
     seed: int
     passed: int = 0
     failed: list[str] = field(default_factory=list)  # node ids that failed or errored
+    why: dict[str, str] = field(default_factory=dict)  # node id -> the last line of its error
     returncode: int = 0
     tail: str = ""  # the end of pytest's output when it failed without a report (a crash, a collection error)
 
 
-def _failures(report: Path) -> tuple[int, list[str]]:
-    """(tests passed, node ids failed or errored) from a JUnit XML report."""
-    passed, failed = 0, []
+def _failures(report: Path) -> tuple[int, dict[str, str]]:
+    """(tests passed, {node id failed or errored: the last ``E`` line of its report}) from a JUnit XML report."""
+    passed, failed = 0, {}
     for case in ET.parse(report).getroot().iter("testcase"):
         name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
-        if case.find("failure") is not None or case.find("error") is not None:
-            failed.append(name)
+        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+        if bad is not None:
+            lines = [line.strip() for line in (bad.text or "").splitlines() if line.startswith("E ")]
+            failed[name] = (lines[-1] if lines else bad.get("message") or "")[:300]
         elif case.find("skipped") is None:
             passed += 1
     return passed, failed
@@ -58,7 +61,8 @@ def run_seed(stage: str, paths: tuple[str, ...], seed: int, workdir: Path) -> Se
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     result = SeedResult(stage, seed, returncode=proc.returncode)
     if report.is_file():
-        result.passed, result.failed = _failures(report)
+        result.passed, result.why = _failures(report)
+        result.failed = list(result.why)
     if proc.returncode not in (0, 1) or (proc.returncode == 1 and not result.failed):
         result.failed.append(f"<pytest exit {proc.returncode}>")
         result.tail = (proc.stdout + proc.stderr)[-3000:]
@@ -120,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{stage}: {len(seeds)} seeds ({seeds[0]}-{seeds[-1]}), ~{tests} tests each: "
               f"{len(bad)} seeds failed")  # fmt: skip
         for r in bad:
-            print(f"  FASTTNT_TEST_SEED={r.seed}: {', '.join(r.failed)}")
+            print(f"  FASTTNT_TEST_SEED={r.seed}:")
+            for name in r.failed:
+                print(f"    {name}: {r.why.get(name, '')}")
             if r.tail:
                 print("    " + r.tail.replace("\n", "\n    "))
     return 1 if any(r.failed for r in results) else 0

@@ -21,6 +21,9 @@ pytest.importorskip("deepspeed")
 # rewards that vary by construction (tests/varied.py, run as the launched module), and the entropy bonus: every step
 # has a gradient, so ranks that diverged in the update would show
 SMALL = [*SMALL_BASE, varied.OVERRIDE, "steps=3", "save_every=2", "optim.lr=1e-2", "loss.entropy_coef=0.01"]
+# A hang guard for every launched job: each takes under a minute on 2 idle cores, and over 240 s was measured beside
+# five other jobs on those cores; a job that hangs still fails, after HANG_S
+HANG_S = 600
 # DeepSpeed sees no accelerator here and picks its CPU one; keep its launcher from probing for GPUs
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": varied.PYTHONPATH}
 
@@ -28,7 +31,7 @@ ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPAT
 def _launch(launcher: str, out: Path, cache: Path, *extra: str, resume: bool = False) -> subprocess.CompletedProcess:
     args = ["train", "--output-dir", str(out), *(["--resume"] if resume else []), f"cache_dir={cache}", *SMALL, *extra]
     return subprocess.run(launch_command(launcher, varied.MODULE, *args), capture_output=True, text=True, env=ENV,
-                          timeout=240)  # fmt: skip
+                          timeout=HANG_S)  # fmt: skip
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -120,7 +123,7 @@ def test_a_failing_rank_ends_the_job(tmp_path, launcher):
     else:
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
         cmd = [*torchrun, "--master-port", str(free_port()), str(script)]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=180)  # a hang fails here
+    result = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=HANG_S)  # a hang fails here
     assert result.returncode != 0
     assert "rank 1 cannot read its shard" in result.stdout + result.stderr
 
@@ -163,7 +166,7 @@ def test_zero3_generation_with_uneven_lengths_does_not_hang(tmp_path):
     script = tmp_path / "uneven.py"
     script.write_text(UNEVEN_GENERATION)
     cmd = [shutil.which("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), str(script)]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=180)  # a hang fails here
+    result = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=HANG_S)  # a hang fails here
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rank 0 generated 3" in result.stdout and "rank 1 generated 12" in result.stdout
 
@@ -251,7 +254,7 @@ def test_bf16_autocast_reaches_the_forward_inside_deepspeeds_engine(tmp_path):
     script.write_text(AUTOCAST_INSIDE_DEEPSPEED)
     args = [str(tmp_path / "run"), f"cache_dir={tmp_path / 'cache'}", *SMALL, "model.dtype=bfloat16"]
     cmd = [shutil.which("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), str(script), *args]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=240)
+    result = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=HANG_S)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     for rank in (0, 1):
         assert f"rank {rank} trained in ['torch.bfloat16'] through DeepSpeedEngine" in result.stdout, result.stdout[
