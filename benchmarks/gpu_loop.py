@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -87,12 +85,10 @@ def deepspeed_autocast() -> dict:
     from fasttnt import distributed
     from fasttnt.attention import Packing
     from fasttnt.config import TrainConfig
+    from fasttnt.engines.vllm import _external_launcher_env
     from fasttnt.policy import PolicyHead
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    _external_launcher_env()  # a world of one, on a free port, as the vllm engine sets it up for one process
     deepspeed.init_distributed(dist_backend="nccl")
     seen: dict[str, list[str]] = {}
     for autocast in (False, True):
