@@ -100,15 +100,16 @@ class Actor:
             ref_logp = self.logprobs(self.ref_model, batch, zero3_collectives=False)
         return OldLogprobs(old_logp, ref_logp, end_logp, mode_weights)
 
-    def mode_token_weights(self, batch: RolloutBatch, advantages: torch.Tensor, old: OldLogprobs):
+    def mode_token_weights(self, batch: RolloutBatch, first_adv: torch.Tensor, non_thinking, old: OldLogprobs):
         """The update's per-token weights (N,) for a mode-mixed batch: the "mixture" rule's pi_old / mu on the first
-        tokens, 0 on the forced ones ``loss.mode_token_floor`` leaves out (``ModeMix.floored``), else 1 (None where
-        neither applies); and the metrics: ``mode_floored``, the share of forced responses over all ranks whose
-        first token was left out."""
+        tokens, 0 on the forced ones ``loss.mode_token_floor`` leaves out (``ModeMix.floored``, from the mode
+        tokens' advantages ``first_adv`` (S,) and the modes ``non_thinking`` (S,)), else 1 (None where neither
+        applies); and the metrics: ``mode_floored``, the share of forced responses over all ranks whose first token
+        was left out."""
         weights = old.mode_weights
         if not self.modes.active or self.modes.floor == 0:
             return weights, {}
-        drop = self.modes.floored(batch, advantages, old.think_end)  # (S,)
+        drop = self.modes.floored(batch, first_adv, non_thinking, old.think_end)  # (S,)
         counts = self.sum_over_ranks(torch.stack([drop.sum(), forced_rows(batch).sum()]).double())
         if weights is None:
             weights = torch.ones_like(old.old)
@@ -136,12 +137,13 @@ class Actor:
     # -- the update ---------------------------------------------------------------------------------------------
 
     def update(
-        self, batch: RolloutBatch, advantages, old_logp, ref_logp, token_weights=None
+        self, batch: RolloutBatch, advantages, old_logp, ref_logp, token_weights=None, first_advantages=None
     ) -> dict[str, torch.Tensor]:
         """``ppo_epochs`` passes over the batch, each ``mini_batches`` optimizer steps. Loss, grad norm and counts
         are means over the optimizer steps; the token metrics (``TOKEN_METRICS``) are means over every token they
         were measured on, NaN where that is none (every sequence skipped). ``token_weights`` (N,): importance weights
-        of the policy-gradient term beside the rollout correction's (mode-mixed rollouts' first tokens)."""
+        of the policy-gradient term beside the rollout correction's (mode-mixed rollouts' first tokens);
+        ``first_advantages`` (S,): the first tokens' own advantages (``loss.mode_advantage=decoupled``)."""
         loss_cfg = self.cfg.loss
         k = batch.group_size
         per_mb = batch.lengths.numel() // k // loss_cfg.mini_batches  # prompts per mini-batch
@@ -160,6 +162,7 @@ class Actor:
                     old_logp[lo:hi] if old_logp is not None else None,
                     ref_logp[lo:hi] if ref_logp is not None else None,
                     token_weights[lo:hi] if token_weights is not None else None,
+                    first_advantages[seqs] if first_advantages is not None else None,
                 )
                 add_into(token_sums, step_sums)
                 add_into(sums, metrics)
@@ -172,7 +175,7 @@ class Actor:
                 means.pop(name)
         return means
 
-    def _optimizer_step(self, part: RolloutBatch, advantages, old_logp, ref_logp, token_weights=None):
+    def _optimizer_step(self, part: RolloutBatch, advantages, old_logp, ref_logp, token_weights=None, first=None):
         """One optimizer step on a mini-batch, its forward and backward in micro-batches, gradients accumulated.
         Sequences that cannot move the weights are left out first (``_drop_zero_advantage``); the normalisers
         still count them. Returns the step's metrics and its named sums over the ranks: ``TOKEN_METRICS``' token
@@ -199,7 +202,7 @@ class Actor:
         if token_weights is not None:
             weights = token_weights if weights is None else weights * token_weights
         per_token = (old_logp, ref_logp, weights)
-        part, advantages, per_token, skipped = self._drop_zero_advantage(part, advantages, per_token)
+        part, (advantages, first), per_token, skipped = self._drop_zero_advantage(part, (advantages, first), per_token)
         plan = plan_micro_batches(part, self.cfg.micro_batch_tokens)
         n_micro = self._max_over_ranks(len(plan)) if self.ds_engine is not None else len(plan)
         # at least one backward, so a step with every sequence skipped still steps on (zero) gradients, as the
@@ -212,7 +215,7 @@ class Actor:
                 self.ds_engine.set_gradient_accumulation_boundary(i == n_micro - 1)
             if i < len(plan):
                 total, micro_sums = self._micro_batch_loss(
-                    part, plan[i], advantages, *per_token, n_tokens=n_tokens, n_seqs=n_seqs
+                    part, plan[i], advantages, first, *per_token, n_tokens=n_tokens, n_seqs=n_seqs
                 )
                 add_into(sums, micro_sums)
             else:
@@ -247,26 +250,28 @@ class Actor:
         }
         return metrics, {name: totals[name] for name in (*TOKEN_METRICS, "trained", "rollout")}
 
-    def _drop_zero_advantage(self, part: RolloutBatch, advantages, per_token: tuple):
-        """``part`` without its sequences whose advantage is exactly 0, the advantages and per-token tensors
-        (None or (N,) each) to match, and how many were dropped. Such a sequence's policy-gradient term is
-        -ratio * 0 = 0 for every token, whatever the ratio, clip, dual clip or importance weight, so it adds nothing
-        to the gradient unless the entropy bonus or the KL term is on (with TNT, a solved prompt's K responses all
-        score alike)."""
+    def _drop_zero_advantage(self, part: RolloutBatch, per_seq: tuple, per_token: tuple):
+        """``part`` without its sequences whose advantages are exactly 0 (``per_seq``: the advantages (S,) and the
+        first tokens' own, None or (S,)), those and the per-token tensors (None or (N,) each) to match, and how many
+        were dropped. Such a sequence's policy-gradient term is -ratio * 0 = 0 for every token, whatever the ratio,
+        clip, dual clip or importance weight, so it adds nothing to the gradient unless the entropy bonus or the KL
+        term is on (with TNT, a solved prompt's K responses all score alike)."""
         loss_cfg = self.cfg.loss
         kl_on = self.ref_model is not None and loss_cfg.kl_coef > 0
         if not loss_cfg.skip_zero_advantage or loss_cfg.entropy_coef > 0 or kl_on:
-            return part, advantages, per_token, 0
-        keep = [i for i, a in enumerate(advantages.tolist()) if a != 0.0]  # sync: one read per mini-batch
-        skipped = advantages.numel() - len(keep)
+            return part, per_seq, per_token, 0
+        moving = torch.stack([t != 0 for t in per_seq if t is not None]).any(0)  # (S,)
+        keep = torch.nonzero(moving).flatten().tolist()  # sync: one read per mini-batch
+        skipped = moving.numel() - len(keep)
         if skipped == 0:
-            return part, advantages, per_token, 0
+            return part, per_seq, per_token, 0
         kept, index = part.select(keep)
-        keep_t = torch.tensor(keep, dtype=torch.long, device=advantages.device)
-        return kept, advantages[keep_t], tuple(t[index] if t is not None else None for t in per_token), skipped
+        keep_t = torch.tensor(keep, dtype=torch.long, device=moving.device)
+        per_seq = tuple(t[keep_t] if t is not None else None for t in per_seq)
+        return kept, per_seq, tuple(t[index] if t is not None else None for t in per_token), skipped
 
     def _micro_batch_loss(
-        self, part: RolloutBatch, mb: MicroBatch, advantages, old_logp, ref_logp, weights, *, n_tokens, n_seqs
+        self, part: RolloutBatch, mb: MicroBatch, advantages, first, old_logp, ref_logp, weights, *, n_tokens, n_seqs
     ):
         """The loss of one micro-batch as its share of the mini-batch's (``linear_policy_loss``, the gradient formed
         in its forward), and its named sums (the rollout diagnostics only when on-policy)."""
@@ -274,6 +279,7 @@ class Actor:
         cu = part.cu_seqlens[mb.first : mb.last + 1] - lo  # (s+1,)
         loss_inputs = MicroBatchLoss(
             advantages=advantages[mb.first : mb.last],
+            first_advantages=first[mb.first : mb.last] if first is not None else None,
             cu_seqlens=cu,
             old_logp=old_logp[lo:hi] if old_logp is not None else None,  # None: one pass over the batch, on-policy
             ref_logp=ref_logp[lo:hi] if ref_logp is not None else None,

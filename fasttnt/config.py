@@ -131,6 +131,15 @@ class LossConfig:
     # further down: without it, "policy" pushes log pi of a mode the model refuses down without bound, which wrecked
     # the other mode's first token in the measurement (docs/experiments.md); 0: off
     mode_token_floor: float = 0.1
+    # what the floor looks at: "mode", the forced mode's group-level advantage (the mean mode-token advantage of
+    # the group's rows in that mode), so below the floor a mode that loses in its group is held, and one that wins
+    # still rises; "row", each row's own sign, which keeps the right answers of a losing mode pushing its token up
+    # and so ratchets a refused mode towards the floor (docs/experiments.md)
+    mode_token_floor_gate: Literal["mode", "row"] = "mode"
+    # "shared": one GRPO advantage per response, for its mode token and every other token alike; "decoupled": the
+    # mode token (the first) gets the gap between its mode's mean reward and the modes' mean, every other token an
+    # advantage against the rows of its own mode (fasttnt_kernels.mode_advantages; HGPO's and DeGRPO's idea)
+    mode_advantage: Literal["shared", "decoupled"] = "shared"
     # leave sequences whose advantage is exactly 0 out of the update's forward and backward when they add nothing
     # to the gradient (entropy_coef and KL off); the normalisers still count them, so the gradient is the same
     skip_zero_advantage: bool = True
@@ -251,6 +260,15 @@ def validate(cfg: TrainConfig) -> None:
         f"must be in [0, rollout.max_new_tokens={r.max_new_tokens}] tokens",
     )
     need(cfg.reward.overlong_penalty >= 0, "reward.overlong_penalty", "must be >= 0")
+    margin = cfg.reward.direct_margin
+    need(margin is None or math.isfinite(margin), "reward.direct_margin", "must be a finite number (or null: off)")
+    need(
+        margin is None
+        or (cfg.reward.direct_correct, cfg.reward.direct_wrong)
+        == (RewardConfig.direct_correct, RewardConfig.direct_wrong),
+        "reward.direct_margin",
+        "replaces reward.direct_correct and reward.direct_wrong (thinking's reward + the margin); leave those unset",
+    )
     need(0 <= cfg.reward.balance_gamma <= 1, "reward.balance_gamma", "must be a share in [0, 1]")
     need(cfg.reward.balance_lambda > 0, "reward.balance_lambda", "must be > 0")
     need(r.temperature > 0, "rollout.temperature", "must be > 0")
@@ -272,6 +290,12 @@ def validate(cfg: TrainConfig) -> None:
     need(loss.kl_coef >= 0, "loss.kl_coef", "must be >= 0")
     need(loss.rollout_correction_cap >= 1, "loss.rollout_correction_cap", "must be >= 1 (1 means on-policy)")
     need(0 <= loss.mode_token_floor < 1, "loss.mode_token_floor", "must be a probability in [0, 1)")
+    need(
+        loss.mode_token_logp != "half" or forced[1] == 0,
+        "loss.mode_token_logp",
+        "half with rollout.forced_thinking > 0: log 0.5 as the old log-prob of a sampled thinking token makes its "
+        "ratio 2 pi(y1), past the clip whenever pi(y1) > 0.64, so it can only be pushed down; use mixture or policy",
+    )
     need(
         loss.mode_token_logp != "mixture" or r.top_p == 1,
         "loss.mode_token_logp",

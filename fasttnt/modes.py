@@ -34,9 +34,19 @@ neither moved the free choice in 80 steps of the CPU measurement (docs/experimen
 rows their full advantage and did. Its flaw: a forced token with a negative advantage is pushed down at full
 strength however improbable it already is, log pi having no floor; at the one position every response shares,
 that drift moved the first token of the other mode and broke the hard levels' thinking (accuracy 2%).
-``loss.mode_token_floor`` (0.1) stops it: a forced first token with a negative advantage whose mode pi_old gives
-less than the floor (p for forced non-thinking, 1 - p for forced thinking) is left out of the gradient
-(``ModeMix.floored``). With both shares 0 nothing here runs.
+``loss.mode_token_floor`` (0.1) stops it: where the forced mode pi_old gives less than the floor (p for forced
+non-thinking, 1 - p for forced thinking) and that mode loses in its group, the forced first tokens of that mode
+are left out of the gradient (``ModeMix.floored``). "Loses" is the mode's group-level advantage, the mean
+mode-token advantage of the group's rows in it (``loss.mode_token_floor_gate=mode``): gated on each row's own sign
+instead (``row``), the right answers of a losing mode keep pushing its token up while its wrong ones are left out,
+so below the floor the token rises wherever that mode's accuracy is above zero, and settles near the floor
+(measured in docs/experiments.md). With both shares 0 nothing here runs.
+
+Advantages (``loss.mode_advantage``, ``ModeMix.advantages``): ``shared`` gives the mode token and the answer one
+GRPO advantage; ``decoupled`` gives the mode token the gap between its mode's mean reward and the modes' mean,
+and the answer an advantage against the rows of its own mode (``fasttnt_kernels.mode_advantages``), so forced
+direct answers at a level where thinking pays do not push down the digits of right direct answers, nor right
+thinking answers those of the thinking mode.
 
 The TNT limit, rewards, advantages and hack flags treat forced and free responses alike: a forced non-thinking
 response is a non-thinking response.
@@ -49,6 +59,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fasttnt_kernels import group_advantages, mode_advantages
+
 from .data import PromptMode
 from .engines.batch import FORCED_CODES, RolloutBatch
 
@@ -60,13 +72,28 @@ class ModeMix:
     group_size: int
     rule: str  # "mixture" | "half" | "policy": how the first token is weighed (module docstring)
     floor: float = 0.0  # loss.mode_token_floor: no push-down of a forced first token the model gives less than this
+    floor_gate: str = "mode"  # loss.mode_token_floor_gate: "mode" | "row", the advantage the floor looks at
+    advantage: str = "shared"  # loss.mode_advantage: "shared" | "decoupled"
+    scale: str = "std"  # loss.adv_scale
+    eps: float = 1e-6  # loss.adv_eps
 
     @classmethod
     def of(cls, cfg) -> ModeMix:
-        """From ``rollout.forced_non_thinking`` / ``forced_thinking`` (shares of K, ``RolloutConfig.forced_rows``)."""
+        """From ``rollout.forced_non_thinking`` / ``forced_thinking`` (shares of K, ``RolloutConfig.forced_rows``)
+        and the ``loss.mode_*`` and ``loss.adv_*`` keys."""
         non_thinking, thinking = cfg.rollout.forced_rows()
         loss = cfg.loss
-        return cls(non_thinking, thinking, cfg.rollout.group_size, loss.mode_token_logp, loss.mode_token_floor)
+        return cls(non_thinking, thinking, cfg.rollout.group_size, loss.mode_token_logp, loss.mode_token_floor,
+                   loss.mode_token_floor_gate, loss.mode_advantage, loss.adv_scale, loss.adv_eps)  # fmt: skip
+
+    def advantages(self, rewards: torch.Tensor, non_thinking: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each response's advantage (S,) and, ``decoupled``, its mode token's (S,) (None: the same), from rewards
+        (S,) and modes (S,) laid out group after group."""
+        k = self.group_size
+        if self.advantage == "decoupled":
+            out = mode_advantages(rewards, non_thinking, k, scale=self.scale, eps=self.eps)
+            return out.answer, out.mode
+        return group_advantages(rewards, k, scale=self.scale, eps=self.eps), None
 
     @property
     def active(self) -> bool:
@@ -103,16 +130,32 @@ class ModeMix:
         log_other = first_logp.double() + torch.logaddexp(_log(s_t) - not_end, torch.full_like(end, _log(s_f)))
         return torch.where(first == think_end_id, log_end, log_other).to(first_logp.dtype)
 
-    def floored(self, batch: RolloutBatch, advantages: torch.Tensor, end_logp: torch.Tensor) -> torch.Tensor:
-        """(S,) True for the forced first tokens left out of the gradient by ``floor``: a negative advantage (S,) on a
-        row whose forced mode the old policy gives less than ``floor``: pi_old(</think>) for forced non-thinking,
-        1 - pi_old(</think>) for forced thinking (``end_logp`` (G,), each group's log pi_old(</think> | x); the
-        probability of the one thinking token drawn says nothing of the mode). The model already refuses that mode
+    def floored(
+        self, batch: RolloutBatch, first_adv: torch.Tensor, non_thinking: torch.Tensor, end_logp: torch.Tensor
+    ) -> torch.Tensor:
+        """(S,) True for the forced first tokens left out of the gradient by ``floor``: on a row whose forced mode the
+        old policy gives less than ``floor`` (pi_old(</think>) for forced non-thinking, 1 - pi_old(</think>) for
+        forced thinking; ``end_logp`` (G,), each group's log pi_old(</think> | x): the probability of the one
+        thinking token drawn says nothing of the mode), where that mode's advantage is negative: its group-level
+        one (``floor_gate="mode"``: the mean of ``first_adv`` (S,), the mode tokens' advantages, over the group's
+        rows of that mode, ``non_thinking`` (S,)) or the row's own (``"row"``). The model already refuses that mode
         there; pushing log pi further down has no bound and, at the one position every response shares, moves the
         tokens the other mode starts with (measured in docs/experiments.md)."""
         end = end_logp.repeat_interleave(self.group_size)  # (S,)
         mode_logp = torch.where(batch.forced == FORCED_CODES[PromptMode.NON_THINKING], end, _log1mexp(end))
-        return forced_rows(batch) & (advantages < 0) & (mode_logp < _log(self.floor))
+        gate = first_adv if self.floor_gate == "row" else mode_means(first_adv, non_thinking, self.group_size)
+        return forced_rows(batch) & (gate < 0) & (mode_logp < _log(self.floor))
+
+
+def mode_means(values: torch.Tensor, non_thinking: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(S,) each row's mean of ``values`` (S,) over the rows of its group in its mode (``non_thinking`` (S,))."""
+    v = values.double().view(-1, group_size)  # (G, K)
+    nt = non_thinking.bool().view(-1, group_size)
+    out = torch.zeros_like(v)
+    for mode in (nt, ~nt):
+        mean = (v * mode).sum(1, keepdim=True) / mode.sum(1, keepdim=True).clamp(min=1)  # (G, 1)
+        out = torch.where(mode, mean, out)
+    return out.view(-1).to(values.dtype)
 
 
 def _log(share: float) -> float:

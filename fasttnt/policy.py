@@ -127,6 +127,7 @@ class MicroBatchLoss:
     is_weights: torch.Tensor | None = None  # (n,) the rollout correction's weights
     total_tokens: float | None = None
     total_seqs: float | None = None
+    first_advantages: torch.Tensor | None = None  # (s,) the first tokens' own (loss.mode_advantage=decoupled)
     settings: LossSettings = field(default_factory=LossSettings)
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float):

@@ -37,6 +37,13 @@ class RewardConfig:
     direct_correct: float = 2.0
     direct_wrong: float = -1.0
     over_limit: float = -2.0
+    # the accuracy-aware table (AdaptThink's constraint, Zhang et al. 2025, sec. 3, with its delta 0.05: reward =
+    # correct - R_ref(x) + delta 1{direct}): a direct answer earns the thinking reward plus direct_margin, right or
+    # wrong, in place of direct_correct / direct_wrong. Within the limit, direct then pays more on average exactly
+    # when its accuracy is above thinking's minus direct_margin; R_ref(x), the same for every row of a query,
+    # cancels in the group's advantage, so the group's own rows make the comparison online. The over-limit reward
+    # stays over_limit (-2, below every honest answer): the hack still costs more than any answer. None: off
+    direct_margin: float | None = None
     # DAPO's overlong reward shaping (Yu et al. 2025, sec. 3.4; verl's DAPO reward manager): a response longer than
     # max_new_tokens - overlong_buffer loses overlong_penalty * (its excess / overlong_buffer), the whole penalty at
     # the length budget. 0: off
@@ -53,9 +60,13 @@ class RewardConfig:
 
     @property
     def values(self) -> RewardValues:
-        return RewardValues(
-            self.think_correct, self.think_wrong, self.direct_correct, self.direct_wrong, self.over_limit
-        )
+        direct_correct, direct_wrong = self.direct_correct, self.direct_wrong
+        if self.direct_margin is not None:
+            direct_correct, direct_wrong = (
+                self.think_correct + self.direct_margin,
+                self.think_wrong + self.direct_margin,
+            )
+        return RewardValues(self.think_correct, self.think_wrong, direct_correct, direct_wrong, self.over_limit)
 
 
 @dataclass(frozen=True)

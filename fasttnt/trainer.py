@@ -18,14 +18,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from fasttnt_kernels import group_advantages
-
 from . import checkpoint, distributed, scoring, setup
 from .actor import Actor
 from .checkpoint import TrainerState
 from .config import TrainConfig, rollout_correction
+from .data import PromptMode
 from .dynamic_sampling import Draw, choose_groups, concat_draws, select_groups, varied_groups
-from .metrics import own_limits, rollout_metrics, to_floats
+from .engines.batch import FORCED_CODES
+from .metrics import mode_accuracies, own_limits, rollout_metrics, to_floats
 from .modes import forced_rows
 from .plots import plot_curves
 from .preemption import Preempted, StopSignals, agree
@@ -114,9 +114,9 @@ class Trainer:
             groups, filled = choose_groups(varied, self.parts.prompts_per_rank)
             trained = select_groups(drawn, groups)
 
-        # advantage
-        advantages = group_advantages(trained.rewards.rewards, r.group_size, scale=cfg.loss.adv_scale,
-                                      eps=cfg.loss.adv_eps)  # fmt: skip
+        # advantage: the answer's, and the mode token's own when decoupled (loss.mode_advantage)
+        modes = self.actor.modes
+        advantages, first_adv = modes.advantages(trained.rewards.rewards, trained.rewards.non_thinking)
         clock.lap("reward")
 
         # old and reference log-probs, and the engine's weights checked against them
@@ -125,8 +125,11 @@ class Trainer:
         clock.lap("logprobs")
 
         # update
-        weights, floored = self.actor.mode_token_weights(trained.batch, advantages, old)
-        update = {**self.actor.update(trained.batch, advantages, old.old, old.ref, weights), **floored}
+        mode_token_adv = advantages if first_adv is None else first_adv
+        weights, floored = self.actor.mode_token_weights(trained.batch, mode_token_adv, trained.rewards.non_thinking,
+                                                         old)  # fmt: skip
+        update = self.actor.update(trained.batch, advantages, old.old, old.ref, weights, first_adv)
+        update.update(floored)
         clock.lap("update")
 
         # weight sync (the vllm engine gathers ZeRO-3 shards bucket by bucket itself)
@@ -174,7 +177,11 @@ class Trainer:
                 rewards=mode_balance(scores.rewards.rewards, nt, cfg.reward, shares, free)
             )
         clock.lap("reward")
-        return Draw(batch, scores.correct, scores.rewards, scores.hacked, scores.timeouts, scores.crashes)
+        levels = None
+        if all(p.level is not None for p in problems):  # the accuracies by mode and level (step_metrics)
+            levels = torch.tensor([p.level for p in problems], device=judged.correct.device)
+            levels = levels.repeat_interleave(r.group_size)
+        return Draw(batch, scores.correct, scores.rewards, scores.hacked, scores.timeouts, scores.crashes, levels)
 
     def _check_engine_weights(self, step: int, batch, old_logp) -> None:
         """Stop before training on samples that the engine drew from weights other than the trainer's."""
@@ -220,17 +227,23 @@ class Trainer:
             per_response["think_end_logp"] = think_end
             if self.actor.modes.free:
                 per_response["free"] = ~forced_rows(drawn.batch)
+        by_mode = {"free": ~forced_rows(drawn.batch), "levels": drawn.levels}  # the accuracies by mode (and level)
+        if self.actor.modes.non_thinking:
+            by_mode["forced_direct"] = drawn.batch.forced == FORCED_CODES[PromptMode.NON_THINKING]
+        by_mode = {k: v for k, v in by_mode.items() if v is not None}
         if self.dist:
             per_response = {k: distributed.all_gather_cat(v) for k, v in per_response.items()}
+            by_mode = {k: distributed.all_gather_cat(v) for k, v in by_mode.items()}
         batch = trained.batch
         counts = {"drawn_tokens": drawn.batch.response_ids.numel(), "trained_tokens": batch.response_ids.numel(),
                   "prompt_tokens": sum(len(p) for p in batch.prompt_ids), "timeouts": drawn.timeouts,
                   "crashes": drawn.crashes, "varied": sum(varied), "groups": len(varied), "filled": filled}  # fmt: skip
         counts = {k: torch.tensor(float(v), dtype=torch.float64, device=self.device) for k, v in counts.items()}
         counts = reduce_named(counts, self.actor.sum_over_ranks)
-        values = to_floats({**rollout_metrics(**per_response), **update})  # sync: one read per step
-        for name in TOKEN_METRICS:  # measured on no token (every sequence skipped): not written, rather than NaN
-            if name in values and not math.isfinite(values[name]):
+        accuracies = mode_accuracies(per_response["correct"], per_response["non_thinking"], **by_mode)
+        values = to_floats({**rollout_metrics(**per_response), **accuracies, **update})  # sync: one read per step
+        for name in list(values):  # measured on no token (every sequence skipped), or no response of a mode: not
+            if (name in TOKEN_METRICS or name.startswith("acc_")) and not math.isfinite(values[name]):  # NaN rows
                 del values[name]
         n = dict(zip(counts, torch.stack(list(counts.values())).tolist(), strict=True))  # sync: one read
         values.update(times)

@@ -1,12 +1,13 @@
 """Named training variants: a reward scheme, optionally an algorithm, optionally parameters, as one name that
 ``fasttnt compare --variants`` and ``fasttnt train --variant`` both take.
 
-    SCHEME[+ALGORITHM][:key=value,...]
+    SCHEME[+ALGORITHM...][:key=value,...]
 
     tnt                   the TNT reward with fasttnt's default loss (GRPO advantages, clip 0.2 / 0.28, token-mean)
     tnt+dapo              DAPO: dynamic sampling and overlong reward shaping, with its clip-higher and token-mean
     tnt+drgrpo            Dr. GRPO: no std scaling of advantages, a constant length normaliser
     tnt+mix               mode-mixed rollouts: half of each group with </think> pre-filled (fasttnt.modes)
+    tnt+mix+acc           and the accuracy-aware table: a direct answer pays more only within 0.05 of thinking
     tnt:omega=1           a parameter of the reward (any ``reward.*`` field), a top-level or dotted config key
     uniform-limit:cap=64  ``cap`` is the uniform limit
 
@@ -50,6 +51,8 @@ ALGORITHMS: dict[str, Callable[[TrainConfig], dict[str, object]]] = {
     # mode-mixed rollouts (fasttnt.modes): half of each group answered with </think> pre-filled, as AdaptThink forces
     # half into each mode (Zhang et al. 2025); the other half samples freely. The rule: loss.mode_token_logp
     "mix": lambda cfg: {"rollout.forced_non_thinking": 0.5},
+    # the accuracy-aware table (RewardConfig.direct_margin): AdaptThink's constraint, delta = 0.05 as in its paper
+    "acc": lambda cfg: {"reward.direct_margin": 0.05},
 }
 ALIASES = {"cap": "reward.uniform_limit"}
 _REWARD_FIELDS = {f.name for f in fields(RewardConfig)}
@@ -95,7 +98,7 @@ def variant_overrides(name: str, base: TrainConfig, user: dict[str, dict] | None
     normaliser is that config's length budget), then the parameters, which have the last word."""
     user = user or {}
     head, _, params = name.partition(":")
-    scheme, _, algorithm = head.partition("+")
+    scheme, *algorithms = head.split("+")
     if scheme in user:
         keys = dict(user[scheme])
     elif scheme in REWARD_SCHEMES:
@@ -114,7 +117,7 @@ def variant_overrides(name: str, base: TrainConfig, user: dict[str, dict] | None
                 raise VariantError(f"{name}: {key!r} is no reward parameter ({', '.join(sorted(_REWARD_FIELDS))})")
             key = f"reward.{key}"
         parameters[key] = yaml.safe_load(value) if value else ""
-    if algorithm:
+    for algorithm in algorithms:  # in order, each on the config the ones before it and the parameters make
         if algorithm not in ALGORITHMS:
             raise VariantError(f"{name}: unknown algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})")
         try:

@@ -100,7 +100,14 @@ def test_the_floor_leaves_out_only_forced_modes_pushed_down_below_it():
     # Two groups of K = 4, rows: forced direct, forced thinking, free (chose </think>), forced direct with A > 0
     batch = _batch([END, A, END, END] * 2, [1, 2, 0, 1] * 2, 4)
     advantages = torch.tensor([-1.0, -1.0, -1.0, 1.0] * 2)
-    mix = ModeMix(non_thinking=2, thinking=1, group_size=4, rule="policy", floor=0.01)
+    non_thinking = torch.tensor([True, False, True, True] * 2)
+    mix = ModeMix(non_thinking=2, thinking=1, group_size=4, rule="policy", floor=0.01, floor_gate="row")
+    mix_floored = mix.floored
+
+    def floored(batch, advantages, end_logp):
+        return mix_floored(batch, advantages, non_thinking, end_logp)
+
+    mix = type("Row", (), {"floored": staticmethod(floored)})
     # group 0: p = 0.005 < floor: its forced direct row with A < 0 is left out (the free one, the policy's own
     # choice, and the A > 0 one are kept); the forced thinking row's mode has 0.995. Group 1: p = 0.02, above
     end_logp = torch.tensor([0.005, 0.02]).log()  # (G,)
@@ -110,8 +117,24 @@ def test_the_floor_leaves_out_only_forced_modes_pushed_down_below_it():
     assert mix.floored(batch, advantages, refuses).tolist() == [False, True, False, False] + [False] * 4
     # p rounding to 1 in float32 still gives a finite log(1 - p) below any floor, not NaN
     assert mix.floored(batch, advantages, torch.zeros(2)).tolist() == [False, True, False, False] * 2
-    off = ModeMix(non_thinking=2, thinking=1, group_size=4, rule="policy")
-    assert not off.floored(batch, advantages, end_logp.min().expand(2)).any()
+    off = ModeMix(non_thinking=2, thinking=1, group_size=4, rule="policy", floor_gate="row")
+    assert not off.floored(batch, advantages, non_thinking, end_logp.min().expand(2)).any()
+
+
+def test_the_floor_gated_on_the_mode_holds_a_losing_mode_and_lets_a_winning_one_rise():
+    # the same rows: forced direct (A -1), forced thinking (-1), free direct (-1), forced direct (+1). The direct
+    # mode's group-level advantage is (-1 - 1 + 1) / 3 < 0 in group 0: both forced direct rows are left out where
+    # p < floor, the right one (A > 0) too, which the row gate keeps; in group 1 the direct rows' advantages are
+    # -1, +2, +2 (mean > 0): nothing is left out, the wrong forced row included, which the row gate drops
+    batch = _batch([END, A, END, END] * 2, [1, 2, 0, 1] * 2, 4)
+    advantages = torch.tensor([-1.0, -1.0, -1.0, 1.0, -1.0, -1.0, 2.0, 2.0])
+    non_thinking = torch.tensor([True, False, True, True] * 2)
+    end_logp = torch.tensor([0.005, 0.005]).log()  # both groups under the floor
+    mode = ModeMix(non_thinking=2, thinking=1, group_size=4, rule="policy", floor=0.01)
+    row = ModeMix(non_thinking=2, thinking=1, group_size=4, rule="policy", floor=0.01, floor_gate="row")
+    assert mode.floored(batch, advantages, non_thinking, end_logp).tolist() == [True, False, False, True] + [False] * 4
+    # the thinking mode (one forced row, A -1 in both groups) is over the floor (1 - p = 0.995): kept
+    assert row.floored(batch, advantages, non_thinking, end_logp).tolist() == [True, False, False, False] * 2
 
 
 def test_requests_of_all_free_rows_are_the_plain_ones_bit_for_bit():
@@ -140,17 +163,21 @@ def test_a_mode_mixed_run_trains_both_modes_against_their_behaviour(tmp_path, mo
     seen = []
     real = Actor.update
 
-    def update(self, batch, advantages, old_logp, ref_logp, token_weights=None):
+    def update(self, batch, advantages, old_logp, ref_logp, token_weights=None, first_advantages=None):
+        assert first_advantages is None  # loss.mode_advantage=shared
         seen.append((batch, advantages.clone(), old_logp.clone(), token_weights))
         return real(self, batch, advantages, old_logp, ref_logp, token_weights)
 
     monkeypatch.setattr(Actor, "update", update)
-    # rows of K = 4: forced direct, two forced thinking, one free. The floor only with "policy", there at 0.999:
-    # varied gives every even group's samples 0 and 2 (forced direct, forced thinking) a negative advantage, and a
-    # barely warmed-up model is far from sure of either mode
+    # rows of K = 4: forced direct, two forced thinking, one free ("half" refuses forced thinking rows: there the
+    # two are free). The floor only with "policy", there at 0.999 and gated on each row's own sign: varied gives
+    # every even group's samples 0 and 2 (forced direct, forced thinking) a negative advantage, and a barely
+    # warmed-up model is far from sure of either mode (the group-level gate: test_the_floor_gated_on_the_mode_...)
     floor = 0.999 if rule == "policy" else 0.0
-    extra = ("rollout.forced_non_thinking=0.25", "rollout.forced_thinking=0.5", f"loss.mode_token_logp={rule}",
-             f"loss.mode_token_floor={floor}")  # fmt: skip
+    thinking = 0.0 if rule == "half" else 0.5
+    codes = [1, 0, 0, 0] if rule == "half" else [1, 2, 2, 0]
+    extra = ("rollout.forced_non_thinking=0.25", f"rollout.forced_thinking={thinking}", f"loss.mode_token_logp={rule}",
+             f"loss.mode_token_floor={floor}", "loss.mode_token_floor_gate=row")  # fmt: skip
     trainer = Trainer(load_config(None, _small(tmp_path, *extra)), tmp_path / "run")
     rows = trainer.run()
     assert all(r["grad_norm"] > 0 for r in rows)
@@ -161,10 +188,11 @@ def test_a_mode_mixed_run_trains_both_modes_against_their_behaviour(tmp_path, mo
     assert len(seen) == 2
     for row, (batch, advantages, old, weights) in zip(rows, seen, strict=True):
         k = batch.group_size
-        assert batch.forced.tolist() == [1, 2, 2, 0] * (len(batch.responses) // k)
+        assert batch.forced.tolist() == codes * (len(batch.responses) // k)
         first = [r[0] for r in batch.responses]
         assert all(t == END for t in first[::k])  # both modes in every group
-        assert all(t != END for t in first[1::k]) and all(t != END for t in first[2::k])
+        if rule != "half":
+            assert all(t != END for t in first[1::k]) and all(t != END for t in first[2::k])
         # the engine's log-probs of the first tokens were replaced by the old ones the loss uses: the rollout
         # correction and the stale-weight guard do not see them
         starts = batch.cu_seqlens[:-1]
@@ -186,7 +214,7 @@ def test_a_mode_mixed_run_trains_both_modes_against_their_behaviour(tmp_path, mo
         if rule == "half":  # the forced first tokens' old log-prob is log 0.5; no weights
             assert weights is None
             forced = (batch.forced != 0).nonzero().squeeze(1)
-            assert len(forced) == 3 * len(batch.responses) // k
+            assert len(forced) == len(batch.responses) // k
             assert torch.allclose(old[starts[forced]], torch.tensor(math.log(0.5)))
             continue
         # "mixture": the old log-probs are the policy's own; the weights pi_old / mu sit on the first tokens only,
@@ -247,10 +275,17 @@ def test_a_group_without_free_rows_logs_no_free_choice(tmp_path):
         ("rollout.forced_thinking=0.1", "rollout.forced_thinking: 0.1 of rollout.group_size=4 rounds to no row"),
         ("loss.mode_token_logp=exact", "loss.mode_token_logp: 'exact' is not one of"),
         ("rollout.top_p=0.9", "loss.mode_token_logp: mixture assumes free samples drawn from the whole distribution"),
+        (
+            "rollout.forced_thinking=0.25",
+            "loss.mode_token_logp: half with rollout.forced_thinking > 0: log 0.5 as the old log-prob of a sampled",
+        ),
+        ("loss.mode_advantage=split", "loss.mode_advantage: 'split' is not one of"),
+        ("loss.mode_token_floor_gate=group", "loss.mode_token_floor_gate: 'group' is not one of"),
     ],
 )
 def test_bad_mode_options_name_the_key(override, message):
     rule = ["loss.mode_token_logp=mixture"] if "top_p" in override else []
+    rule = ["loss.mode_token_logp=half"] if "forced_thinking=0.25" in override else rule
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, ["rollout.group_size=4", "rollout.forced_non_thinking=0.5", *rule, override])
 
@@ -366,3 +401,73 @@ def test_select_keeps_the_forced_codes_of_the_rows_it_keeps():
     kept, index = batch.select([1, 2])
     assert kept.forced.tolist() == [1, 2]
     assert kept.responses == [[7], [8, 9, 10]] and index.tolist() == [2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("gate", ["mode", "row"])
+def test_below_the_floor_a_mode_right_one_time_in_ten_does_not_rise_over_50_steps(gate):
+    # The first token alone, as a two-way choice z = (logit of </think>, logit of A), trained through the real
+    # advantages, floor and loss for 50 steps at p(</think>) = 0.05 < floor 0.1. Each step 10 groups of K = 8: 4
+    # forced direct rows, one of them right in 4 of the groups (10% direct accuracy), 4 forced thinking ones, one of
+    # them wrong in those 4 groups (90%). The TNT table pays right direct 2 and wrong -1, so the direct mode loses in
+    # every group (mean -0.25 against 0.75 or 1). No sampling: each step's rewards are the same, on any machine.
+    k, groups = 8, 10
+    mix = ModeMix(non_thinking=4, thinking=4, group_size=k, rule="policy", floor=0.1, floor_gate=gate)
+    first = ([END] * 4 + [A] * 4) * groups
+    batch = _batch(first, ([1] * 4 + [2] * 4) * groups, k)
+    non_thinking = torch.tensor([t == END for t in first])
+    right_direct, all_wrong = [2.0, -1, -1, -1, 1, 1, 1, 0], [-1.0] * 4 + [1.0] * 4
+    rewards = torch.tensor(right_direct * 4 + all_wrong * 6)  # 4 of 40 direct rows right, 36 of 40 thinking
+    advantages, first_adv = mix.advantages(rewards, non_thinking)
+    assert first_adv is None  # shared
+    z = torch.tensor([math.log(0.05), math.log(0.95)], dtype=torch.float64, requires_grad=True)
+    cu = torch.arange(groups * k + 1)
+    ids = torch.tensor([0 if t == END else 1 for t in first])
+    p = []
+    opt = torch.optim.SGD([z], lr=0.5)
+    for _ in range(50):
+        logp = torch.log_softmax(z, 0)[ids]  # (S,)
+        p.append(logp[0].exp().item())
+        end_logp = logp[0].detach().expand(groups)  # (G,) log pi_old(</think> | x)
+        weights = (~mix.floored(batch, advantages, non_thinking, end_logp)).double()
+        loss, _ = clipped_policy_loss(logp, logp.detach(), advantages, cu, is_weights=weights)
+        opt.zero_grad()
+        loss.backward()
+        assert z.grad.abs().sum() > 0  # the thinking rows always train
+        opt.step()
+    if gate == "mode":  # the losing mode is held: only the thinking rows move the choice, and away from </think>
+        assert max(p[1:]) <= p[0]
+    else:  # the right direct answers still push </think> up: the ratchet the mode gate removes
+        assert p[-1] > 0.09
+
+
+def test_a_decoupled_run_gives_the_mode_token_the_modes_gap(tmp_path, monkeypatch):
+    seen = []
+    real = Actor.update
+
+    def update(self, batch, advantages, old_logp, ref_logp, token_weights=None, first_advantages=None):
+        seen.append((batch, advantages.clone(), first_advantages.clone()))
+        return real(self, batch, advantages, old_logp, ref_logp, token_weights, first_advantages)
+
+    monkeypatch.setattr(Actor, "update", update)
+    cfg = load_config(None, _small(tmp_path, "rollout.forced_non_thinking=0.5", "loss.mode_advantage=decoupled"))
+    rows = Trainer(cfg, tmp_path / "run").run()
+    assert all(r["grad_norm"] > 0 for r in rows)
+    for row in rows:  # the accuracies by mode, and by level on the synthetic task
+        assert 0 <= row["acc_forced_direct"] <= 1 and 0 <= row["acc_thinking"] <= 1
+        assert any(name.startswith("acc_thinking_l") for name in row)
+    for batch, answer, mode in seen:
+        k = batch.group_size
+        nt = torch.tensor([r[0] == END for r in batch.responses]).view(-1, k)
+        a, m = answer.view(-1, k).double(), mode.view(-1, k).double()
+        both = nt.any(1) & (~nt).any(1)
+        assert both.any(), "the construction: groups holding both modes"
+        for g in range(len(nt)):
+            for rows_of in (nt[g], ~nt[g]):  # one mode-token advantage per mode; answers centred within it
+                if rows_of.any():
+                    assert m[g, rows_of].unique().numel() == 1
+                    assert abs(a[g, rows_of].sum()) < 1e-5
+            if not both[g]:
+                assert (m[g] == 0).all()
+            else:
+                assert abs(m[g, nt[g]][0] + m[g, ~nt[g]][0]) < 1e-6  # the two modes' gaps cancel
+        assert (m != 0).any(), "a group whose modes' rewards differ"

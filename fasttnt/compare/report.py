@@ -35,9 +35,9 @@ def direct_threshold(cfg: TrainConfig, p_think: float) -> float | None:
     the run's reward table, for thinking accuracy ``p_think`` (0..1); None when a right direct answer does not pay
     more than a wrong one (no accuracy makes the trade). binary pays both modes alike. The limit is left out: this
     is the trade of an honest direct answer within it (with omega = 1 on the synthetic task none is)."""
-    r = cfg.reward
-    if r.scheme == "binary":
+    if cfg.reward.scheme == "binary":
         return p_think
+    r = cfg.reward.values  # the table the kernel pays (reward.direct_margin's included)
     if r.direct_correct <= r.direct_wrong:
         return None
     expected_thinking = r.think_wrong + p_think * (r.think_correct - r.think_wrong)

@@ -16,6 +16,7 @@ from .clipped_policy_loss import (
 from .group_advantages import group_advantages, group_advantages_reference
 from .linear_policy_loss import LINEAR_STAT_NAMES, linear_policy_loss, linear_policy_loss_reference
 from .linear_token_logprobs import linear_token_logprobs, linear_token_logprobs_reference
+from .mode_advantages import ModeAdvantages, mode_advantages, mode_advantages_reference
 from .tnt_rewards import SCHEMES, RewardValues, TntRewards, tnt_rewards, tnt_rewards_reference
 from .token_logprobs import token_logprobs, token_logprobs_reference
 
@@ -26,6 +27,7 @@ __all__ = [
     "ROLLOUT_CORRECTIONS",
     "SCHEMES",
     "STAT_NAMES",
+    "ModeAdvantages",
     "PolicyLossConfig",
     "RewardValues",
     "TntRewards",
@@ -37,6 +39,8 @@ __all__ = [
     "linear_policy_loss_reference",
     "linear_token_logprobs",
     "linear_token_logprobs_reference",
+    "mode_advantages",
+    "mode_advantages_reference",
     "rollout_correction_weights",
     "tnt_rewards",
     "tnt_rewards_reference",

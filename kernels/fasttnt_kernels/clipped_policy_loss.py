@@ -1,6 +1,7 @@
 """Token-level clipped policy-gradient loss over packed sequences, forward and backward in one pass.
 
-Sequence s owns tokens cu_seqlens[s]:cu_seqlens[s+1] and one advantage A_s. Per token t of s:
+Sequence s owns tokens cu_seqlens[s]:cu_seqlens[s+1] and one advantage A_s (its first token A'_s instead, when
+``first_advantages`` are given: the mode token of a hybrid response, ``mode_advantages``). Per token t of s:
 
     r_t  = exp(clamp(logp_t - old_logp_t, -20, 20))
     pg_t = -min(r_t A_s, clip(r_t, 1 - clip_low, 1 + clip_high) A_s)
@@ -84,6 +85,7 @@ def _clipped_policy_loss_kernel(
     ref_logp_ptr,
     is_weight_ptr,
     adv_ptr,
+    first_adv_ptr,  # (S,) the advantage of each sequence's first token, read only when HAS_FIRST_ADV
     cu_seqlens_ptr,
     grad_ptr,  # (N,) dloss/dlogp, written only when COMPUTE_GRAD
     partials_ptr,  # (num_blocks, N_PARTIALS): per-block sums, reduced by the caller in a fixed order
@@ -104,6 +106,7 @@ def _clipped_policy_loss_kernel(
     HAS_DUAL_CLIP: tl.constexpr,  # off, the bound has no value to compare with (an infinite one gives 0 * inf)
     HAS_REF: tl.constexpr,  # skips the read of ref_logp and the k3 term
     HAS_IS_WEIGHT: tl.constexpr,  # skips the read of the per-token weights
+    HAS_FIRST_ADV: tl.constexpr,  # skips the read of the first tokens' advantages
     COMPUTE_GRAD: tl.constexpr,  # skips the gradient write when logp does not require grad (old/ref passes)
     N_PARTIALS: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -124,8 +127,12 @@ def _clipped_policy_loss_kernel(
         lo = tl.where(go_right, mid, lo)
         hi = tl.where(go_right, hi, mid - 1)
     seq = lo
-    seq_len = tl.load(cu_seqlens_ptr + seq + 1, mask=mask, other=1) - tl.load(cu_seqlens_ptr + seq, mask=mask, other=0)
+    seq_start = tl.load(cu_seqlens_ptr + seq, mask=mask, other=0)
+    seq_len = tl.load(cu_seqlens_ptr + seq + 1, mask=mask, other=1) - seq_start
     a = tl.load(adv_ptr + seq, mask=mask, other=0.0).to(tl.float32)
+    if HAS_FIRST_ADV:
+        first = mask & (t_batch == seq_start)
+        a = tl.where(first, tl.load(first_adv_ptr + seq, mask=first, other=0.0).to(tl.float32), a)
 
     logp = tl.load(logp_ptr + t, mask=mask, other=0.0).to(tl.float32)
     old = tl.load(old_logp_ptr + t, mask=mask, other=0.0).to(tl.float32)
@@ -188,10 +195,11 @@ def clipped_policy_loss_reference(
     is_weights: torch.Tensor | None = None,
     total_tokens: float | None = None,
     total_seqs: float | None = None,
+    first_advantages: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The semantics in plain differentiable PyTorch (float32, or float64 for float64 ``logp``)."""
     N, S = logp.shape[0], advantages.shape[0]
-    a, seq_len = per_token_advantages(advantages, cu_seqlens, N)
+    a, seq_len = per_token_advantages(advantages, cu_seqlens, N, first_advantages)
     w_const, w_per_len = _common.aggregation_weights(config.agg, config.norm_length, N, S, total_tokens, total_seqs)
     loss_t, indicators = token_terms_reference(
         logp, old_logp, a, seq_len, config=config, ref_logp=ref_logp, is_weights=is_weights
@@ -202,10 +210,16 @@ def clipped_policy_loss_reference(
     return loss, stats
 
 
-def per_token_advantages(advantages: torch.Tensor, cu_seqlens: torch.Tensor, N: int):
-    """Each token's sequence advantage (N,) and its sequence's length (N,), from the packed layout."""
+def per_token_advantages(
+    advantages: torch.Tensor, cu_seqlens: torch.Tensor, N: int, first_advantages: torch.Tensor | None = None
+):
+    """Each token's advantage (N,), its sequence's or, for a first token, ``first_advantages``' (S,) when given,
+    and its sequence's length (N,), from the packed layout."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # (S,)
     a = torch.repeat_interleave(advantages, lengths, output_size=N)  # (N,)
+    if first_advantages is not None:
+        nonempty = lengths > 0
+        a = a.index_copy(0, cu_seqlens[:-1][nonempty].long(), first_advantages.to(a.dtype)[nonempty])
     seq_len = torch.repeat_interleave(lengths, lengths, output_size=N)  # (N,)
     return a, seq_len
 
@@ -327,6 +341,7 @@ def launch_token_terms(
     *,
     grad: torch.Tensor | None,
     token_offset: int = 0,
+    first_advantages: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run the kernel over tokens ``token_offset .. token_offset + n - 1`` of a packed batch (``advantages`` and
     ``cu_seqlens`` are the whole batch's; the per-token inputs are the n tokens'). Writes dloss/dlogp into
@@ -345,6 +360,7 @@ def launch_token_terms(
             ref_logp if ref_logp is not None else logp,
             is_weights if is_weights is not None else logp,
             advantages,
+            first_advantages if first_advantages is not None else advantages,
             cu_seqlens,
             grad if grad is not None else partials,
             partials,
@@ -362,6 +378,7 @@ def launch_token_terms(
             HAS_DUAL_CLIP=config.dual_clip is not None,
             HAS_REF=ref_logp is not None,
             HAS_IS_WEIGHT=is_weights is not None,
+            HAS_FIRST_ADV=first_advantages is not None,
             COMPUTE_GRAD=grad is not None,
             N_PARTIALS=_N_PARTIALS,
             BLOCK=_BLOCK,
@@ -371,13 +388,16 @@ def launch_token_terms(
 
 class ClippedPolicyLossFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logp, old_logp, ref_logp, is_weights, advantages, cu_seqlens, config, total_tokens, total_seqs):
+    def forward(
+        ctx, logp, old_logp, ref_logp, is_weights, advantages, cu_seqlens, config, total_tokens, total_seqs, first_adv
+    ):
         N, S = logp.shape[0], advantages.shape[0]
         grad = _common.new_empty(N, dtype=torch.float32, device=logp.device) if logp.requires_grad else None  # (N,)
         w_const, w_per_len = _common.aggregation_weights(config.agg, config.norm_length, N, S, total_tokens, total_seqs)
         sums = launch_token_terms(
-            logp, old_logp, ref_logp, is_weights, advantages, cu_seqlens, config, w_const, w_per_len, grad=grad
-        )
+            logp, old_logp, ref_logp, is_weights, advantages, cu_seqlens, config, w_const, w_per_len, grad=grad,
+            first_advantages=first_adv,
+        )  # fmt: skip
         ctx.save_for_backward(grad)
         ctx.logp_dtype = logp.dtype
         stats = sums[1:] / max(N, 1)
@@ -388,7 +408,7 @@ class ClippedPolicyLossFunction(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_stats):
         (grad,) = ctx.saved_tensors
         grad_logp = (grad * grad_loss).to(ctx.logp_dtype) if grad is not None else None
-        return grad_logp, None, None, None, None, None, None, None, None
+        return grad_logp, None, None, None, None, None, None, None, None, None
 
 
 def check_policy_loss_inputs(
@@ -402,12 +422,17 @@ def check_policy_loss_inputs(
     is_weights: torch.Tensor | None,
     total_tokens: float | None,
     total_seqs: float | None,
+    first_advantages: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Check the loss's inputs for N tokens (shapes, dtypes, normalisers); returns the tensors given, by name."""
     tensors = {"advantages": advantages, "cu_seqlens": cu_seqlens}
     _common.check_1d("advantages", advantages)
     _common.check_1d("cu_seqlens", cu_seqlens, advantages.shape[0] + 1)
     _common.check_dtype("advantages", advantages, _common.FLOAT_DTYPES)
+    if first_advantages is not None:
+        _common.check_1d("first_advantages", first_advantages, advantages.shape[0])
+        _common.check_dtype("first_advantages", first_advantages, _common.FLOAT_DTYPES)
+        tensors["first_advantages"] = first_advantages
     _common.check_dtype("cu_seqlens", cu_seqlens, _common.INDEX_DTYPES)
     if ref_logp is None and kl_coef > 0:
         raise ValueError(f"kl_coef={kl_coef} needs ref_logp")
@@ -438,6 +463,7 @@ def clipped_policy_loss(
     norm_length: float | None = None,
     total_tokens: float | None = None,
     total_seqs: float | None = None,
+    first_advantages: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Token-level clipped policy-gradient loss of packed sequences; returns ``(loss, stats)``.
 
@@ -447,6 +473,8 @@ def clipped_policy_loss(
     (not of the KL term), e.g. ``rollout_correction_weights``. ``stats`` maps the names in ``STAT_NAMES`` to
     float32 scalars on the device (no host sync). ``total_tokens``/``total_seqs`` replace N/S as the normalisers,
     for a loss split into micro-batches or across ranks whose sum must equal the whole batch's mean.
+    ``first_advantages`` (S,) float, optional: the advantage of each sequence's first token in place of its
+    sequence's (``mode_advantages``' mode-token advantage).
     """
     config = PolicyLossConfig(clip_low, clip_high, dual_clip, kl_coef, agg, norm_length)
     _common.check_1d("logp", logp)
@@ -461,6 +489,7 @@ def clipped_policy_loss(
         is_weights=is_weights,
         total_tokens=total_tokens,
         total_seqs=total_seqs,
+        first_advantages=first_advantages,
     )
     tensors["logp"] = logp
     _common.check_same_device(**tensors)
@@ -476,6 +505,7 @@ def clipped_policy_loss(
             is_weights=None if is_weights is None else is_weights.detach(),
             total_tokens=total_tokens,
             total_seqs=total_seqs,
+            first_advantages=first_advantages,
         )
         return loss.float(), {k: v.float() for k, v in stats.items()}
 
@@ -489,5 +519,6 @@ def clipped_policy_loss(
         config,
         total_tokens,
         total_seqs,
+        first_advantages.detach().contiguous() if first_advantages is not None else None,
     )
     return loss, dict(zip(STAT_NAMES, stats.unbind(0), strict=True))

@@ -71,6 +71,7 @@ def linear_policy_loss_reference(
     is_weights: torch.Tensor | None = None,
     total_tokens: float | None = None,
     total_seqs: float | None = None,
+    first_advantages: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The semantics: materialise the logits and compose the two references."""
     logp, entropy = linear_token_logprobs_reference(hidden, weight, ids, temperature=temperature, with_entropy=True)
@@ -85,6 +86,7 @@ def linear_policy_loss_reference(
         is_weights=is_weights,
         total_tokens=total_tokens,
         total_seqs=total_seqs,
+        first_advantages=first_advantages,
     )
     n = hidden.shape[0]
     tokens = float(n if total_tokens is None else total_tokens)
@@ -139,6 +141,7 @@ class LinearPolicyLossFunction(torch.autograd.Function):
         use_triton,
         need_hidden,
         need_weight,
+        first_advantages,
     ):
         N, S = hidden.shape[0], advantages.shape[0]
         device = hidden.device
@@ -148,7 +151,7 @@ class LinearPolicyLossFunction(torch.autograd.Function):
         tokens = float(N if total_tokens is None else total_tokens)
         grad_entropy_value = -entropy_coef / tokens if tokens > 0 else 0.0  # d(loss)/d(entropy_t), every token
         if not use_triton:  # the reference's per-token view, made once for every chunk
-            a_t, seq_len_t = per_token_advantages(advantages, cu_seqlens, N)  # (N,), (N,)
+            a_t, seq_len_t = per_token_advantages(advantages, cu_seqlens, N, first_advantages)  # (N,), (N,)
         compute_grad = need_hidden or need_weight
         grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=device) if need_hidden else None  # (N, H)
         acc_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
@@ -189,6 +192,7 @@ class LinearPolicyLossFunction(torch.autograd.Function):
                     w_per_len,
                     grad=g,
                     token_offset=start,
+                    first_advantages=first_advantages,
                 )
             else:
                 sums += _chunk_terms_torch(
@@ -233,7 +237,7 @@ class LinearPolicyLossFunction(torch.autograd.Function):
             grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
         if grad_weight is not None:
             grad_weight.mul_(grad_loss.to(grad_weight.dtype))
-        return grad_hidden, grad_weight, *([None] * 15)
+        return grad_hidden, grad_weight, *([None] * 16)
 
 
 def linear_policy_loss(
@@ -258,6 +262,7 @@ def linear_policy_loss(
     total_seqs: float | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     return_logp: bool = False,
+    first_advantages: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """The clipped policy loss (and a token-mean entropy bonus) of ``hidden @ weight.T``; returns ``(loss, stats)``.
 
@@ -282,6 +287,7 @@ def linear_policy_loss(
         is_weights=is_weights,
         total_tokens=total_tokens,
         total_seqs=total_seqs,
+        first_advantages=first_advantages,
     )
     _common.check_same_device(hidden=hidden, weight=weight, ids=ids, **tensors)
     if not entropy_coef >= 0.0:
@@ -306,6 +312,7 @@ def linear_policy_loss(
         use_triton,
         grad_on and hidden.requires_grad,
         grad_on and weight.requires_grad,
+        None if first_advantages is None else first_advantages.detach().float().contiguous(),
     )
     stats = dict(zip(LINEAR_STAT_NAMES, stats.unbind(0), strict=True))
     return (loss, stats, logp) if return_logp else (loss, stats)

@@ -325,3 +325,44 @@ def test_bad_shapes_name_the_tensor():
         clipped_policy_loss(logp, torch.zeros(4), torch.zeros(1), torch.tensor([0, 3]))
     with pytest.raises(TypeError, match="cu_seqlens has dtype float32"):
         clipped_policy_loss(logp, logp, torch.zeros(1), torch.tensor([0.0, 3.0]))
+
+
+def _split_off_first_tokens(adv, first, cu):
+    """The same tokens with each nonempty sequence's first token a sequence of its own: its advantage ``first``,
+    the rest keeping ``adv`` (under token-mean, the loss and gradient a first-token advantage must give)."""
+    advs, bounds = [], [0]
+    for s in range(len(adv)):
+        lo, hi = int(cu[s]), int(cu[s + 1])
+        if hi > lo:
+            advs.append(first[s])
+            bounds.append(lo + 1)
+        advs.append(adv[s])
+        bounds.append(hi)
+    return torch.stack(advs), torch.tensor(bounds, dtype=cu.dtype, device=cu.device)
+
+
+@pytest.mark.parametrize("lengths", ["ragged", "many-short"])
+@pytest.mark.parametrize("dual_clip", [None, 1.5])
+def test_first_token_advantages(triton_path, lengths, dual_clip):
+    lens = LENGTHS[lengths] or torch.randint(1, 21, (300,)).tolist()
+    logp, old, _, adv, cu = _packed_batch(lens)
+    first = torch.randn(len(lens), device=DEVICE)
+    kw = dict(clip_low=0.2, clip_high=0.28, dual_clip=dual_clip)
+    loss, stats, grad = _run(logp, old, adv, cu, first_advantages=first, **kw)
+    x = logp.detach().double().requires_grad_()
+    t_loss, t_stats = clipped_policy_loss_reference(
+        x, old.double(), adv.double(), cu, config=PolicyLossConfig(**kw), first_advantages=first.double()
+    )
+    t_loss.backward()
+    assert_close(loss, t_loss, name="loss")
+    assert_close(grad, x.grad, name="grad")
+    for name in STAT_NAMES:
+        assert_close(stats[name], t_stats[name], name=name)
+    # the semantics, independently: the first tokens as sequences of their own (token-mean does not see the split)
+    split_adv, split_cu = _split_off_first_tokens(adv, first, cu)
+    s_loss, _, s_grad = _truth(logp, old, split_adv, split_cu, **kw)
+    assert_close(loss, s_loss, name="loss against the split batch")
+    assert_close(grad, s_grad, name="grad against the split batch")
+    # precondition: the first tokens' advantages changed the loss
+    plain, _, _ = _run(logp, old, adv, cu, **kw)
+    assert (plain - loss).abs() > 1e-4

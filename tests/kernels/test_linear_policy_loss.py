@@ -131,6 +131,7 @@ VARIANTS = {
     "entropy": dict(entropy_coef=0.05, total_tokens=80.0),
     "kl+dual-clip": dict(kl_coef=0.1, use_ref=True, dual_clip=3.0, clip_high=0.28),
     "on-policy": dict(on_policy=True, entropy_coef=0.01, temperature=0.7),
+    "first-advantages": dict(use_first=True, clip_high=0.28),  # a hybrid response's mode token (mode_advantages)
     "is-weights+everything": dict(
         use_is=True, use_ref=True, kl_coef=0.05, dual_clip=2.5, entropy_coef=0.02, agg="seq-mean-token-mean"
     ),
@@ -144,6 +145,8 @@ def _args(variant, old, ref, is_w):
         kw["ref_logp"] = ref
     if kw.pop("use_is", False):
         kw["is_weights"] = is_w
+    if kw.pop("use_first", False):
+        kw["first_advantages"] = torch.randn(len(LENGTHS), device=DEVICE)
     return old, kw
 
 
@@ -173,7 +176,7 @@ def test_equals_the_composition_in_float32(monkeypatch, variant, path):
     assert got[2].dtype == torch.float32 and got[3].dtype == torch.float32
 
 
-@pytest.mark.parametrize("variant", ["token-mean", "is-weights+everything", "on-policy"])
+@pytest.mark.parametrize("variant", ["token-mean", "is-weights+everything", "on-policy", "first-advantages"])
 @pytest.mark.parametrize("path", ["triton", "torch"])
 def test_matches_the_float64_reference(monkeypatch, variant, path):
     monkeypatch.setenv("FASTTNT_KERNELS", path)

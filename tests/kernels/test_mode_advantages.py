@@ -1,0 +1,129 @@
+"""mode_advantages: the Triton kernel against the float64 reference, hand-worked groups, and the zero rules."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fasttnt_kernels import group_advantages_reference, mode_advantages, mode_advantages_reference
+
+from checks import DEVICE, assert_close
+
+
+def _both(rewards, modes, k, **kw):
+    rewards = torch.tensor(rewards, dtype=torch.float32, device=DEVICE)
+    nt = torch.tensor(modes, dtype=torch.bool, device=DEVICE)
+    return mode_advantages(rewards, nt, k, **kw), mode_advantages_reference(rewards.double(), nt, k, **kw)
+
+
+T, N = False, True
+
+
+@pytest.mark.parametrize("scale", ["std", "none"])
+def test_hand_worked_group_of_both_modes(triton_path, scale):
+    # thinking 1, 1, 0, 1 (mean 0.75); direct 2, -1, 2, 2 (mean 1.25): the modes' baseline is 1.0
+    out, ref = _both([1, 1, 0, 1, 2, -1, 2, 2], [T] * 4 + [N] * 4, 8, scale=scale, eps=0.0)
+    if scale == "none":
+        answer = [0.25, 0.25, -0.75, 0.25, 0.75, -2.25, 0.75, 0.75]
+        mode = [-0.25] * 4 + [0.25] * 4
+    else:  # std of the thinking rows 0.5, of the direct rows 1.5, of the group sqrt(8/7)
+        answer = [0.5, 0.5, -1.5, 0.5, 0.5, -1.5, 0.5, 0.5]
+        mode = [-0.25 / math.sqrt(8 / 7)] * 4 + [0.25 / math.sqrt(8 / 7)] * 4
+    for got in (out, ref):
+        assert_close(got.answer.double(), torch.tensor(answer, dtype=torch.float64, device=DEVICE), name="answer")
+        assert_close(got.mode.double(), torch.tensor(mode, dtype=torch.float64, device=DEVICE), name="mode")
+
+
+@pytest.mark.parametrize("scale", ["std", "none"])
+def test_hand_worked_edges(triton_path, scale):
+    rewards = [
+        1,
+        0,
+        1,
+        1,  # one mode only: no mode gap; the answers are plain GRPO's
+        1,
+        1,
+        0,
+        2,  # a direct mode of one row: its answer advantage 0, its mode gap 2 - 4/3
+        1,
+        1,
+        1,
+        1,  # every reward equal, both modes present: all zero
+        0,
+        0,
+        2,
+        2,
+    ]  # each mode flat, the modes apart: answers 0, mode gaps -+1 (in rewards)
+    modes = [T, T, T, T, T, T, T, N, T, N, T, N, T, T, N, N]  # fmt: skip
+    out, ref = _both(rewards, modes, 4, scale=scale, eps=0.0)
+    plain = group_advantages_reference(torch.tensor(rewards[:4], dtype=torch.float64), 4, scale=scale, eps=0.0)
+    std = (lambda x: torch.tensor(x, dtype=torch.float64).std().item()) if scale == "std" else (lambda x: 1.0)
+    answer = [*plain.tolist(), *[v / (std([1, 1, 0]) if scale == "std" else 1) for v in (1 / 3, 1 / 3, -2 / 3)], 0.0,
+              *[0.0] * 8]  # fmt: skip
+    g2, g4 = std([1, 1, 0, 2]), std([0, 0, 2, 2])
+    mode = [0.0] * 4 + [-2 / 3 / g2] * 3 + [2 / 3 / g2] + [0.0] * 4 + [-1 / g4] * 2 + [1 / g4] * 2
+    for got in (out, ref):
+        assert not torch.isnan(got.answer).any() and not torch.isnan(got.mode).any()
+        assert_close(got.answer.double(), torch.tensor(answer, dtype=torch.float64, device=DEVICE), name="answer")
+        assert_close(got.mode.double(), torch.tensor(mode, dtype=torch.float64, device=DEVICE), name="mode")
+
+
+# (G, K) as group_advantages tests them: one group, the paper's 8, DeepScaleR's 16 x 128, dead tile columns
+@pytest.mark.parametrize("shape", [(1, 8), (128, 16), (7, 5), (3, 33), (500, 3)])
+@pytest.mark.parametrize("scale", ["std", "none"])
+def test_matches_float64_reference_on_table_rewards(triton_path, shape, scale):
+    g, k = shape
+    # the TNT table's values: many modes and groups flat, others mixed; the mode drawn at a random share per group
+    table = torch.tensor([1.0, 0.0, 2.0, -1.0, -2.0], device=DEVICE)
+    rewards = table[torch.randint(0, 5, (g * k,), device=DEVICE)]
+    share = torch.rand(g, 1, device=DEVICE).expand(g, k).reshape(-1)
+    nt = torch.rand(g * k, device=DEVICE) < share
+    # group 0 holds both modes, their means apart (thinking 1 x k-1 against one direct 2): a gap to check
+    rewards[: k - 1], nt[: k - 1], rewards[k - 1], nt[k - 1] = 1.0, False, 2.0, True
+    out = mode_advantages(rewards, nt, k, scale=scale)
+    ref = mode_advantages_reference(rewards.double(), nt, k, scale=scale)
+    assert out.answer.dtype == out.mode.dtype == torch.float32
+    assert_close(out.answer, ref.answer, name="answer")
+    assert_close(out.mode, ref.mode, name="mode")
+    # the defining properties on the kernel's output: answers centre within each (group, mode); the mode gaps
+    # of the modes present in a group cancel
+    a, m = out.answer.double().reshape(g, k), out.mode.double().reshape(g, k)
+    flags = nt.reshape(g, k)
+    for flag in (False, True):
+        assert ((a * (flags == flag)).sum(1).abs() < 1e-4).all()
+    mean_gap = (m * flags).sum(1) / flags.sum(1).clamp(min=1) + (m * ~flags).sum(1) / (~flags).sum(1).clamp(min=1)
+    assert (mean_gap.abs() < 1e-5).all()
+    assert m[0].abs().min() > 0  # precondition: the gap was computed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_random_rewards_match_the_reference(triton_path, dtype):
+    g, k = 64, 8
+    rewards = torch.randn(g * k, device=DEVICE).to(dtype)
+    nt = torch.rand(g * k, device=DEVICE) < 0.5
+    out = mode_advantages(rewards, nt, k)
+    ref = mode_advantages_reference(rewards.double(), nt, k)
+    # centring loses float32 digits in proportion to max|r| / std (group_advantages' test): a few ulps of that
+    r = rewards.double().reshape(g, k)
+    cond = (r.abs().amax(1) / (r.std(1) + 1e-6)).repeat_interleave(k)
+    for got, truth in ((out.answer, ref.answer), (out.mode, ref.mode)):
+        assert not torch.isnan(got).any()
+        err = (got.double() - truth).abs()
+        bound = 1e-5 + 8 * 2**-24 * cond * (1 + truth.abs())
+        assert bool((err <= bound).all()), f"worst {(err / bound).max():.2f}"
+
+
+@pytest.mark.parametrize("scale", ["std", "none"])
+def test_group_size_one_is_zero(triton_path, scale):
+    out = mode_advantages(torch.randn(10, device=DEVICE), torch.rand(10, device=DEVICE) < 0.5, 1, scale=scale)
+    assert torch.equal(out.answer, torch.zeros(10, device=DEVICE))
+    assert torch.equal(out.mode, torch.zeros(10, device=DEVICE))
+
+
+def test_bad_inputs_are_named(triton_path):
+    with pytest.raises(ValueError, match="non_thinking must have 8 elements"):
+        mode_advantages(torch.zeros(8, device=DEVICE), torch.zeros(4, dtype=torch.bool, device=DEVICE), 4)
+    with pytest.raises(ValueError, match="not a multiple of group_size=3"):
+        mode_advantages(torch.zeros(8, device=DEVICE), torch.zeros(8, dtype=torch.bool, device=DEVICE), 3)
