@@ -21,7 +21,6 @@ from fasttnt_kernels import rollout_correction_weights
 from . import distributed
 from .config import TrainConfig
 from .engines.batch import RolloutBatch
-from .modes import ModeMix, first_token_index, forced_rows, think_end_probe
 from .policy import (
     LossSettings,
     MicroBatch,
@@ -35,10 +34,9 @@ from .step_metrics import ROLLOUT_METRICS, TOKEN_METRICS, add_into, reduce_named
 
 
 class OldLogprobs(NamedTuple):
-    old: torch.Tensor | None  # (N,) the old policy's log-probs (mode-mixed "half": log 0.5 at forced first tokens)
+    old: torch.Tensor | None  # (N,) the old policy's log-probs
     ref: torch.Tensor | None  # (N,) the reference model's
     think_end: torch.Tensor | None  # (G,) mode-mixed: log pi_old(</think> | x) at each group's first position
-    mode_weights: torch.Tensor | None = None  # (N,) mode-mixed "mixture": pi_old / mu at first tokens, 1 elsewhere
 
 
 class Actor:
@@ -65,57 +63,26 @@ class Actor:
                 "the engine samples from the trainer's weights",
                 stacklevel=2,
             )
-        self.modes, self.think_end_id = ModeMix.of(cfg), parts.think_end_id
 
     # -- log-probs without gradients ----------------------------------------------------------------------------
 
-    def old_and_ref_logprobs(self, batch: RolloutBatch) -> OldLogprobs:
+    def old_and_ref_logprobs(self, batch: RolloutBatch, probe: RolloutBatch | None = None) -> OldLogprobs:
         """The old log-probs (N,), needed once the policy moves within the step (a second mini-batch or epoch), to
         importance-weight against the engine's (the weights are needed before the fused loss forms its gradient;
         TRL computes them likewise for its vLLM correction, grpo_trainer.py, trl 1.16), to check an engine that
-        samples from its own copy of the weights, or for a mode-mixed batch (``fasttnt.modes``): its first tokens are
-        weighted against their behaviour probability mu, "mixture" by an importance weight pi_old / mu outside the
-        clip (the ratio inside it starts at 1), "half" by
-        log mu = log 0.5 as the old log-prob; their rollout log-probs become the old ones, so the engine's
-        correction, the stale-weight guard and its diagnostics leave them out. The reference model's log-probs when
-        the KL term is on. None where not needed."""
+        samples from its own copy of the weights, or for a mode-mixed batch, whose ``probe`` rows (``ModeMix.probe``)
+        get the old policy's log-probs too (``fasttnt.modes``); the reference model's log-probs when the KL term is
+        on. None where not needed."""
         loss_cfg = self.cfg.loss
-        old_logp = ref_logp = end_logp = mode_weights = None
+        old_logp = ref_logp = probe_logp = None
         compared = (self.correction != "none" or self.check_engine) and batch.rollout_logp is not None
-        if loss_cfg.ppo_epochs > 1 or loss_cfg.mini_batches > 1 or compared or self.modes.active:
+        if loss_cfg.ppo_epochs > 1 or loss_cfg.mini_batches > 1 or compared or probe is not None:
             old_logp = self.logprobs(self.policy, batch, zero3_collectives=self.zero3)
-        if self.modes.active:
-            probe = think_end_probe(batch, self.think_end_id)  # (G,) rows: each group's prompt, then </think>
-            end_logp = self.logprobs(self.policy, probe, zero3_collectives=self.zero3)
-            first = first_token_index(batch)
-            behaviour = self.modes.behaviour_logp(batch, old_logp[first], end_logp, self.think_end_id)
-            if self.modes.rule == "mixture":
-                weight = torch.exp(old_logp[first] - behaviour)  # at most 1 / (the smallest share): no cap needed
-                mode_weights = torch.ones_like(old_logp).index_copy(0, first, weight)
-            else:
-                old_logp = old_logp.index_copy(0, first, behaviour)
-            if batch.rollout_logp is not None:
-                batch.rollout_logp = batch.rollout_logp.index_copy(0, first, old_logp[first])
+        if probe is not None:
+            probe_logp = self.logprobs(self.policy, probe, zero3_collectives=self.zero3)
         if self.ref_model is not None:  # a plain module on every rank: no collectives
             ref_logp = self.logprobs(self.ref_model, batch, zero3_collectives=False)
-        return OldLogprobs(old_logp, ref_logp, end_logp, mode_weights)
-
-    def mode_token_weights(self, batch: RolloutBatch, first_adv: torch.Tensor, non_thinking, old: OldLogprobs):
-        """The update's per-token weights (N,) for a mode-mixed batch: the "mixture" rule's pi_old / mu on the first
-        tokens, 0 on the forced ones ``loss.mode_token_floor`` leaves out (``ModeMix.floored``, from the mode
-        tokens' advantages ``first_adv`` (S,) and the modes ``non_thinking`` (S,)), else 1 (None where neither
-        applies); and the metrics: ``mode_floored``, the share of forced responses over all ranks whose first token
-        was left out."""
-        weights = old.mode_weights
-        if not self.modes.active or self.modes.floor == 0:
-            return weights, {}
-        drop = self.modes.floored(batch, first_adv, non_thinking, old.think_end)  # (S,)
-        counts = self.sum_over_ranks(torch.stack([drop.sum(), forced_rows(batch).sum()]).double())
-        if weights is None:
-            weights = torch.ones_like(old.old)
-        first = first_token_index(batch)
-        weights = weights.index_copy(0, first, torch.where(drop, torch.zeros_like(weights[first]), weights[first]))
-        return weights, {"mode_floored": counts[0] / counts[1].clamp(min=1)}
+        return OldLogprobs(old_logp, ref_logp, probe_logp)
 
     def logprobs(self, model, batch: RolloutBatch, *, zero3_collectives: bool) -> torch.Tensor:
         """Log-probs (N,) of the batch under ``model`` (the policy, ``policy``, or the reference model), without

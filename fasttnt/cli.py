@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     cmp.add_argument("--steps", type=int, default=80, help="GRPO steps per run")
     cmp.add_argument("--uniform-limit", type=float, default=32.0, help="the uniform-limit scheme's cap, in tokens")
     cmp.add_argument("--samples", type=int, default=4, help="evaluation samples per held-out problem")
+    cmp.add_argument("--temperatures", default="0.6", help="comma-separated evaluation temperatures; the first's "
+                     "report is compare.md, each other's compare_T<t>.md (0.6,1.0: eval's and training's)")  # fmt: skip
     cmp.add_argument("--jobs", type=int, default=None, help="runs at once, one process each (default: one per core, "
                      "at most 8)")  # fmt: skip
     cmp.add_argument("--output-dir", default="runs/compare")
@@ -213,6 +215,12 @@ def _compare(args) -> int:
     ]
     if not args.uniform_limit >= 0:
         problems.append(f"--uniform-limit: must be >= 0, got {args.uniform_limit}")
+    try:
+        temperatures = tuple(dict.fromkeys(float(t) for t in args.temperatures.split(",") if t.strip()))
+    except ValueError:
+        temperatures = ()
+    if not temperatures or not all(t > 0 for t in temperatures):
+        problems.append(f"--temperatures: comma-separated numbers > 0, got {args.temperatures!r}")
     user_variants = None
     try:
         load_config(None, args.overrides)  # check the overrides before hours of training
@@ -243,12 +251,14 @@ def _compare(args) -> int:
         steps=args.steps,
         uniform_limit=args.uniform_limit,
         jobs=args.jobs or default_jobs(),
-        eval=replace(base.eval, samples=args.samples),
+        eval=replace(base.eval, samples=args.samples, temperature=temperatures[0] if temperatures else 0.6),
+        temperatures=temperatures[1:],
     )
     out = Path(args.output_dir)
     summary = run_compare(settings, out, args.overrides, user_variants)
     print((out / "compare.md").read_text())
-    print(f"compare.json, compare.md, compare.png in {out} ({summary['wall_seconds'] / 60:.1f} min)")
+    more = "".join(f", compare_T{t:g}.*" for t in settings.temperatures)
+    print(f"compare.json, compare.md, compare.png{more} in {out} ({summary['wall_seconds'] / 60:.1f} min)")
     return 0
 
 

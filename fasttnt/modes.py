@@ -50,19 +50,40 @@ thinking answers those of the thinking mode.
 
 The TNT limit, rewards, advantages and hack flags treat forced and free responses alike: a forced non-thinking
 response is a non-thinking response.
+
+Everything here is ``ModeMix``, which the trainer asks at two points: ``rollout`` (each row's prompt in its mode
+for the engine, which only sees per-row prompts, and the rows' codes on the batch) and, after the old log-probs,
+``loss_terms`` (the advantages, the first tokens' behaviour log-probs or weights, the floor).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from fasttnt_kernels import group_advantages, mode_advantages
 
-from .data import PromptMode
+from .data import Prompt, PromptMode
 from .engines.batch import FORCED_CODES, RolloutBatch
+
+
+class Advantages(NamedTuple):
+    answer: torch.Tensor  # (S,) every token's but the first's when ``first`` is given
+    first: torch.Tensor | None  # (S,) the first token's own (loss.mode_advantage=decoupled), else None
+    mode: torch.Tensor  # (S,) the mode's advantage the floor's gate averages: the gap, or the shared advantage
+
+
+class LossTerms(NamedTuple):
+    """What the update needs of a step's modes: advantages, old log-probs and weights, and the floor's counts."""
+
+    advantages: torch.Tensor  # (S,) every token's but the mode token's when decoupled
+    first_advantages: torch.Tensor | None  # (S,) the mode token's own (loss.mode_advantage=decoupled), else None
+    old_logp: torch.Tensor | None  # (N,) the old log-probs ("half": log 0.5 at the forced first tokens)
+    token_weights: torch.Tensor | None  # (N,) "mixture"'s pi_old / mu and the floor's zeros at first tokens
+    floored: torch.Tensor | None  # (2,) float64: first tokens the floor left out, forced rows (this rank's)
 
 
 @dataclass(frozen=True)
@@ -86,14 +107,20 @@ class ModeMix:
         return cls(non_thinking, thinking, cfg.rollout.group_size, loss.mode_token_logp, loss.mode_token_floor,
                    loss.mode_token_floor_gate, loss.mode_advantage, loss.adv_scale, loss.adv_eps)  # fmt: skip
 
-    def advantages(self, rewards: torch.Tensor, non_thinking: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Each response's advantage (S,) and, ``decoupled``, its mode token's (S,) (None: the same), from rewards
-        (S,) and modes (S,) laid out group after group."""
+    def advantages(self, rewards: torch.Tensor, non_thinking: torch.Tensor) -> Advantages:
+        """The advantages of rewards (S,) with modes ``non_thinking`` (S,), laid out group after group.
+
+        ``decoupled``: a non-thinking response's first token is ``</think>``, the choice itself, and gets the
+        mode gap; a thinking response's first token is already its answer (the template opened the think block),
+        so it keeps the answer's advantage: the gap pushed onto it would move a digit of the answer, not the choice,
+        which in the CPU stand-in broke the thinking (accuracy at level 3 from 100% to 31% in 9 steps). The
+        thinking side of the choice is learned through ``</think>``'s probability, which the direct rows move."""
         k = self.group_size
         if self.advantage == "decoupled":
             out = mode_advantages(rewards, non_thinking, k, scale=self.scale, eps=self.eps)
-            return out.answer, out.mode
-        return group_advantages(rewards, k, scale=self.scale, eps=self.eps), None
+            return Advantages(out.answer, torch.where(non_thinking.bool(), out.mode, out.answer), out.mode)
+        shared = group_advantages(rewards, k, scale=self.scale, eps=self.eps)
+        return Advantages(shared, None, shared)
 
     @property
     def active(self) -> bool:
@@ -109,6 +136,55 @@ class ModeMix:
         then its free ones (runs of one mode: one prefill, one vLLM request each)."""
         group = [PromptMode.NON_THINKING] * self.non_thinking + [PromptMode.THINKING] * self.thinking
         return (group + [PromptMode.FREE] * self.free) * groups
+
+    # -- point 1: the rollout ------------------------------------------------------------------------------------
+
+    def rollout(self, engine, prompts: list[Prompt], **generate) -> RolloutBatch:
+        """K samples of each prompt from ``engine``, each row's prompt in its mode, the rows' modes coded on the
+        batch (``RolloutBatch.forced``); the engine's own ``generate`` when nothing is forced."""
+        if not self.active:
+            return engine.generate(prompts, self.group_size, **generate)
+        modes = self.modes(len(prompts))
+        rows = [p.in_mode(m) for p, m in zip([p for p in prompts for _ in range(self.group_size)], modes, strict=True)]
+        batch = engine.generate(prompts, self.group_size, rows=rows, **generate)
+        codes = [FORCED_CODES[m] for m in modes]
+        batch.forced = torch.tensor(codes, dtype=torch.int8, device=batch.truncated.device)  # (S,)
+        return batch
+
+    def probe(self, batch: RolloutBatch, think_end_id: int) -> RolloutBatch | None:
+        """The rows whose log-probs the old policy gives ``loss_terms`` (``think_end_probe``); None when unmixed."""
+        return think_end_probe(batch, think_end_id) if self.active else None
+
+    # -- point 2: after the old log-probs ------------------------------------------------------------------------
+
+    def loss_terms(
+        self, batch: RolloutBatch, rewards, old_logp: torch.Tensor | None, end_logp: torch.Tensor | None,
+        think_end_id: int,
+    ) -> LossTerms:  # fmt: skip
+        """The update's inputs for ``batch``, given its rewards (``TntRewards``: rewards, non_thinking), the old
+        log-probs (N,) and, mode-mixed, each group's log pi_old(</think> | x) (G,) (``probe``). The first tokens'
+        rollout log-probs become their old ones, so the engine's correction, the stale-weight guard and its
+        diagnostics leave them out (a pre-filled token was not sampled)."""
+        adv = self.advantages(rewards.rewards, rewards.non_thinking)
+        if not self.active:
+            return LossTerms(adv.answer, adv.first, old_logp, None, None)
+        first = first_token_index(batch)
+        behaviour = self.behaviour_logp(batch, old_logp[first], end_logp, think_end_id)
+        weights = None
+        if self.rule == "mixture":
+            weight = torch.exp(old_logp[first] - behaviour)  # at most 1 / (the smallest share): no cap needed
+            weights = torch.ones_like(old_logp).index_copy(0, first, weight)
+        else:
+            old_logp = old_logp.index_copy(0, first, behaviour)
+        if batch.rollout_logp is not None:
+            batch.rollout_logp = batch.rollout_logp.index_copy(0, first, old_logp[first])
+        counts = None
+        if self.floor > 0:
+            drop = self.floored(batch, adv.mode, rewards.non_thinking, end_logp)  # (S,)
+            counts = torch.stack([drop.sum(), forced_rows(batch).sum()]).double()
+            weights = torch.ones_like(old_logp) if weights is None else weights
+            weights = weights.index_copy(0, first, torch.where(drop, torch.zeros_like(weights[first]), weights[first]))
+        return LossTerms(adv.answer, adv.first, old_logp, weights, counts)
 
     def behaviour_logp(
         self, batch: RolloutBatch, first_logp: torch.Tensor, end_logp: torch.Tensor, think_end_id: int
@@ -131,19 +207,19 @@ class ModeMix:
         return torch.where(first == think_end_id, log_end, log_other).to(first_logp.dtype)
 
     def floored(
-        self, batch: RolloutBatch, first_adv: torch.Tensor, non_thinking: torch.Tensor, end_logp: torch.Tensor
+        self, batch: RolloutBatch, mode_adv: torch.Tensor, non_thinking: torch.Tensor, end_logp: torch.Tensor
     ) -> torch.Tensor:
         """(S,) True for the forced first tokens left out of the gradient by ``floor``: on a row whose forced mode the
         old policy gives less than ``floor`` (pi_old(</think>) for forced non-thinking, 1 - pi_old(</think>) for
         forced thinking; ``end_logp`` (G,), each group's log pi_old(</think> | x): the probability of the one
         thinking token drawn says nothing of the mode), where that mode's advantage is negative: its group-level
-        one (``floor_gate="mode"``: the mean of ``first_adv`` (S,), the mode tokens' advantages, over the group's
+        one (``floor_gate="mode"``: the mean of ``mode_adv`` (S,), ``Advantages.mode``, over the group's
         rows of that mode, ``non_thinking`` (S,)) or the row's own (``"row"``). The model already refuses that mode
         there; pushing log pi further down has no bound and, at the one position every response shares, moves the
         tokens the other mode starts with (measured in docs/experiments.md)."""
         end = end_logp.repeat_interleave(self.group_size)  # (S,)
         mode_logp = torch.where(batch.forced == FORCED_CODES[PromptMode.NON_THINKING], end, _log1mexp(end))
-        gate = first_adv if self.floor_gate == "row" else mode_means(first_adv, non_thinking, self.group_size)
+        gate = mode_adv if self.floor_gate == "row" else mode_means(mode_adv, non_thinking, self.group_size)
         return forced_rows(batch) & (gate < 0) & (mode_logp < _log(self.floor))
 
 

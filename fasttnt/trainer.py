@@ -1,6 +1,6 @@
 """The GRPO loop. ``Trainer.step`` reads as the algorithm, phase by phase:
 
-    rollout -> verify -> reward (once per draw) -> advantage -> old/ref log-probs -> update -> weight sync -> log
+    rollout -> verify -> reward (once per draw) -> old/ref log-probs -> advantage -> update -> weight sync -> log
 
 With DAPO's dynamic sampling (``fasttnt.dynamic_sampling``) a step draws more batches of prompts until enough of
 their groups have rewards that differ. The pieces live in their own modules: building the run (``setup``), the
@@ -26,7 +26,7 @@ from .data import PromptMode
 from .dynamic_sampling import Draw, choose_groups, concat_draws, select_groups, varied_groups
 from .engines.batch import FORCED_CODES
 from .metrics import mode_accuracies, own_limits, rollout_metrics, to_floats
-from .modes import forced_rows
+from .modes import ModeMix, forced_rows
 from .plots import plot_curves
 from .preemption import Preempted, StopSignals, agree
 from .rewards import mode_balance
@@ -88,6 +88,7 @@ class Trainer:
         self.guard_floor = parts.state.logp_diff_floor  # measured at step 1 under bf16 (GUARD_NOISE_FACTOR)
         self.correction = rollout_correction(cfg)
         self.actor = Actor(cfg, parts, correction=self.correction)
+        self.modes = ModeMix.of(cfg)  # the modes of each group's rows, their advantages and first-token terms
         self.verifier = VerifierPool(cfg.verify_workers, cfg.verify_timeout)
         self._warned_cap = False
 
@@ -114,22 +115,23 @@ class Trainer:
             groups, filled = choose_groups(varied, self.parts.prompts_per_rank)
             trained = select_groups(drawn, groups)
 
-        # advantage: the answer's, and the mode token's own when decoupled (loss.mode_advantage)
-        modes = self.actor.modes
-        advantages, first_adv = modes.advantages(trained.rewards.rewards, trained.rewards.non_thinking)
-        clock.lap("reward")
-
-        # old and reference log-probs, and the engine's weights checked against them
-        old = self.actor.old_and_ref_logprobs(trained.batch)
-        self._check_engine_weights(step, trained.batch, old.old)
+        # old and reference log-probs (and, mode-mixed, of </think> first)
+        batch = trained.batch
+        old = self.actor.old_and_ref_logprobs(batch, self.modes.probe(batch, self.parts.think_end_id))
         clock.lap("logprobs")
 
+        # advantage, and the mode tokens' terms (fasttnt.modes); the engine's weights checked against the old
+        # log-probs, whose first tokens a mode-mixed batch has set
+        terms = self.modes.loss_terms(batch, trained.rewards, old.old, old.think_end, self.parts.think_end_id)
+        self._check_engine_weights(step, batch, terms.old_logp)
+        clock.lap("advantage")
+
         # update
-        mode_token_adv = advantages if first_adv is None else first_adv
-        weights, floored = self.actor.mode_token_weights(trained.batch, mode_token_adv, trained.rewards.non_thinking,
-                                                         old)  # fmt: skip
-        update = self.actor.update(trained.batch, advantages, old.old, old.ref, weights, first_adv)
-        update.update(floored)
+        update = self.actor.update(batch, terms.advantages, terms.old_logp, old.ref, terms.token_weights,
+                                   terms.first_advantages)  # fmt: skip
+        if terms.floored is not None:  # the share of forced responses over all ranks whose first token was left out
+            counts = self.actor.sum_over_ranks(terms.floored)
+            update["mode_floored"] = counts[0] / counts[1].clamp(min=1)
         clock.lap("update")
 
         # weight sync (the vllm engine gathers ZeRO-3 shards bucket by bucket itself)
@@ -150,9 +152,7 @@ class Trainer:
         problems = problems[self.rank * per_rank : (self.rank + 1) * per_rank]
         first_row = (draw * r.prompts_per_step + self.rank * per_rank) * r.group_size
         prompts = [self.parts.prompt(p) for p in problems]
-        modes = self.actor.modes.modes(len(prompts)) if self.actor.modes.active else None
-        batch = self.engine.generate(prompts, r.group_size, seed=cfg.seed * 1_000_003 + step, first_row=first_row,
-                                     modes=modes)  # fmt: skip
+        batch = self.modes.rollout(self.engine, prompts, seed=cfg.seed * 1_000_003 + step, first_row=first_row)
         clock.lap("generate")
 
         golds = [p.answer for p in problems for _ in range(r.group_size)]
@@ -225,10 +225,10 @@ class Trainer:
             per_response["own_limit"] = own_limits(rewards.non_thinking, rewards.solution_len, r.group_size)
         if think_end is not None:  # mode-mixed: what the model chooses unforced, where any row is free
             per_response["think_end_logp"] = think_end
-            if self.actor.modes.free:
+            if self.modes.free:
                 per_response["free"] = ~forced_rows(drawn.batch)
         by_mode = {"free": ~forced_rows(drawn.batch), "levels": drawn.levels}  # the accuracies by mode (and level)
-        if self.actor.modes.non_thinking:
+        if self.modes.non_thinking:
             by_mode["forced_direct"] = drawn.batch.forced == FORCED_CODES[PromptMode.NON_THINKING]
         by_mode = {k: v for k, v in by_mode.items() if v is not None}
         if self.dist:

@@ -144,10 +144,12 @@ def test_requests_of_all_free_rows_are_the_plain_ones_bit_for_bit():
     engine = HFEngine(model, TOK, EngineSettings(max_new_tokens=12))
     prompts = [build_prompt(TOK, p.problem) for p in held_out(2)]
     plain = engine.generate(prompts, 3, seed=5)
-    free = engine.generate(prompts, 3, seed=5, modes=[PromptMode.FREE] * (3 * len(prompts)))
+    rows = [p.in_mode(PromptMode.FREE) for p in prompts for _ in range(3)]
+    free = engine.generate(prompts, 3, seed=5, rows=rows)
     assert plain.responses == free.responses and free.forced is None
     assert torch.equal(plain.rollout_logp, free.rollout_logp)
-    mixed = engine.generate(prompts, 3, seed=5, modes=ModeMix(1, 1, 3, "mixture").modes(len(prompts)))
+    assert ModeMix(0, 0, 3, "policy").rollout(engine, prompts, seed=5).responses == plain.responses
+    mixed = ModeMix(1, 1, 3, "mixture").rollout(engine, prompts, seed=5)
     assert mixed.forced.tolist() == [1, 2, 0] * len(prompts)
     assert all(r[0] == END for r in mixed.responses[::3]) and all(r[0] != END for r in mixed.responses[1::3])
     assert mixed.responses[2::3] == plain.responses[2::3]  # a free row samples as it would in a free group
@@ -417,8 +419,9 @@ def test_below_the_floor_a_mode_right_one_time_in_ten_does_not_rise_over_50_step
     non_thinking = torch.tensor([t == END for t in first])
     right_direct, all_wrong = [2.0, -1, -1, -1, 1, 1, 1, 0], [-1.0] * 4 + [1.0] * 4
     rewards = torch.tensor(right_direct * 4 + all_wrong * 6)  # 4 of 40 direct rows right, 36 of 40 thinking
-    advantages, first_adv = mix.advantages(rewards, non_thinking)
-    assert first_adv is None  # shared
+    advantages = mix.advantages(rewards, non_thinking)
+    assert advantages.first is None  # shared
+    advantages = advantages.answer
     z = torch.tensor([math.log(0.05), math.log(0.95)], dtype=torch.float64, requires_grad=True)
     cu = torch.arange(groups * k + 1)
     ids = torch.tensor([0 if t == END else 1 for t in first])
@@ -462,12 +465,12 @@ def test_a_decoupled_run_gives_the_mode_token_the_modes_gap(tmp_path, monkeypatc
         both = nt.any(1) & (~nt).any(1)
         assert both.any(), "the construction: groups holding both modes"
         for g in range(len(nt)):
-            for rows_of in (nt[g], ~nt[g]):  # one mode-token advantage per mode; answers centred within it
+            for rows_of in (nt[g], ~nt[g]):  # answers centred within their mode
                 if rows_of.any():
-                    assert m[g, rows_of].unique().numel() == 1
                     assert abs(a[g, rows_of].sum()) < 1e-5
+            # </think> first, the choice: one gap for the mode (0 where the group holds one mode); a thinking row's
+            # first token is its answer's
+            assert m[g, nt[g]].unique().numel() <= 1 and torch.equal(m[g, ~nt[g]], a[g, ~nt[g]])
             if not both[g]:
-                assert (m[g] == 0).all()
-            else:
-                assert abs(m[g, nt[g]][0] + m[g, ~nt[g]][0]) < 1e-6  # the two modes' gaps cancel
-        assert (m != 0).any(), "a group whose modes' rewards differ"
+                assert (m[g, nt[g]] == 0).all()
+        assert (m[nt] != 0).any(), "a group whose modes' rewards differ"

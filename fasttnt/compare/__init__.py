@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from ..config import TrainConfig
@@ -31,6 +32,9 @@ __all__ = ["RUN_KEYS", "SCHEME_ORDER", "CompareSettings", "Run", "default_jobs",
 def run_compare(
     settings: CompareSettings, output_dir: Path, overrides: list[str] = (), user_variants: dict | None = None
 ) -> dict:
+    """Train every run once, evaluate them at ``settings.eval``'s temperature (compare.json, .md, .png) and at each
+    of ``settings.temperatures`` (compare_T<t>.json, .md, .png; the runs' evaluations in eval_T<t>/); returns the
+    first report."""
     output_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     runs = plan_runs(settings, output_dir, list(overrides), user_variants)
@@ -43,24 +47,34 @@ def run_compare(
             missing.setdefault(path, run.cfg)
     if missing:
         run_jobs([BuildWarmup(cfg, f"warm-up {p.name}") for p, cfg in missing.items()], settings.jobs, "warm-ups")
-    # each warm-up seed's model forced into each mode, as the variants without warm-up settings of their own see it
+    first = None
+    for i, temperature in enumerate(dict.fromkeys((settings.eval.temperature, *settings.temperatures))):
+        at = replace(settings, eval=replace(settings.eval, temperature=temperature))
+        suffix = "" if i == 0 else f"_T{temperature:g}"
+        summary = _train_and_evaluate(at, runs, output_dir, suffix)
+        summary["wall_seconds"] = time.perf_counter() - start
+        (output_dir / f"compare{suffix}.json").write_text(json.dumps(summary, indent=1))
+        (output_dir / f"compare{suffix}.md").write_text(markdown(summary))
+        plot(summary, output_dir / f"compare{suffix}.png")
+        first = first or summary
+    return first
+
+
+def _train_and_evaluate(settings: CompareSettings, runs: list[Run], output_dir: Path, suffix: str) -> dict:
+    """The runs trained (those trained before with their config kept) and evaluated at ``settings.eval``, and each
+    warm-up forced into each mode, as the variants without warm-up settings of their own see it; the summary."""
     first_of_warmup: dict[int, TrainConfig] = {}
     for run in runs:
         first_of_warmup.setdefault(run.warmup, run.cfg)
     warmup_jobs = [
-        EvaluateWarmup(w, mode, cfg, settings.eval, output_dir / "warmups" / f"w{w}")
+        EvaluateWarmup(w, mode, cfg, settings.eval, output_dir / f"warmups{suffix}" / f"w{w}")
         for w, cfg in first_of_warmup.items()
         if cfg.model.name == "tiny"
         for mode in ("thinking", "non-thinking")
     ]
-    training = [TrainAndEvaluate(run, settings.eval) for run in runs]
-    results = run_jobs([*warmup_jobs, *training], settings.jobs, "compare")
+    training = [TrainAndEvaluate(run, settings.eval, f"eval{suffix}") for run in runs]
+    results = run_jobs([*warmup_jobs, *training], settings.jobs, "compare" + (f" ({suffix[1:]})" if suffix else ""))
     warmups: dict[int, dict[str, dict]] = {}
     for job, result in zip(warmup_jobs, results[: len(warmup_jobs)], strict=True):
         warmups.setdefault(job.warmup, {})[job.mode] = result
-    summary = summarize_runs(settings, runs, results[len(warmup_jobs) :], warmups)
-    summary["wall_seconds"] = time.perf_counter() - start
-    (output_dir / "compare.json").write_text(json.dumps(summary, indent=1))
-    (output_dir / "compare.md").write_text(markdown(summary))
-    plot(summary, output_dir / "compare.png")
-    return summary
+    return summarize_runs(settings, runs, results[len(warmup_jobs) :], warmups)

@@ -68,6 +68,7 @@ class TrainAndEvaluate:
 
     run: Run
     eval: EvalSettings
+    eval_dir: str = "eval"  # under the run's folder: one per evaluation temperature
 
     @property
     def label(self) -> str:
@@ -81,7 +82,7 @@ class TrainAndEvaluate:
             shutil.rmtree(run.out, ignore_errors=True)  # interrupted, or trained with other settings: start over
             Trainer(run.cfg, run.out, progress=progress).run()
             (run.out / "compare_run.json").write_text(json.dumps({"config_sha256": fingerprint(run.cfg)}))
-        report = run_eval([str(run.out / "final")], [SYNTHETIC], self.eval, run.out / "eval")
+        report = run_eval([str(run.out / "final")], [SYNTHETIC], self.eval, run.out / self.eval_dir)
         return {"metrics": report["results"][str(run.out / "final")][SYNTHETIC], "seconds": time.perf_counter() - start}
 
 

@@ -32,6 +32,9 @@ class CompareSettings:
     eval: EvalSettings = field(
         default_factory=lambda: EvalSettings(samples=4, max_new_tokens=96, synthetic_per_level=50)
     )
+    # further evaluation temperatures, each with its own report (the training temperature, 1.0 by default, shows
+    # what the policy does as it was trained; 0.6, eval's, what a user of R1-style models samples)
+    temperatures: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

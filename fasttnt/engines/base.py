@@ -7,9 +7,9 @@ from typing import Any, Protocol
 
 import torch
 
-from ..data import Prompt, PromptMode
+from ..data import Prompt
 from ..registry import Registry
-from .batch import FORCED_CODES, RolloutBatch
+from .batch import RolloutBatch
 
 
 @dataclass(frozen=True)
@@ -41,14 +41,13 @@ class Requests:
     runs: list[tuple[int, int]]  # (first row, rows) per run, in order, never across a group
 
     @classmethod
-    def of(cls, prompts: list[Prompt], group_size: int, modes: list[PromptMode] | None = None) -> Requests:
-        """``prompts`` (P,) with K = ``group_size`` rows each; ``modes`` (P*K,): each row's mode, which then
-        replaces its prompt's own (a mode-mixed group)."""
-        rows = [p for p in prompts for _ in range(group_size)]
-        if modes is not None:
-            if len(modes) != len(rows):
-                raise ValueError(f"{len(modes)} modes for {len(rows)} rows ({len(prompts)} prompts x {group_size})")
-            rows = [p.in_mode(m) for p, m in zip(rows, modes, strict=True)]
+    def of(cls, prompts: list[Prompt], group_size: int, rows: list[Prompt] | None = None) -> Requests:
+        """``prompts`` (P,) with K = ``group_size`` rows each; ``rows`` (P*K,): each row's own prompt, in place of
+        its prompt's K copies (a mode-mixed group's rows differ: ``fasttnt.modes``)."""
+        if rows is None:
+            rows = [p for p in prompts for _ in range(group_size)]
+        elif len(rows) != len(prompts) * group_size:
+            raise ValueError(f"{len(rows)} rows for {len(prompts)} prompts x {group_size}")
         runs = []
         for i, prompt in enumerate(rows):
             if runs and i % group_size and prompt == rows[i - 1]:
@@ -68,17 +67,6 @@ class Requests:
         ]
         return ids, prefixes
 
-    def forced(self, device) -> torch.Tensor | None:
-        """(S,) int8 of ``FORCED_CODES`` when any row is forced, else None."""
-        codes = [FORCED_CODES[_mode_of(p)] for p in self.rows]
-        return torch.tensor(codes, dtype=torch.int8, device=device) if any(codes) else None
-
-
-def _mode_of(prompt: Prompt) -> PromptMode:
-    if prompt.response_prefix:
-        return PromptMode.NON_THINKING
-    return PromptMode.THINKING if prompt.forbid_think_end_first else PromptMode.FREE
-
 
 class RolloutEngine(Protocol):
     """A step's life cycle: ``generate`` once per draw, ``end_rollout`` before the update (an engine that holds
@@ -88,10 +76,10 @@ class RolloutEngine(Protocol):
     separate_weights: bool
 
     def generate(
-        self, prompts: list[Prompt], group_size: int, *, seed: int, first_row: int = 0, modes=None
+        self, prompts: list[Prompt], group_size: int, *, seed: int, first_row: int = 0, rows=None
     ) -> RolloutBatch:
         """K samples per prompt, seeded per response; ``first_row`` is the global index of the first response (a
-        rank's share of the step); ``modes`` (P*K,) each row's mode (``Requests.of``)."""
+        rank's share of the step); ``rows`` (P*K,) each row's own prompt (``Requests.of``)."""
         ...
 
     def end_rollout(self) -> None: ...

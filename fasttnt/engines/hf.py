@@ -77,12 +77,12 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[Prompt], group_size: int, *, seed: int, first_row: int = 0, modes=None
+        self, prompts: list[Prompt], group_size: int, *, seed: int, first_row: int = 0, rows=None
     ) -> RolloutBatch:
         """``first_row``: the global index of this batch's first response, when ranks generate shares of a step;
-        ``modes`` (P*K,): each row's mode, for a mode-mixed group (``Requests.of``)."""
+        ``rows`` (P*K,): each row's own prompt, for a mode-mixed group (``Requests.of``)."""
         with self._whole_model():
-            return self._generate(Requests.of(prompts, group_size, modes), group_size, seed, first_row)
+            return self._generate(Requests.of(prompts, group_size, rows), group_size, seed, first_row)
 
     def _whole_model(self):
         """Under ZeRO-3, the whole model without ZeRO's hooks while it decodes (``distributed.zero3_full_model``)."""
@@ -115,7 +115,7 @@ class HFEngine:
         truncated = truncated_without_eos(responses, self.eos_id)
         prompt_ids = [run_prompt_ids[r] for r in run_of_row]  # (S,) a pre-filled prefix belongs to the response
         return RolloutBatch.of_responses(prompt_ids, responses, truncated, group_size, device=device,
-                                         rollout_logp=logprobs, forced=requests.forced(device))  # fmt: skip
+                                         rollout_logp=logprobs)  # fmt: skip
 
     def _decode(
         self, encoded: list[list[int]], counts: list[int], seeds: torch.Tensor, forbid: torch.Tensor

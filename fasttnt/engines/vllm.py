@@ -136,11 +136,11 @@ class VLLMEngine:
             self._sleep()
 
     def generate(
-        self, prompts: list[Prompt], group_size: int, *, seed: int, first_row: int = 0, modes=None
+        self, prompts: list[Prompt], group_size: int, *, seed: int, first_row: int = 0, rows=None
     ) -> RolloutBatch:
-        """K samples per prompt (``modes``: each row's, ``Requests.of``), one request of n samples per run of rows
-        with the same prompt; awake until ``end_rollout`` (a step's draws share one wake-up and one push)."""
-        requests = Requests.of(prompts, group_size, modes)
+        """K samples per prompt (``rows``: each row's own prompt, ``Requests.of``), one request of n samples per run
+        of rows with the same prompt; awake until ``end_rollout`` (a step's draws share one wake-up and one push)."""
+        requests = Requests.of(prompts, group_size, rows)
         if any(p.forbid_think_end_first for p in requests.rows) and not self.forbid_first:
             raise ValueError("a prompt forbids </think> first, but the vllm engine was built without forced thinking")
         if not self.weights_current:  # the first rollout, and every one after a level-2 sleep
@@ -173,7 +173,7 @@ class VLLMEngine:
                 logprobs.extend([0.0] * len(prefixes[i]) + token_lp)
                 rows.append(run_prompt_ids[i])  # a pre-filled prefix belongs to the response
         return RolloutBatch.of_responses(rows, responses, truncated, group_size, device=self.device,
-                                         rollout_logp=logprobs, forced=requests.forced(self.device))  # fmt: skip
+                                         rollout_logp=logprobs)  # fmt: skip
 
     def end_rollout(self) -> None:
         """Asleep for the update (its memory back to the trainer), once per step after all its draws: a level-2

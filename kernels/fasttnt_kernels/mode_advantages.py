@@ -9,7 +9,9 @@ n_m rows and mean reward mu_m:
     other tokens A      = (r - mu_m) / (std_m + eps)                              0 when n_m == 1 or mode m is flat
 
 The mode token's advantage is the difference between the modes' expected rewards, which is what the choice
-decides; every other token is judged only against answers of its own mode. ``scale="std"`` divides A_mode by the
+decides; every other token is judged only against answers of its own mode. (The trainer, ``fasttnt.modes``, puts
+A_mode on the ``</think>`` that opens a non-thinking response; a thinking response's first token is already part
+of its answer there.) ``scale="std"`` divides A_mode by the
 group's reward std (+ eps), so both advantages are in the units GRPO's shared advantage uses; ``scale="none"``
 (Dr. GRPO) only centres, per mode and between modes. Flat sets (a group's, or a mode's, rewards all equal) get
 exact zeros, never NaN.
