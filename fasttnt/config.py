@@ -138,7 +138,8 @@ class LossConfig:
     mode_token_floor_gate: Literal["mode", "row"] = "mode"
     # "shared": one GRPO advantage per response, for its mode token and every other token alike; "decoupled": the
     # mode token (the first) gets the gap between its mode's mean reward and the modes' mean, every other token an
-    # advantage against the rows of its own mode (fasttnt_kernels.mode_advantages; HGPO's and DeGRPO's idea)
+    # advantage against the rows of its own mode (fasttnt_kernels.mode_advantages; HGPO's and DeGRPO's idea).
+    # "shared": decoupled was less accurate and less stable on the thinking-only stand-in (docs/experiments.md)
     mode_advantage: Literal["shared", "decoupled"] = "shared"
     # leave sequences whose advantage is exactly 0 out of the update's forward and backward when they add nothing
     # to the gradient (entropy_coef and KL off); the normalisers still count them, so the gradient is the same

@@ -37,9 +37,14 @@ def _args(tmp_path, *extra):
 
 
 def test_compare_writes_the_table_the_json_and_the_figure(tmp_path, monkeypatch):
-    assert cli_main(_args(tmp_path, "--jobs", "2")) == 0  # runs in 2 worker processes
+    assert cli_main(_args(tmp_path, "--jobs", "2", "--temperatures", "0.6,1.0")) == 0  # runs in 2 worker processes
     out = tmp_path / "cmp"
     summary = json.loads((out / "compare.json").read_text())
+    # a report per evaluation temperature, from the same trained runs
+    at_1 = json.loads((out / "compare_T1.json").read_text())
+    assert summary["settings"]["eval"]["temperature"] == 0.6 and at_1["settings"]["eval"]["temperature"] == 1.0
+    assert (out / "compare_T1.md").is_file() and (out / "runs" / "w0-seed0" / "tnt" / "eval_T1" / "eval.json").is_file()
+    assert list(at_1["variants"]) == list(summary["variants"])
     assert list(summary["variants"]) == ["tnt", "tnt:omega=1", "tnt+dapo"]
     assert set(summary["warmups"]) == {"0", "1"}
     for wu in summary["warmups"].values():  # each warm-up forced into each mode
@@ -115,4 +120,14 @@ def test_bad_arguments_fail_before_training(tmp_path, capsys):
     assert "--variants-file: " in capsys.readouterr().err
     assert cli_main(["compare", "--output-dir", str(tmp_path / "x"), "rollout.group_size=one"]) == 2
     assert "rollout.group_size: expected an int" in capsys.readouterr().err
+    assert cli_main(["compare", "--temperatures", "0.6,x", "--output-dir", str(tmp_path / "x")]) == 2
+    assert "--temperatures: comma-separated numbers > 0, got '0.6,x'" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_algorithms_combine_in_order():
+    from fasttnt.variants import variant_overrides
+
+    got = variant_overrides("tnt+mix+acc:direct_margin=0.1", load_config(None, []))
+    assert got == ["reward.scheme=tnt", "rollout.forced_non_thinking=0.5", "reward.direct_margin=0.1"]
+    assert load_config(None, got).reward.values.direct_correct == pytest.approx(1.1)
