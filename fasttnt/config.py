@@ -136,10 +136,11 @@ class LossConfig:
     # still rises; "row", each row's own sign, which keeps the right answers of a losing mode pushing its token up
     # and so ratchets a refused mode towards the floor (docs/experiments.md)
     mode_token_floor_gate: Literal["mode", "row"] = "mode"
-    # "shared": one GRPO advantage per response, for its mode token and every other token alike; "decoupled": the
-    # mode token (the first) gets the gap between its mode's mean reward and the modes' mean, every other token an
-    # advantage against the rows of its own mode (fasttnt_kernels.mode_advantages; HGPO's and DeGRPO's idea).
-    # "shared": decoupled was less accurate and less stable on the thinking-only stand-in (docs/experiments.md)
+    # "shared": one GRPO advantage per response, for its mode token and every other token alike; "decoupled":
+    # </think> first (the choice) gets the gap between the non-thinking mode's mean reward and the modes' mean,
+    # every other token an advantage against the rows of its own mode (fasttnt_kernels.mode_advantages; HGPO's and
+    # DeGRPO's idea). "shared": decoupled was less accurate and less stable on the thinking-only stand-in
+    # (docs/experiments.md)
     mode_advantage: Literal["shared", "decoupled"] = "shared"
     # leave sequences whose advantage is exactly 0 out of the update's forward and backward when they add nothing
     # to the gradient (entropy_coef and KL off); the normalisers still count them, so the gradient is the same

@@ -43,10 +43,10 @@ so below the floor the token rises wherever that mode's accuracy is above zero, 
 (measured in docs/experiments.md). With both shares 0 nothing here runs.
 
 Advantages (``loss.mode_advantage``, ``ModeMix.advantages``): ``shared`` gives the mode token and the answer one
-GRPO advantage; ``decoupled`` gives the mode token the gap between its mode's mean reward and the modes' mean,
-and the answer an advantage against the rows of its own mode (``fasttnt_kernels.mode_advantages``), so forced
-direct answers at a level where thinking pays do not push down the digits of right direct answers, nor right
-thinking answers those of the thinking mode.
+GRPO advantage; ``decoupled`` gives ``</think>`` (a non-thinking response's first token) the gap between the
+non-thinking mode's mean reward and the modes' mean, and every other token an advantage against the rows of its
+own mode (``fasttnt_kernels.mode_advantages``), so forced direct answers at a level where thinking pays do not
+push down the digits of right direct answers, nor right thinking answers those of the thinking mode.
 
 The TNT limit, rewards, advantages and hack flags treat forced and free responses alike: a forced non-thinking
 response is a non-thinking response.
