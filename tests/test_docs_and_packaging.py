@@ -72,7 +72,9 @@ def test_cli_selfcheck_passes():
         [sys.executable, "-m", "fasttnt", "selfcheck", "--quick"], capture_output=True, text=True, cwd=ROOT
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "5 passed, 0 failed" in result.stdout
+    from fasttnt_kernels.selfcheck import CHECKS
+
+    assert f"{len(CHECKS)} passed, 0 failed" in result.stdout and len(CHECKS) == 6
 
 
 def test_cli_without_a_command_is_a_usage_error():

@@ -116,6 +116,17 @@ def _check_group_advantages(device, quick):
     return CheckResult("group_advantages", "128x16", seconds, errors)
 
 
+def _check_mode_advantages(device, quick):
+    from .mode_advantages import mode_advantages, mode_advantages_reference
+
+    rewards = torch.randint(-2, 3, (128 * 16,), device=device).float()
+    non_thinking = torch.rand(128 * 16, device=device) < 0.5
+    got, seconds = _timed(lambda: mode_advantages(rewards, non_thinking, 16)._asdict(), device)
+    truth = mode_advantages_reference(rewards.double(), non_thinking, 16)._asdict()
+    errors = {k: (_rel_err(got[k], truth[k]), FP32) for k in got}
+    return CheckResult("mode_advantages", "128x16", seconds, errors)
+
+
 def _check_clipped_policy_loss(device, quick):
     from .clipped_policy_loss import PolicyLossConfig, clipped_policy_loss, clipped_policy_loss_reference
 
@@ -166,6 +177,7 @@ CHECKS = (
     _check_token_logprobs,
     _check_linear_token_logprobs,
     _check_group_advantages,
+    _check_mode_advantages,
     _check_clipped_policy_loss,
     _check_tnt_rewards,
 )
