@@ -7,7 +7,15 @@ from pathlib import Path
 # (title, [(metric, label), ...]) per panel
 _PANELS = [
     ("reward", [("reward", "mean reward")]),
-    ("accuracy", [("acc", "accuracy")]),
+    (
+        "accuracy",
+        [
+            ("acc", "all"),
+            ("acc_thinking", "thinking"),
+            ("acc_free_direct", "direct, chosen"),
+            ("acc_forced_direct", "direct, forced"),
+        ],
+    ),
     ("mean tokens by mode", [("len", "all"), ("len_thinking", "thinking"), ("len_non_thinking", "non-thinking")]),
     ("non-thinking ratio", [("non_thinking_ratio", "non-thinking ratio")]),
     ("hack rate", [("hack_rate", "hack rate (of non-thinking)")]),
@@ -29,12 +37,12 @@ def plot_curves(history: list[dict[str, float]], path: Path, *, title: str = "fa
             return float("nan")
         if key == "len_thinking" and h.get("non_thinking_ratio") == 1:
             return float("nan")
-        return h[key]
+        return h.get(key, float("nan"))  # the accuracies by mode: absent in a step without such a response
 
     fig, axes = plt.subplots(2, 3, figsize=(13, 7), constrained_layout=True)
     for ax, (name, series) in zip(axes.flat, _PANELS, strict=True):
         for key, label in series:
-            if all(key in h for h in history):
+            if all(key in h for h in history) or (key.startswith("acc_") and any(key in h for h in history)):
                 ax.plot(steps, [value(h, key) for h in history], label=label, linewidth=1.5)
         ax.set_title(name)
         ax.set_xlabel("step")
