@@ -25,7 +25,8 @@ What each op is compared with, one CSV row per provider (``--providers`` picks t
       trl                             ChunkedLogProbFunction -> TRL's token-level GRPO loss in torch
       torch (materialised)            eager per sequence -> the same torch loss
       liger (fused linear CE)         the nearest fused-lm_head peer: its loss is cross-entropy, not the policy loss
-    clipped_policy_loss, group_advantages, tnt_rewards: fasttnt against its plain-PyTorch reference (and compiled)
+    clipped_policy_loss, group_advantages, mode_advantages, tnt_rewards: fasttnt against its plain-PyTorch reference
+      (and compiled)
 
 Before a provider is timed, its output and input gradients on that case are checked against a float64 truth (a
 random upstream gradient for per-token outputs); a row that misses the dtype's tolerance, or holds a NaN, is
@@ -599,6 +600,36 @@ def advantage_case(g: int, k: int, device) -> Case:
     )
 
 
+def mode_advantage_case(g: int, k: int, device) -> Case:
+    from fasttnt_kernels import mode_advantages, mode_advantages_reference
+
+    def make():
+        return {
+            "rewards": torch.randint(-2, 3, (g * k,), device=device).float(),
+            "non_thinking": torch.rand(g * k, device=device) < 0.5,
+        }
+
+    def check(x, out, truth, cache):
+        ref = mode_advantages_reference(x["rewards"].double(), x["non_thinking"], k)
+        return rel_err([(out.answer, ref.answer), (out.mode, ref.mode)]), math.nan
+
+    providers = [
+        Provider("fasttnt", lambda: ((lambda x: mode_advantages(x["rewards"], x["non_thinking"], k)), "")),
+        Provider("torch", lambda: ((lambda x: mode_advantages_reference(x["rewards"], x["non_thinking"], k)), "")),
+    ]
+    return Case(
+        "mode_advantages",
+        f"G={g} K={k}",
+        torch.float32,
+        make,
+        check,
+        providers,
+        input_bytes=5.0 * g * k,
+        truth_bytes=33.0 * g * k,
+        bytes_fwd=13.0 * g * k,
+    )
+
+
 def reward_case(g: int, k: int, mean_len: int, device) -> Case:
     from fasttnt_kernels import tnt_rewards, tnt_rewards_reference
 
@@ -962,10 +993,12 @@ def build_cases(args, device) -> list[Case]:
 
     cases = lm_head_cases(args.tokens[0])
     if args.smoke:
-        cases += [loss_case(3, 16, device), advantage_case(2, 4, device), reward_case(2, 4, 8, device)]
+        cases += [loss_case(3, 16, device), advantage_case(2, 4, device), mode_advantage_case(2, 4, device)]
+        cases += [reward_case(2, 4, 8, device)]
     else:
         cases += [loss_case(max(1, n // 512), 512, device) for n in args.tokens]
         cases += [advantage_case(g, 16, device) for g in (128, 1024)]
+        cases += [mode_advantage_case(g, 16, device) for g in (128, 1024)]
         cases += [reward_case(g, 16, 2048, device) for g in (128, 1024)]
     for n in args.tokens[1:]:
         cases += lm_head_cases(n)

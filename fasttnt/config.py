@@ -269,7 +269,13 @@ def validate(cfg: TrainConfig) -> None:
         or (cfg.reward.direct_correct, cfg.reward.direct_wrong)
         == (RewardConfig.direct_correct, RewardConfig.direct_wrong),
         "reward.direct_margin",
-        "replaces reward.direct_correct and reward.direct_wrong (thinking's reward + the margin); leave those unset",
+        "replaces reward.direct_correct and reward.direct_wrong (thinking's reward + the margin); leave those unset, "
+        "or set reward.direct_margin=null to use them",
+    )
+    need(
+        margin is None or cfg.reward.scheme != "binary",
+        "reward.direct_margin",
+        "has no effect under reward.scheme=binary (1/0 for every response, no table); set reward.direct_margin=null",
     )
     need(0 <= cfg.reward.balance_gamma <= 1, "reward.balance_gamma", "must be a share in [0, 1]")
     need(cfg.reward.balance_lambda > 0, "reward.balance_lambda", "must be > 0")
@@ -296,7 +302,8 @@ def validate(cfg: TrainConfig) -> None:
         loss.mode_token_logp != "half" or forced[1] == 0,
         "loss.mode_token_logp",
         "half with rollout.forced_thinking > 0: log 0.5 as the old log-prob of a sampled thinking token makes its "
-        "ratio 2 pi(y1), past the clip whenever pi(y1) > 0.64, so it can only be pushed down; use mixture or policy",
+        f"ratio 2 pi(y1), past the clip whenever pi(y1) > (1 + loss.clip_high) / 2 = {(1 + loss.clip_high) / 2:.2f}, "
+        "so it can only be pushed down; use mixture or policy",
     )
     need(
         loss.mode_token_logp != "mixture" or r.top_p == 1,

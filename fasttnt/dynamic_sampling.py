@@ -27,7 +27,7 @@ class Draw:
     hacked: torch.Tensor  # (S,) bool
     timeouts: int = 0
     crashes: int = 0
-    levels: torch.Tensor | None = None  # (S,) int: each response's problem level, where every problem has one
+    levels: torch.Tensor | None = None  # (S,) int: each response's problem level, -1 where it has none
 
 
 def varied_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -59,7 +59,7 @@ def concat_draws(draws: list[Draw]) -> Draw:
         torch.cat([d.hacked for d in draws]),
         sum(d.timeouts for d in draws),
         sum(d.crashes for d in draws),
-        torch.cat([d.levels for d in draws]) if draws[0].levels is not None else None,
+        torch.cat([d.levels for d in draws]) if all(d.levels is not None for d in draws) else None,
     )
 
 

@@ -9,10 +9,10 @@
     free_non_thinking_ratio  mode-mixed rollouts with free rows: the non-thinking share of the free responses
     think_end_prob       mode-mixed rollouts: the policy's mean probability of </think> as its first token
     mode_floored         mode-mixed rollouts: the share of forced first tokens loss.mode_token_floor left out
+                         (fasttnt.actor; the others here come from the rollout)
     acc_thinking         accuracy of the thinking responses; acc_free_direct of the freely chosen non-thinking ones;
                          acc_forced_direct of those answered with </think> pre-filled; each also per level
                          (acc_thinking_l2, ...) where the problems have one; absent where no response is counted
-                         (fasttnt.actor; the others here come from the rollout)
     te                   token efficiency A / sqrt(L), A = accuracy in percent, L = mean tokens
     hack_rate            share of non-thinking responses whose solution part contains thinking markers
     truncated_ratio      share of responses cut by the length budget
@@ -146,8 +146,8 @@ def rollout_metrics(
 def mode_accuracies(correct, non_thinking, free=None, forced_direct=None, levels=None) -> dict[str, torch.Tensor]:
     """``acc_thinking``, ``acc_free_direct`` and, with forced rows, ``acc_forced_direct`` (NaN where a mode has no
     response: the caller leaves those out), and each per level (``acc_thinking_l2``, ...) given ``levels`` (S,)
-    int; ``correct``, ``non_thinking`` (S,) bool, ``free`` (S,) the rows sampled without a forced mode (None: all),
-    ``forced_direct`` (S,) those answered with ``</think>`` pre-filled."""
+    int (-1: no level); ``correct``, ``non_thinking`` (S,) bool, ``free`` (S,) the rows sampled without a forced
+    mode (None: all), ``forced_direct`` (S,) those answered with ``</think>`` pre-filled."""
     non_thinking = non_thinking.bool()
     right = correct.float()
     free = torch.ones_like(non_thinking) if free is None else free.bool()
@@ -159,7 +159,7 @@ def mode_accuracies(correct, non_thinking, free=None, forced_direct=None, levels
     for name, rows in groups.items():
         out[name] = torch.where(rows.any(), _masked_mean(right, rows), nan)
         if levels is not None:
-            for level in levels.unique().tolist():  # sync: the levels present
+            for level in [lv for lv in levels.unique().tolist() if lv >= 0]:  # sync: the levels present
                 at = rows & (levels == level)
                 out[f"{name}_l{level}"] = torch.where(at.any(), _masked_mean(right, at), nan)
     return out

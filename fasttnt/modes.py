@@ -75,6 +75,11 @@ class Advantages(NamedTuple):
     first: torch.Tensor | None  # (S,) the first token's own (loss.mode_advantage=decoupled), else None
     mode: torch.Tensor  # (S,) the mode's advantage the floor's gate averages: the gap, or the shared advantage
 
+    @property
+    def mode_token(self) -> torch.Tensor:
+        """(S,) the advantage each row's first token is trained with (the row floor gate's)."""
+        return self.answer if self.first is None else self.first
+
 
 class LossTerms(NamedTuple):
     """What the update needs of a step's modes: advantages, old log-probs and weights, and the floor's counts."""
@@ -180,7 +185,8 @@ class ModeMix:
             batch.rollout_logp = batch.rollout_logp.index_copy(0, first, old_logp[first])
         counts = None
         if self.floor > 0:
-            drop = self.floored(batch, adv.mode, rewards.non_thinking, end_logp)  # (S,)
+            gate = adv.mode if self.floor_gate == "mode" else adv.mode_token
+            drop = self.floored(batch, gate, rewards.non_thinking, end_logp)  # (S,)
             counts = torch.stack([drop.sum(), forced_rows(batch).sum()]).double()
             weights = torch.ones_like(old_logp) if weights is None else weights
             weights = weights.index_copy(0, first, torch.where(drop, torch.zeros_like(weights[first]), weights[first]))
@@ -214,7 +220,8 @@ class ModeMix:
         forced thinking; ``end_logp`` (G,), each group's log pi_old(</think> | x): the probability of the one
         thinking token drawn says nothing of the mode), where that mode's advantage is negative: its group-level
         one (``floor_gate="mode"``: the mean of ``mode_adv`` (S,), ``Advantages.mode``, over the group's
-        rows of that mode, ``non_thinking`` (S,)) or the row's own (``"row"``). The model already refuses that mode
+        rows of that mode, ``non_thinking`` (S,)) or the row's own (``"row"``: ``mode_adv`` is then
+        ``Advantages.mode_token``, what the row's first token is trained with). The model already refuses that mode
         there; pushing log pi further down has no bound and, at the one position every response shares, moves the
         tokens the other mode starts with (measured in docs/experiments.md)."""
         end = end_logp.repeat_interleave(self.group_size)  # (S,)
@@ -251,7 +258,8 @@ def forced_rows(batch: RolloutBatch) -> torch.Tensor:
 
 
 def first_token_index(batch: RolloutBatch) -> torch.Tensor:
-    """(S,) the packed index of each response's first token."""
+    """(S,) the packed index of each response's first token (every response has one: an engine returns at least
+    one token, the pre-filled ``</think>`` or a sampled one)."""
     return batch.cu_seqlens[:-1]
 
 

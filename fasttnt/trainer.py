@@ -177,10 +177,10 @@ class Trainer:
                 rewards=mode_balance(scores.rewards.rewards, nt, cfg.reward, shares, free)
             )
         clock.lap("reward")
-        levels = None
-        if all(p.level is not None for p in problems):  # the accuracies by mode and level (step_metrics)
-            levels = torch.tensor([p.level for p in problems], device=judged.correct.device)
-            levels = levels.repeat_interleave(r.group_size)
+        # the accuracies by mode and level (metrics.mode_accuracies); -1 marks a problem without a level, so every
+        # rank and draw has the same fields to gather and concatenate
+        levels = torch.tensor([-1 if p.level is None else p.level for p in problems], device=judged.correct.device)
+        levels = levels.repeat_interleave(r.group_size)
         return Draw(batch, scores.correct, scores.rewards, scores.hacked, scores.timeouts, scores.crashes, levels)
 
     def _check_engine_weights(self, step: int, batch, old_logp) -> None:

@@ -74,11 +74,14 @@ def test_compute_rewards_adds_the_shaping_to_any_scheme():
         ("reward.overlong_penalty=-1", "reward.overlong_penalty: must be >= 0"),
         ("rollout.max_draws=0", "rollout.max_draws: must be >= 1"),
         ("rollout.dynamic_sampling=sometimes", "rollout.dynamic_sampling: expected true or false"),
+        ("reward.direct_margin=0.05 reward.direct_correct=1.5", "reward.direct_margin: replaces reward.direct_correct"),
+        ("reward.direct_margin=0.05 reward.scheme=binary", "reward.direct_margin: has no effect under reward.scheme"),
+        ("reward.direct_margin=inf", "reward.direct_margin: must be a finite number"),
     ],
 )
 def test_bad_algorithm_options_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        load_config(None, [override])
+        load_config(None, override.split())  # one or more overrides, space-separated
 
 
 # -- dynamic sampling, its pieces ------------------------------------------------------------------------------

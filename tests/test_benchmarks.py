@@ -52,13 +52,14 @@ def test_bench_kernels_smoke(tmp_path):
     assert f"{len(rows)} rows in" in out and "0 FAIL" in out  # every printed row reached the CSV
     ops = {r["op"] for r in rows}
     assert ops == {"token_logprobs", "linear_token_logprobs", "linear_policy_loss", "clipped_policy_loss",
-                   "group_advantages", "tnt_rewards"}  # fmt: skip
+                   "group_advantages", "mode_advantages", "tnt_rewards"}  # fmt: skip
     status = {(r["op"], r["provider"]): r for r in rows if r["fwd_ms"] or r["note"].startswith("not importable")}
     for op in ("token_logprobs", "linear_token_logprobs", "linear_policy_loss"):
         assert status[op, "fasttnt"]["status"] == "ok"
         assert float(status[op, "fasttnt"]["out_err"]) < 1e-4 and float(status[op, "fasttnt"]["grad_err"]) < 1e-4
         assert status[op, "trl"]["status"] == ("ok" if importlib.util.find_spec("trl") else "skipped")
     assert status["linear_policy_loss", "fasttnt (unfused)"]["status"] == "ok"
+    assert status["mode_advantages", "fasttnt"]["status"] == "ok"
     assert status["linear_token_logprobs", "torch (materialised)"]["status"] == "ok"
     liger = "ok" if importlib.util.find_spec("liger_kernel") else "skipped"
     assert status["linear_token_logprobs", "liger"]["status"] == liger

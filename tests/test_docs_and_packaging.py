@@ -103,7 +103,8 @@ def test_kernel_library_builds_alone_with_torch_and_triton_only(tmp_path):
     )
     (wheel,) = tmp_path.glob("fasttnt_kernels-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    ops = ("token_logprobs", "linear_token_logprobs", "group_advantages", "clipped_policy_loss", "tnt_rewards")
+    ops = ("token_logprobs", "linear_token_logprobs", "group_advantages", "mode_advantages", "clipped_policy_loss",
+           "tnt_rewards")  # fmt: skip
     for op in ops:
         assert f"fasttnt_kernels/{op}.py" in names
     assert not any(n.startswith("fasttnt/") for n in names), "the kernel wheel must not carry the trainer"

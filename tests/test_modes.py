@@ -137,6 +137,25 @@ def test_the_floor_gated_on_the_mode_holds_a_losing_mode_and_lets_a_winning_one_
     assert row.floored(batch, advantages, non_thinking, end_logp).tolist() == [True, False, False, False] * 2
 
 
+@pytest.mark.parametrize("gate", ["mode", "row"])
+def test_under_decoupled_the_row_gate_reads_the_advantage_of_the_rows_first_token(gate):
+    # one group, rows: forced direct (reward 0), forced thinking (0), free thinking (1), free thinking (1). Decoupled
+    # (adv_scale none): the thinking mode's gap is 2/3 - 1/2 > 0, the forced thinking row's own first token (its
+    # answer) has 0 - 2/3 < 0. The model gives thinking 1 - p = 0.001 < floor: the row gate drops that first
+    # token, the mode gate keeps it; the direct mode (p = 0.999) is over the floor either way
+    batch = _batch([END, A, B, B], [1, 2, 0, 0], 4)
+    rewards = type("R", (), {"rewards": torch.tensor([0.0, 0.0, 1.0, 1.0]),
+                             "non_thinking": torch.tensor([True, False, False, False])})  # fmt: skip
+    mix = ModeMix(non_thinking=1, thinking=1, group_size=4, rule="policy", floor=0.01, floor_gate=gate,
+                  advantage="decoupled", scale="none")  # fmt: skip
+    adv = mix.advantages(rewards.rewards, rewards.non_thinking)
+    assert adv.mode_token[1] < 0 < adv.mode[1]  # precondition: the two gates read advantages of opposite signs
+    old_logp = torch.full((batch.response_ids.numel(),), -0.5)
+    terms = mix.loss_terms(batch, rewards, old_logp, torch.tensor([0.999]).log(), END)
+    dropped = terms.token_weights[batch.cu_seqlens[:-1]] == 0  # (S,) the first tokens left out
+    assert dropped.tolist() == [False, gate == "row", False, False]
+
+
 def test_requests_of_all_free_rows_are_the_plain_ones_bit_for_bit():
     # modes of FREE for every row make the same prefill and the same samples as no modes
     model = build_tiny_model(TOK, TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -452,7 +471,9 @@ def test_a_decoupled_run_gives_the_mode_token_the_modes_gap(tmp_path, monkeypatc
         return real(self, batch, advantages, old_logp, ref_logp, token_weights, first_advantages)
 
     monkeypatch.setattr(Actor, "update", update)
-    cfg = load_config(None, _small(tmp_path, "rollout.forced_non_thinking=0.5", "loss.mode_advantage=decoupled"))
+    # a forced thinking row in every group: both modes in each, and acc_thinking logged at every step
+    cfg = load_config(None, _small(tmp_path, "rollout.forced_non_thinking=0.5", "rollout.forced_thinking=0.25",
+                                   "loss.mode_advantage=decoupled"))  # fmt: skip
     rows = Trainer(cfg, tmp_path / "run").run()
     assert all(r["grad_norm"] > 0 for r in rows)
     for row in rows:  # the accuracies by mode, and by level on the synthetic task

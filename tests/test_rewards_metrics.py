@@ -16,6 +16,7 @@ from fasttnt.metrics import (
     SYNTHETIC_MARKERS,
     HackMarkers,
     hack_flags,
+    mode_accuracies,
     rollout_metrics,
     to_floats,
     token_efficiency,
@@ -176,6 +177,19 @@ def test_decoding_drops_the_final_eos_but_keeps_think_end():
     ids = TOK("</think>The answer is 5<eos>", add_special_tokens=False)["input_ids"]
     (text,) = decode_responses(TOK, [ids])
     assert text == "</think>The answer is 5"
+
+
+def test_mode_accuracies_by_hand_with_a_problem_without_a_level():
+    # rows: thinking right/wrong at level 1, a free direct right at level 2, a forced direct wrong with no level (-1)
+    correct = torch.tensor([True, False, True, False])
+    non_thinking = torch.tensor([False, False, True, True])
+    free = torch.tensor([True, True, True, False])
+    m = mode_accuracies(correct, non_thinking, free, forced_direct=~free, levels=torch.tensor([1, 1, 2, -1]))
+    m = {k: v.item() for k, v in m.items()}
+    assert m["acc_thinking"] == 0.5 and m["acc_free_direct"] == 1.0 and m["acc_forced_direct"] == 0.0
+    assert m["acc_thinking_l1"] == 0.5 and m["acc_free_direct_l2"] == 1.0
+    assert math.isnan(m["acc_thinking_l2"]) and math.isnan(m["acc_forced_direct_l1"])  # no response there
+    assert not any(k.endswith("_l-1") for k in m)  # a missing level is no level of its own
 
 
 def test_think_end_prob_is_the_arithmetic_mean_of_the_probabilities():

@@ -162,7 +162,7 @@ class VLLMEngine:
             for p, start, n in runs
         ]
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
-        responses, truncated, logprobs, rows = [], [], [], []
+        responses, truncated, logprobs, row_prompts = [], [], [], []
         for i, out in enumerate(outputs):
             for completion in out.outputs:
                 tokens = list(completion.token_ids)  # EOS included when sampled, as the hf engine's
@@ -171,8 +171,8 @@ class VLLMEngine:
                 # each position's dict holds the sampled token (and, were logprobs > 0, the top ones: look it up)
                 token_lp = [lp[t].logprob for t, lp in zip(tokens, completion.logprobs, strict=True)]
                 logprobs.extend([0.0] * len(prefixes[i]) + token_lp)
-                rows.append(run_prompt_ids[i])  # a pre-filled prefix belongs to the response
-        return RolloutBatch.of_responses(rows, responses, truncated, group_size, device=self.device,
+                row_prompts.append(run_prompt_ids[i])  # a pre-filled prefix belongs to the response
+        return RolloutBatch.of_responses(row_prompts, responses, truncated, group_size, device=self.device,
                                          rollout_logp=logprobs)  # fmt: skip
 
     def end_rollout(self) -> None:

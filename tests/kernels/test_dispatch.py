@@ -55,6 +55,7 @@ def test_public_api():
         "token_logprobs",
         "linear_token_logprobs",
         "group_advantages",
+        "mode_advantages",
         "clipped_policy_loss",
         "tnt_rewards",
     ):
