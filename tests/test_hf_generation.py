@@ -20,7 +20,7 @@ from fasttnt.char_tokenizer import build_char_tokenizer
 from fasttnt.data import Prompt, PromptMode, build_prompt
 from fasttnt.engines import EngineSettings, RolloutBatch, pack_sequences
 from fasttnt.engines.hf import _COMPACT_SHARE, HFEngine
-from fasttnt.engines.sampler import _hash_uniform, row_seeds
+from fasttnt.engines.sampler import row_seeds, seeded_sample
 from fasttnt.policy import PolicyHead
 from fasttnt.synthetic import held_out
 from fasttnt.tiny import TinyModelConfig, build_tiny_model
@@ -29,8 +29,9 @@ from fasttnt.tiny import TinyModelConfig, build_tiny_model
 
 
 class _ReferenceSampler(LogitsProcessor):
-    """The engine's sampling rule as a logits processor: Gumbel-max over per-row counter-based noise, so that greedy
-    decoding in ``generate`` samples."""
+    """The engine's sampling rule (``seeded_sample``, tested on its own in test_sampler.py) as a logits processor
+    whose scores are 0 at the drawn token and -inf elsewhere, so that greedy decoding in ``generate`` samples: what
+    is compared is the engine's decode loop (cache, padding, compaction, stops) against transformers'."""
 
     def __init__(self, row_seeds: torch.Tensor, prompt_width: int, temperature: float, top_p: float) -> None:
         self.row_seeds, self.prompt_width = row_seeds, prompt_width
@@ -38,17 +39,12 @@ class _ReferenceSampler(LogitsProcessor):
         self.logprobs: list[torch.Tensor] = []  # (B,) per generated position: the sampled tokens' log-probs
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        z = scores.float() / self.temperature
-        if self.top_p < 1.0:
-            sorted_z, order = z.sort(dim=-1, descending=True)
-            cum = sorted_z.softmax(-1).cumsum(-1)
-            drop_sorted = cum - sorted_z.softmax(-1) >= self.top_p
-            z = z.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -float("inf"))
-        u = _hash_uniform(self.row_seeds.to(z.device), input_ids.shape[1] - self.prompt_width, z.shape[-1])
-        perturbed = z + (-torch.log(-torch.log(u))).to(z.dtype)
-        chosen = perturbed.argmax(-1, keepdim=True)  # (B, 1)
-        self.logprobs.append(torch.log_softmax(z, -1).gather(-1, chosen)[:, 0])
-        return perturbed
+        position = input_ids.shape[1] - self.prompt_width
+        chosen, logp = seeded_sample(scores, self.row_seeds.to(scores.device), position,
+                                     temperature=self.temperature, top_p=self.top_p)  # fmt: skip
+        self.logprobs.append(logp)
+        out = torch.full_like(scores, -float("inf"))
+        return out.scatter(-1, chosen[:, None], 0.0)
 
 
 class _ReferenceForbidFirst(LogitsProcessor):

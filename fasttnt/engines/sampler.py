@@ -1,6 +1,13 @@
-"""Sampling that depends on nothing but a row's own seed: counter-based Gumbel noise, so a response is the same
-whichever batch, rank or decode step it is drawn in (the hf engine's sampler; the vllm engine uses vLLM's own, with
-the same per-row seeds)."""
+"""Sampling that depends on nothing but a row's own seed: one counter-based uniform per row and position, drawn
+through the inverse of the row's cumulative distribution, so a response is the same whichever batch, rank or decode
+step it is drawn in (the hf engine's sampler; the vllm engine uses vLLM's own, with the same per-row seeds).
+
+Why the inverse CDF and not Gumbel-max: Gumbel-max needs V uniforms per row and position, each an int64 hash and
+two float64 logs; at a real vocabulary (V = 151,936) that was a third of a CPU decode step of a 2-layer 0.5B-shaped
+model. The inverse CDF needs one hash per row, one exp and one float64 cumulative sum over V, and a binary search.
+Both are exact draws from ``softmax(logits / T)`` (after the top-p cut); ``benchmarks/rollout_engines.py`` reports
+the sampler's share of a decode step.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +16,50 @@ import torch
 _MIX = (-7046029254386353131, -4658895280553007687, -7723592293110705685)  # splitmix64's odd constants, signed
 
 
-def _hash_uniform(row_seeds: torch.Tensor, position: int, vocab: int) -> torch.Tensor:
-    """(B, V) uniforms in (0, 1), a pure function of (row seed, position, token id): counter-based, so a row's
-    draws do not depend on which other rows share its batch (or its rank). int64 arithmetic wraps, as hashes want."""
-    v = torch.arange(vocab, device=row_seeds.device, dtype=torch.int64)
-    pos = torch.full((), position + 1, dtype=torch.int64, device=row_seeds.device)
-    x = row_seeds[:, None] * _MIX[0] + pos * _MIX[1] + v[None, :] * _MIX[2]
+def _splitmix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 (arithmetic wraps, as hashes want; the shifts are logical)."""
     for shift, mult in ((30, _MIX[1]), (27, _MIX[2]), (31, 1)):
         x = (x ^ ((x >> shift) & ((1 << (64 - shift)) - 1))) * mult
-    # 52 random bits and a half: strictly inside (0, 1), since 2^52 - 0.5 is exact in float64 (with 53 bits the
-    # top value rounds to 1.0, and -log(-log(1)) is +inf)
+    return x
+
+
+def row_uniforms(row_seeds: torch.Tensor, position: int) -> torch.Tensor:
+    """(B,) float64 uniforms in (0, 1), a pure function of (row seed, position): counter-based, so a row's draw does
+    not depend on which other rows share its batch (or its rank)."""
+    pos = torch.full((), position + 1, dtype=torch.int64, device=row_seeds.device)
+    x = _splitmix(row_seeds * _MIX[0] + pos * _MIX[1])
+    # 52 random bits and a half: strictly inside (0, 1), since 2^52 - 0.5 is exact in float64
     return (((x >> 12) & ((1 << 52) - 1)).double() + 0.5) / float(1 << 52)
+
+
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B,) int64: for each row of ``weights`` (B, V) >= 0, unnormalised, the index i with cum[i-1] <= u * total <
+    cum[i] (``u`` (B,) in (0, 1)): index i with probability weights[i] / total, never one of weight 0; and the
+    totals (B,) float64."""
+    cum = weights.double().cumsum(-1)  # (B, V): float64, so a weight of 1e-12 of the total keeps its interval
+    total = cum[:, -1:]
+    # strictly below the total: u * total may round up to it, and the search would run past the last index
+    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cum, target, right=True)[:, 0], total[:, 0]
+
+
+def _top_p_candidates(
+    z: torch.Tensor, top: torch.Tensor, top_p: float, first_k: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The k highest of ``z`` (B, V) per row, descending, their token ids, and their unnormalised weights exp(z -
+    top) with every token past the top-p set zeroed. k grows by 4x from ``first_k`` until the top k of every row hold
+    top_p of its mass: the kept set is then inside them, and a full sort over V (most of a decode step at V =
+    152K) is only needed for a flat distribution."""
+    total = (z - top).exp().double().sum(-1, keepdim=True)  # (B, 1) the whole mass
+    k = min(first_k, z.shape[-1])
+    while True:
+        values, order = z.topk(k, dim=-1)  # (B, k) descending
+        p = (values - top).exp()
+        cum = p.double().cumsum(-1)
+        if k == z.shape[-1] or bool((cum[:, -1:] >= top_p * total).all()):  # sync: the search's stop
+            break
+        k = min(4 * k, z.shape[-1])
+    return values, order, p.masked_fill(cum - p.double() >= top_p * total, 0.0)
 
 
 def seeded_sample(
@@ -27,28 +67,24 @@ def seeded_sample(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row (B,), and its log-prob (B,) under the distribution it was drawn from (after temperature
     and top-p), which the rollout correction compares with. ``position``: the tokens the rows generated before.
-
-    Sampling by the Gumbel-max trick with per-row counter-based noise: ``argmax(logits / T + Gumbel)`` is a draw
-    from ``softmax(logits / T)`` (after the top-p cut). Drawing the noise from each row's own seed makes a response
-    depend only on its prompt, its seed and the model, not on the batch: a prompt's samples are the same whether
-    one process generates the step's batch or N ranks generate a share each, and whichever rows are still decoding.
-    """
+    ``scores`` (B, V); -inf marks a token that may not be drawn."""
     z = scores.float() / temperature  # (B, V)
-    if top_p < 1.0:  # keep the smallest set of tokens whose probability reaches top_p
-        sorted_z, order = z.sort(dim=-1, descending=True)
-        cum = sorted_z.softmax(-1).cumsum(-1)
-        drop_sorted = cum - sorted_z.softmax(-1) >= top_p
-        z = z.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -float("inf"))
-    u = _hash_uniform(row_seeds.to(z.device), position, z.shape[-1])  # (B, V) float64
-    chosen = (z + (-torch.log(-torch.log(u))).to(z.dtype)).argmax(-1, keepdim=True)  # (B, 1)
-    return chosen[:, 0], torch.log_softmax(z, -1).gather(-1, chosen)[:, 0]
+    u = row_uniforms(row_seeds.to(z.device), position)  # (B,)
+    top = z.amax(-1, keepdim=True)  # (B, 1)
+    if top_p < 1.0:  # keep the smallest set of tokens whose probability reaches top_p, in descending order
+        z, order, p = _top_p_candidates(z, top, top_p)  # (B, k) descending, k <= V; p: kept weights, else 0
+        at, mass = inverse_cdf(p, u)
+        chosen = order.gather(-1, at[:, None])[:, 0]
+    else:
+        at, mass = inverse_cdf((z - top).exp(), u)  # the weights: unnormalised probabilities (B, V)
+        chosen = at
+    # log p(chosen) = z_chosen - max - log(the kept mass)
+    logp = z.gather(-1, at[:, None])[:, 0] - top[:, 0] - mass.log().float()
+    return chosen, logp
 
 
 def row_seeds(seed: int, first_row: int, rows: int) -> torch.Tensor:
     """Seeds of rows ``first_row .. first_row + rows - 1`` of a step whose seed is ``seed``: a hash of both, so
     no two (seed, row) pairs share a stream (a linear mix would, once a step had as many rows as its factor)."""
     x = torch.arange(first_row, first_row + rows, dtype=torch.int64)
-    x = x ^ (torch.tensor(seed, dtype=torch.int64) * _MIX[0])
-    for shift, mult in ((30, _MIX[1]), (27, _MIX[2]), (31, 1)):
-        x = (x ^ ((x >> shift) & ((1 << (64 - shift)) - 1))) * mult
-    return x
+    return _splitmix(x ^ (torch.tensor(seed, dtype=torch.int64) * _MIX[0]))
