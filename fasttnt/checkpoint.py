@@ -72,7 +72,7 @@ def checkpoint_paths(root: Path, step: int) -> tuple[Path, Path]:
 
 
 def save_checkpoint(
-    root: Path, state: TrainerState, model, optimizer, *, keep: int, config_yaml: str, tokenizer=None
+    root: Path, state: TrainerState, model, optimizer, *, keep: int, config_yaml: str, tokenizer: Path | None = None
 ) -> Path:
     """Write ``root/step-NNNNNN`` atomically and keep the newest ``keep`` checkpoints (single process)."""
     root.mkdir(parents=True, exist_ok=True)
@@ -85,12 +85,14 @@ def save_checkpoint(
     return final
 
 
-def write_model_folder(folder: Path, model, tokenizer=None) -> None:
-    """The weights (safetensors) and, given one, the tokenizer in Hugging Face's layout: a checkpoint is a model
-    folder of its own, which `fasttnt eval --model` takes."""
+def write_model_folder(folder: Path, model, tokenizer: Path | None = None) -> None:
+    """The weights (safetensors) and, given the folder the run saved its tokenizer in once (``out/tokenizer``),
+    copies of its files: a checkpoint is a model folder of its own, which `fasttnt eval --model` takes. A copy, not
+    another ``save_pretrained``: a real BPE tokenizer takes a second or more to serialise, every checkpoint."""
     model.save_pretrained(folder, safe_serialization=True)
     if tokenizer is not None:
-        tokenizer.save_pretrained(folder)
+        for file in sorted(tokenizer.iterdir()):
+            shutil.copy2(file, folder / file.name)
 
 
 def write_trainer_files(folder: Path, state: TrainerState, *, rank: int, config_yaml: str) -> None:
@@ -211,7 +213,7 @@ def save(
     ds_engine=None,
     *,
     rank: int = 0,
-    tokenizer=None,
+    tokenizer: Path | None = None,
 ) -> None:
     """The checkpoint of ``state.step``, then the newest ``keep_checkpoints`` kept. Distributed: every rank writes
     its optimizer shard and RNG state into the temporary folder, rank 0 the Hugging Face weights (gathered under
@@ -236,8 +238,9 @@ def save(
     distributed.barrier()
 
 
-def export_final(out: Path, model, tokenizer, *, rank: int = 0) -> Path:
-    """``out/final``: the trained model and its tokenizer in Hugging Face's layout (written once, atomically)."""
+def export_final(out: Path, model, tokenizer: Path | None, *, rank: int = 0) -> Path:
+    """``out/final``: the trained model and (copied from ``tokenizer``, the run's saved folder) its tokenizer in
+    Hugging Face's layout (written once, atomically)."""
     final, tmp = out / "final", out / "final.tmp"
     with distributed.gathered(list(model.parameters())):
         if rank == 0:

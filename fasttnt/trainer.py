@@ -294,7 +294,7 @@ class Trainer:
         finally:
             log.close_file()
             self.verifier.close()
-        checkpoint.export_final(self.out, self.model, self.tokenizer, rank=self.rank)
+        checkpoint.export_final(self.out, self.model, self.out / "tokenizer", rank=self.rank)
         if self.is_main and log.history:
             plot_curves(log.history, self.out / "curves.png")
         self._close(log)
@@ -302,7 +302,7 @@ class Trainer:
 
     def _save(self) -> None:
         checkpoint.save(self.out / "checkpoints", self.cfg, self.state, self.model, self.actor.optimizer,
-                        self.parts.ds_engine, rank=self.rank, tokenizer=self.tokenizer)  # fmt: skip
+                        self.parts.ds_engine, rank=self.rank, tokenizer=self.out / "tokenizer")  # fmt: skip
 
     def _close(self, log: RunLog) -> None:
         """The engine's memory and the run log's buffered events."""

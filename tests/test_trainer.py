@@ -16,7 +16,7 @@ import pytest
 import torch
 import varied
 from small import SMALL, deterministic, metric_rows
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fasttnt.actor import Actor
 from fasttnt.checkpoint import list_checkpoints
@@ -90,6 +90,12 @@ def test_a_run_writes_every_output(tmp_path):
     assert (out / "final" / "model.safetensors").is_file()
     assert model.config.model_type == "qwen2"
     assert (out / "curves.png").stat().st_size > 10_000
+    # the tokenizer is saved once (out/tokenizer) and its files copied byte for byte where a model folder needs it
+    saved = {f.name: f.read_bytes() for f in (out / "tokenizer").iterdir()}
+    assert "tokenizer_config.json" in saved  # precondition: a saved tokenizer
+    for folder in (out / "final", out / "checkpoints" / "step-000004"):
+        assert {name: (folder / name).read_bytes() for name in saved} == saved
+        assert AutoTokenizer.from_pretrained(folder)("12+3").input_ids  # and it loads from there
 
 
 def test_one_update_lowers_the_loss_on_its_batch(tmp_path):
