@@ -5,7 +5,9 @@ sampling (the embedded default's, or a config's), the engines taking turns round
     python benchmarks/rollout_engines.py --json out.json    # the per-round numbers too
 
 Reports generated tokens per second (the median over the rounds and their spread), and per engine the mean response
-length. Each round's prompts are the next ``rollout.prompts_per_step`` of the training stream; the first round is a
+length. For the hf engine also where its time goes: the model's forwards (prefill and decode steps), the sampler
+(``engines/sampler.py``), and the rest (cache bookkeeping, stops); ``generate / forward`` is what a decode loop
+costs over the model alone. Each round's prompts are the next ``rollout.prompts_per_step`` of the training stream; the first round is a
 warm-up that is not counted (vLLM's first generate is slow). The vllm engine needs vLLM (on a CPU its CPU build,
 float32, eager mode); the hf engine generates with the model itself.
 """
@@ -13,6 +15,7 @@ float32, eager mode); the hf engine generates with the model itself.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -55,12 +58,17 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [training_prompt(cfg, tokenizer, p) for p in stream.take(r.prompts_per_step)]
         order = list(built.items()) if i % 2 == 0 else list(built.items())[::-1]
         for name, engine in order:  # the engines take turns on the same prompts, the first of them alternating
+            timers = _HFTimers(model) if name == "hf" else None
             start = time.perf_counter()
-            batch = engine.generate(prompts, r.group_size, seed=cfg.seed * 1_000_003 + i)
+            with timers or contextlib.nullcontext():
+                batch = engine.generate(prompts, r.group_size, seed=cfg.seed * 1_000_003 + i)
             seconds = time.perf_counter() - start
             if i > 0:
                 tokens = batch.response_ids.numel()
-                rounds[name].append({"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds})
+                row = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
+                if timers is not None:
+                    row |= {"forward_s": timers.forward, "sample_s": timers.sample}
+                rounds[name].append(row)
     for engine in built.values():
         engine.close()
 
@@ -71,12 +79,50 @@ def main(argv: list[str] | None = None) -> int:
         rates = [row["tokens_per_s"] for row in rows]
         length = sum(row["tokens"] for row in rows) / (len(rows) * r.prompts_per_step * r.group_size)
         print(f"{name:<8}{statistics.median(rates):>18.0f}{min(rates):>10.0f}{max(rates):>10.0f}{length:>14.1f}")
+    if "hf" in rounds:
+        rows = rounds["hf"]
+        share = {k: statistics.median(row[k] / row["seconds"] for row in rows) for k in ("forward_s", "sample_s")}
+        ratio = statistics.median(row["seconds"] / row["forward_s"] for row in rows)
+        print(f"hf: forwards {100 * share['forward_s']:.1f}%, sampling {100 * share['sample_s']:.1f}%, the rest "
+              f"{100 * (1 - share['forward_s'] - share['sample_s']):.1f}% of generate; generate / forward "
+              f"{ratio:.3f} (medians over the rounds)")  # fmt: skip
     if len(rounds) == 2:
         a, b = (statistics.median(row["tokens_per_s"] for row in rows) for rows in rounds.values())
         print(f"ratio {engines[1]} / {engines[0]}: {b / a:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps({"engines": engines, "rounds": rounds}, indent=1))
     return 0
+
+
+class _HFTimers:
+    """Seconds spent in the model's forwards and in the sampler while the hf engine generates (wrapping both)."""
+
+    def __init__(self, model) -> None:
+        self.model, self.forward, self.sample = model, 0.0, 0.0
+
+    def _timed(self, fn, field: str):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                setattr(self, field, getattr(self, field) + time.perf_counter() - start)
+
+        return run
+
+    def __enter__(self):
+        import fasttnt.engines.hf as hf
+
+        self._sampler, self._forward = hf.seeded_sample, self.model.forward
+        hf.seeded_sample = self._timed(hf.seeded_sample, "sample")
+        self.model.forward = self._timed(self.model.forward, "forward")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import fasttnt.engines.hf as hf
+
+        hf.seeded_sample = self._sampler
+        del self.model.forward  # the instance attribute: the class's forward again
 
 
 if __name__ == "__main__":
