@@ -7,9 +7,9 @@ sampling (the embedded default's, or a config's), the engines taking turns round
 Reports generated tokens per second (the median over the rounds and their spread), and per engine the mean response
 length. For the hf engine also where its time goes: the model's forwards (prefill and decode steps), the sampler
 (``engines/sampler.py``), and the rest (cache bookkeeping, stops); ``generate / forward`` is what a decode loop
-costs over the model alone. Each round's prompts are the next ``rollout.prompts_per_step`` of the training stream; the first round is a
-warm-up that is not counted (vLLM's first generate is slow). The vllm engine needs vLLM (on a CPU its CPU build,
-float32, eager mode); the hf engine generates with the model itself.
+costs over the model alone. Each round's prompts are the next ``rollout.prompts_per_step`` of the training stream;
+the first round is a warm-up that is not counted (vLLM's first generate is slow). The vllm engine needs vLLM (on a
+CPU its CPU build, float32, eager mode); the hf engine generates with the model itself.
 """
 
 from __future__ import annotations

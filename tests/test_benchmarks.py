@@ -89,12 +89,12 @@ def test_bench_kernels_skips_what_does_not_fit_and_stops_at_its_deadline(tmp_pat
     # a memory limit nothing fits: every case is a skipped row with its reason, and none of them made a tensor
     assert bench.main(["--smoke", "--memory-limit-gib", "0", "--csv", str(tmp_path / "small.csv")]) == 0
     rows = _csv_rows(tmp_path / "small.csv")
-    assert len({r["op"] for r in rows}) == 6 and made == []
+    assert len({r["op"] for r in rows}) == 7 and made == []
     assert all(r["status"] == "skipped" and "GiB free" in r["note"] and not r["fwd_ms"] for r in rows)
     # a deadline already past: nothing starts, and the run lists (and writes) what it did not run
     assert bench.main(["--smoke", "--max-seconds", "0", "--csv", str(tmp_path / "late.csv")]) == 0
     rows = _csv_rows(tmp_path / "late.csv")
-    assert len({r["op"] for r in rows}) == 6 and made == []
+    assert len({r["op"] for r in rows}) == 7 and made == []
     assert all(r["status"] == "not run" for r in rows)
     out = capsys.readouterr().out
     assert f"not run, past the 0 s deadline ({len(rows)} rows)" in out
@@ -148,7 +148,9 @@ def test_rollout_engines_smoke(tmp_path):
     # the hf engine alone (the vllm one needs vLLM: the README's vLLM environment runs the full comparison)
     overrides = [*SMALL, "warmup.steps=3", "warmup.batch_size=8", f"cache_dir={tmp_path}"]
     out = _run("benchmarks/rollout_engines.py", "--engines", "hf", "--rounds", "1", *overrides)
-    assert "tokens/s median" in out and out.splitlines()[-1].startswith("hf ")
+    lines = out.splitlines()
+    assert "tokens/s median" in out and lines[-2].startswith("hf ")
+    assert lines[-1].startswith("hf: forwards ") and "generate / forward" in lines[-1]  # the hf engine's time split
 
 
 def test_packed_attention_check_smoke():
