@@ -102,10 +102,12 @@ class _HFTimers:
 
     def _timed(self, fn, field: str):
         def run(*args, **kwargs):
+            _sync()
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
+                _sync()  # on CUDA the kernels' own time, not their launches
                 setattr(self, field, getattr(self, field) + time.perf_counter() - start)
 
         return run
@@ -113,7 +115,7 @@ class _HFTimers:
     def __enter__(self):
         import fasttnt.engines.hf as hf
 
-        self._sampler, self._forward = hf.seeded_sample, self.model.forward
+        self._sampler, self._own_forward = hf.seeded_sample, vars(self.model).get("forward")
         hf.seeded_sample = self._timed(hf.seeded_sample, "sample")
         self.model.forward = self._timed(self.model.forward, "forward")
         return self
@@ -122,7 +124,15 @@ class _HFTimers:
         import fasttnt.engines.hf as hf
 
         hf.seeded_sample = self._sampler
-        del self.model.forward  # the instance attribute: the class's forward again
+        if self._own_forward is None:
+            del self.model.forward  # the class's forward again
+        else:
+            self.model.forward = self._own_forward  # what the instance had (a hook, a compiled forward)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,7 +157,8 @@ def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: b
         distributed.barrier()
     if resume_from is not None and dist is None:
         checkpoint.load_weights(model, resume_from)  # the checkpoint's weights into the model as configured
-    if is_main:
+    if is_main:  # saved once, fresh (a leftover file would be copied into every checkpoint), and copied from here
+        shutil.rmtree(out / "tokenizer", ignore_errors=True)
         tokenizer.save_pretrained(out / "tokenizer")
     model.to(device)
     model.zero_grad(set_to_none=True)  # whatever made the model (a warm-up) leaves no gradient behind

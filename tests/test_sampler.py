@@ -28,7 +28,8 @@ def _draws(logits: torch.Tensor, *, temperature: float, top_p: float, position: 
 
 
 def _truth(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """(V,) float64: softmax(logits / T) restricted to the smallest descending set reaching top_p, renormalised."""
+    """(V,) float64: softmax(logits / T) restricted to the smallest descending set reaching top_p, renormalised
+    (the logits here have no ties, so the sampler's tie rule does not enter)."""
     p = torch.softmax(logits.double() / temperature, -1)
     sorted_p, order = p.sort(descending=True)
     keep_sorted = sorted_p.cumsum(-1) - sorted_p < top_p
@@ -75,16 +76,32 @@ def test_a_row_draws_the_same_whatever_batch_it_is_in():
 
 
 def test_the_inverse_cdf_never_draws_a_zero_weight_even_at_the_top_of_the_range():
-    weights = torch.tensor([[0.0, 1.0, 0.0, 2.0, 0.0, 0.0]] * 3)
-    u = torch.tensor([1e-300, 0.5, 1 - 2**-53], dtype=torch.float64)  # the edges: below the first weight, the top
+    weights = torch.tensor([[0.0, 1.0, 0.0, 2.0, 0.0, 0.0]] * 4)
+    # the edges: below the first weight, the middle, the largest uniform drawn, and 1 itself (u * total = total:
+    # the clamp below the total keeps the draw on the last weighted token)
+    u = torch.tensor([1e-300, 0.5, 1 - 2**-53, 1.0], dtype=torch.float64)
     index, total = inverse_cdf(weights, u)
-    assert index.tolist() == [1, 3, 3] and total.tolist() == [3.0] * 3
+    assert index.tolist() == [1, 3, 3, 3] and total.tolist() == [3.0] * 4
 
 
-def test_top_p_over_a_flat_distribution_widens_its_search_to_the_whole_vocabulary():
-    # 5000 equal tokens: the first 1024 hold ~20% of the mass, so the candidates must grow past them to reach top_p;
-    # top_p = 0.9001 puts the cut half a token from a boundary (4500.5 tokens' mass): 4501 are kept
-    logits = torch.zeros(4, 5000)
-    tokens, logp = seeded_sample(logits, row_seeds(1, 0, 4), 0, temperature=1.0, top_p=0.9001)
-    assert len(set(tokens.tolist())) == 4  # precondition: real draws
-    torch.testing.assert_close(logp, torch.full((4,), -math.log(4501)), atol=1e-4, rtol=0)
+def test_under_top_p_a_row_draws_the_same_whatever_batch_it_is_in():
+    # bf16-rounded logits tie often; a flat row in the batch widens the top-k search for every row, which orders
+    # ties differently: the kept set and the draw must not change
+    logits = (torch.randn(16, 5000) * 3).bfloat16().float()
+    seeds = row_seeds(3, 0, 17)
+    alone, alone_logp = seeded_sample(logits, seeds[:16], 2, temperature=1.0, top_p=0.95)
+    with_flat = torch.cat([logits, torch.zeros(1, 5000)])
+    tokens, logp = seeded_sample(with_flat, seeds, 2, temperature=1.0, top_p=0.95)
+    assert torch.equal(tokens[:16], alone) and torch.equal(logp[:16], alone_logp)
+
+
+def test_top_p_over_a_flat_distribution_widens_its_search():
+    # 5000 nearly equal tokens (no ties): the top 1024 hold ~23% of the mass, so the candidates must grow past them
+    logits = -1e-4 * torch.arange(5000, dtype=torch.float32).expand(4, -1)
+    truth = _truth(logits[0], 1.0, 0.9)
+    assert 1024 < int((truth > 0).sum()) < 5000  # precondition: the cut lies past the first candidates
+    cum = torch.softmax(logits[0].double(), -1).cumsum(-1)
+    assert (cum - 0.9).abs().min() > 1e-6  # and away from a boundary
+    tokens, logp = seeded_sample(logits, row_seeds(1, 0, 4), 0, temperature=1.0, top_p=0.9)
+    assert (truth[tokens] > 0).all()
+    torch.testing.assert_close(logp.double(), truth.log()[tokens], atol=1e-4, rtol=0)

@@ -37,29 +37,34 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, t
     cum[i] (``u`` (B,) in (0, 1)): index i with probability weights[i] / total, never one of weight 0; and the
     totals (B,) float64."""
     cum = weights.double().cumsum(-1)  # (B, V): float64, so a weight of 1e-12 of the total keeps its interval
+    if cum.is_cuda:  # a parallel scan can gain an ulp across a zero weight: hold the sum flat there
+        cum = torch.where(weights > 0, cum, torch.zeros_like(cum)).cummax(-1).values
     total = cum[:, -1:]
     # strictly below the total: u * total may round up to it, and the search would run past the last index
     target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cum, target, right=True)[:, 0], total[:, 0]
+    # clamped: a row without finite weights (NaN logits) gets the last index and a NaN log-prob, which the NaN
+    # checks downstream report, rather than an index past the vocabulary
+    index = torch.searchsorted(cum, target, right=True)[:, 0].clamp(max=weights.shape[-1] - 1)
+    return index, total[:, 0]
 
 
-def _top_p_candidates(
-    z: torch.Tensor, top: torch.Tensor, top_p: float, first_k: int = 1024
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The k highest of ``z`` (B, V) per row, descending, their token ids, and their unnormalised weights exp(z -
-    top) with every token past the top-p set zeroed. k grows by 4x from ``first_k`` until the top k of every row hold
-    top_p of its mass: the kept set is then inside them, and a full sort over V (most of a decode step at V =
-    152K) is only needed for a flat distribution."""
+def top_p_cut(z: torch.Tensor, top: torch.Tensor, top_p: float, first_k: int = 1024) -> torch.Tensor:
+    """(B, 1) per row of ``z`` (B, V) the lowest value kept by top-p: the smallest descending prefix whose
+    probability reaches ``top_p``, every token tied with its last one included, so the kept set (z >= cut) is
+    defined by values alone and a row's draw does not depend on how ``topk`` orders ties (which changes with k,
+    which the whole batch shares). k grows by 4x from ``first_k`` until the top k of every row hold top_p of its
+    mass: the prefix is then inside them, and a full sort over V is only needed for a flat distribution."""
     total = (z - top).exp().double().sum(-1, keepdim=True)  # (B, 1) the whole mass
     k = min(first_k, z.shape[-1])
     while True:
-        values, order = z.topk(k, dim=-1)  # (B, k) descending
-        p = (values - top).exp()
-        cum = p.double().cumsum(-1)
+        values, _ = z.topk(k, dim=-1)  # (B, k) descending
+        p = (values - top).exp().double()
+        cum = p.cumsum(-1)
         if k == z.shape[-1] or bool((cum[:, -1:] >= top_p * total).all()):  # sync: the search's stop
             break
         k = min(4 * k, z.shape[-1])
-    return values, order, p.masked_fill(cum - p.double() >= top_p * total, 0.0)
+    kept = (cum - p < top_p * total).sum(-1, keepdim=True)  # (B, 1) >= 1: the prefix's length
+    return values.gather(-1, kept - 1)
 
 
 def seeded_sample(
@@ -71,15 +76,12 @@ def seeded_sample(
     z = scores.float() / temperature  # (B, V)
     u = row_uniforms(row_seeds.to(z.device), position)  # (B,)
     top = z.amax(-1, keepdim=True)  # (B, 1)
-    if top_p < 1.0:  # keep the smallest set of tokens whose probability reaches top_p, in descending order
-        z, order, p = _top_p_candidates(z, top, top_p)  # (B, k) descending, k <= V; p: kept weights, else 0
-        at, mass = inverse_cdf(p, u)
-        chosen = order.gather(-1, at[:, None])[:, 0]
-    else:
-        at, mass = inverse_cdf((z - top).exp(), u)  # the weights: unnormalised probabilities (B, V)
-        chosen = at
+    weights = (z - top).exp()  # (B, V) unnormalised probabilities, in token-id order
+    if top_p < 1.0:  # the smallest set of tokens whose probability reaches top_p
+        weights = weights.masked_fill(z < top_p_cut(z, top, top_p), 0.0)
+    chosen, mass = inverse_cdf(weights, u)
     # log p(chosen) = z_chosen - max - log(the kept mass)
-    logp = z.gather(-1, at[:, None])[:, 0] - top[:, 0] - mass.log().float()
+    logp = z.gather(-1, chosen[:, None])[:, 0] - top[:, 0] - mass.log().float()
     return chosen, logp
 
 
