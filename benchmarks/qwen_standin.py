@@ -10,7 +10,7 @@ writes a model folder that ``fasttnt train model.name=OUT`` (and ``fasttnt eval 
   151649) and a chat template whose generation prompt ends ``<｜Assistant｜><think>\\n``, as R1-Distill's does (the
   template opens the think block; a response is ``... </think> answer``);
 - a Qwen2 model of a named shape (the real models' hidden size, heads, vocabulary V = 151,936 and tying), cut to
-  ``--layers`` layers, random weights. The 2-layer 0.5B shape has 151M parameters, 136M of them the embedding.
+  ``--layers`` layers, random weights. The 2-layer 0.5B shape has 166M parameters, 136M of them the embedding.
 
 The test suite builds a narrow one (``SHAPES["test"]``: hidden 64) at the real vocabulary; the benchmarks the 0.5B
 shape (``benchmarks/e2e.py --model``, ``benchmarks/rollout_engines.py --model``).

@@ -140,7 +140,7 @@ def test_the_floor_gated_on_the_mode_holds_a_losing_mode_and_lets_a_winning_one_
 @pytest.mark.parametrize("gate", ["mode", "row"])
 def test_under_decoupled_the_row_gate_reads_the_advantage_of_the_rows_first_token(gate):
     # one group, rows: forced direct (reward 0), forced thinking (0), free thinking (1), free thinking (1). Decoupled
-    # (adv_scale none): the thinking mode's gap is 2/3 - 1/2 > 0, the forced thinking row's own first token (its
+    # (adv_scale none): the thinking mode's gap is 2/3 - (2/3 + 0) / 2 > 0, the forced thinking row's first token (its
     # answer) has 0 - 2/3 < 0. The model gives thinking 1 - p = 0.001 < floor: the row gate drops that first
     # token, the mode gate keeps it; the direct mode (p = 0.999) is over the floor either way
     batch = _batch([END, A, B, B], [1, 2, 0, 0], 4)
