@@ -48,13 +48,16 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, t
     return index, total[:, 0]
 
 
-def top_p_cut(z: torch.Tensor, top: torch.Tensor, top_p: float, first_k: int = 1024) -> torch.Tensor:
+def top_p_cut(
+    z: torch.Tensor, weights: torch.Tensor, top: torch.Tensor, top_p: float, first_k: int = 1024
+) -> torch.Tensor:
     """(B, 1) per row of ``z`` (B, V) the lowest value kept by top-p: the smallest descending prefix whose
     probability reaches ``top_p``, every token tied with its last one included, so the kept set (z >= cut) is
     defined by values alone and a row's draw does not depend on how ``topk`` orders ties (which changes with k,
     which the whole batch shares). k grows by 4x from ``first_k`` until the top k of every row hold top_p of its
-    mass: the prefix is then inside them, and a full sort over V is only needed for a flat distribution."""
-    total = (z - top).exp().double().sum(-1, keepdim=True)  # (B, 1) the whole mass
+    mass: the prefix is then inside them, and a full sort over V is only needed for a flat distribution.
+    ``weights`` (B, V): exp(z - top), ``top`` (B, 1) the rows' maxima."""
+    total = weights.double().sum(-1, keepdim=True)  # (B, 1) the whole mass
     k = min(first_k, z.shape[-1])
     while True:
         values, _ = z.topk(k, dim=-1)  # (B, k) descending
@@ -78,7 +81,7 @@ def seeded_sample(
     top = z.amax(-1, keepdim=True)  # (B, 1)
     weights = (z - top).exp()  # (B, V) unnormalised probabilities, in token-id order
     if top_p < 1.0:  # the smallest set of tokens whose probability reaches top_p
-        weights = weights.masked_fill(z < top_p_cut(z, top, top_p), 0.0)
+        weights = weights.masked_fill(z < top_p_cut(z, weights, top, top_p), 0.0)
     chosen, mass = inverse_cdf(weights, u)
     # log p(chosen) = z_chosen - max - log(the kept mass)
     logp = z.gather(-1, chosen[:, None])[:, 0] - top[:, 0] - mass.log().float()
