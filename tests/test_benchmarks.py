@@ -27,9 +27,9 @@ def _run(*args: str, env: dict | None = None, cwd: Path = ROOT) -> str:
     return result.stdout
 
 
-def _bench_kernels():
-    """benchmarks/bench_kernels.py as a module (benchmarks/ is no package), for the tests that run it in-process."""
-    spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "benchmarks" / "bench_kernels.py")
+def _module(name: str):
+    """benchmarks/<name>.py as a module (benchmarks/ is no package), for the tests that run it in-process."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
     spec.loader.exec_module(module)
@@ -75,7 +75,7 @@ def test_bench_kernels_smoke(tmp_path):
 
 
 def test_bench_kernels_skips_what_does_not_fit_and_stops_at_its_deadline(tmp_path, capsys, monkeypatch):
-    bench = _bench_kernels()
+    bench = _module("bench_kernels")
     made = []
     build = bench.build_cases
 
@@ -103,7 +103,7 @@ def test_bench_kernels_skips_what_does_not_fit_and_stops_at_its_deadline(tmp_pat
 def test_bench_kernels_fails_a_wrong_result_a_nan_and_a_missing_gradient():
     from fasttnt_kernels import clipped_policy_loss_reference
 
-    bench = _bench_kernels()
+    bench = _module("bench_kernels")
     cpu = torch.device("cpu")
     case = bench.loss_case(3, 16, cpu)
 
@@ -125,7 +125,7 @@ def test_bench_kernels_fails_a_wrong_result_a_nan_and_a_missing_gradient():
 
 
 def test_bench_kernels_csv_is_written_row_by_row(tmp_path):
-    bench = _bench_kernels()
+    bench = _module("bench_kernels")
     path = tmp_path / "results.csv"
     # a file from before the status columns: rewritten once under the new header, its rows kept
     path.write_text("date,device,op,shape,provider,fwd_ms\n2026-11-30,cpu,token_logprobs,N=1,fasttnt,1.5\n")
@@ -191,6 +191,52 @@ def test_e2e_against_trl_smoke(tmp_path):
     assert len(numbers["fasttnt"]["steps_s"]) == len(numbers["trl"]["steps_s"]) == 3  # turn by turn, every step
     assert numbers["ratio_steps_per_s"] > 0
     assert "fasttnt steps/s / TRL steps/s" in out
+
+
+def test_e2e_against_trl_on_a_model_folder_at_the_real_vocabulary(tmp_path):
+    # --model and --prompt-file: the stand-in's real BPE and V = 151,936 at hidden 64, through both trainers
+    pytest.importorskip("trl")
+    standin = _module("qwen_standin")
+    folder = standin.build(tmp_path / "model", "test")
+    sums = standin.write_sums(tmp_path / "sums.jsonl", 8)
+    out = _run(
+        str(ROOT / "benchmarks" / "e2e.py"), "--model", str(folder), "--prompt-file", str(sums), "--steps", "1",
+        "--warmup-steps", "1", "--prompts", "2", "--samples", "2", "--max-new-tokens", "6",
+        "--json", str(tmp_path / "e2e.json"), "--override", "verify_workers=1", cwd=tmp_path,
+    )  # fmt: skip
+    numbers = json.loads((tmp_path / "e2e.json").read_text())
+    for name in ("fasttnt", "trl"):
+        r = numbers[name]
+        assert len(r["steps_s"]) == 2 and r["generated_tokens"] > 0, name
+        # the update's window lies within the run, and the memory of its own process (a model of 9.8M parameters
+        # and the 151,936-row embedding's gradient and Adam states are resident: far above an empty interpreter's)
+        assert 0 < r["update_peak_mib"] <= r["peak_rss_mib"] and r["update_rise_mib"] >= 0, name
+    assert "fasttnt / TRL peak memory: during the update" in out and str(folder) in out
+
+
+PEAKS_SCRIPT = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("e2e", sys.argv[1])
+e2e = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(e2e)
+peaks = e2e.Peaks()
+before = bytearray(256 << 20)  # zero-filled: resident
+del before
+peaks.start_window()
+inside = bytearray(64 << 20)
+del inside
+window = peaks.end_window()
+print(json.dumps({**window, "run_peak_mib": peaks.run_peak()}))
+"""
+
+
+def test_the_peak_window_sees_an_allocation_inside_it_and_not_one_before():
+    # in a fresh interpreter, whose allocator returns a freed 256 MiB block to the system (a long-lived process
+    # may keep freed blocks resident and serve the next allocation from them, which no window could see)
+    got = json.loads(_run("-c", PEAKS_SCRIPT, str(ROOT / "benchmarks" / "e2e.py")))
+    # the 64 MiB inside counted, the 256 MiB before not (the mark was reset to the resident set at the start)
+    assert 60 <= got["update_rise_mib"] < 200, got
+    assert got["run_peak_mib"] >= got["update_peak_mib"] + 120, got  # the run's peak kept the 256 MiB
 
 
 def test_trl_loss_smoke(tmp_path):
