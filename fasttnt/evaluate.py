@@ -119,7 +119,14 @@ def evaluate_one(
         batch = engine.generate(prompts, k, seed=settings.seed * 1_000_003 + start)
         golds = [p.answer for p in chunk for _ in range(k)]
         scores = scoring.score(
-            tokenizer, batch, golds, pool=pool, reward=RewardConfig(), think_end_id=think_end_id, markers=markers
+            tokenizer,
+            batch,
+            golds,
+            eos_ids=engine.eos_ids,
+            pool=pool,
+            reward=RewardConfig(),
+            think_end_id=think_end_id,
+            markers=markers,
         )
         truncated, correct = batch.truncated.tolist(), scores.correct.tolist()
         modes, hacked = scores.rewards.non_thinking.tolist(), scores.hacked.tolist()

@@ -9,7 +9,7 @@ its ``</think>`` is flagged as a hack (``fasttnt.metrics.hack_flags``): ``add_re
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,11 +41,11 @@ class Scores(Judged):
     hacked: torch.Tensor | None = None  # (S,) bool: non-thinking, and thinking after its </think>
 
 
-def batch_of(responses: list[list[int]], *, group_size: int, eos_id: int, device="cpu") -> RolloutBatch:
+def batch_of(responses: list[list[int]], *, group_size: int, eos_ids: Collection[int], device="cpu") -> RolloutBatch:
     """Responses as token lists (another framework's completions, K per prompt adjacent) as a ``RolloutBatch``:
-    truncated where they do not end with EOS."""
+    truncated where they do not end with one of ``eos_ids`` (``engines.batch.eos_ids_of``)."""
     responses = [list(r) for r in responses]
-    truncated = truncated_without_eos(responses, eos_id)
+    truncated = truncated_without_eos(responses, eos_ids)
     return RolloutBatch.of_responses([[] for _ in responses], responses, truncated, group_size, device=device)
 
 
@@ -54,12 +54,14 @@ def judge(
     batch: RolloutBatch,
     golds: list[str],
     *,
+    eos_ids: Collection[int],
     verify: Verify | None = None,
     pool: VerifierPool | None = None,
 ) -> Judged:
-    """Decode and verify each response (``verify``, default fasttnt's verifier in ``pool``'s workers) against its
-    gold answer; a truncated response is wrong."""
-    texts = decode_responses(tokenizer, batch.responses)
+    """Decode (without the final EOS: one of ``eos_ids``, the ids the responses stopped at) and verify each response
+    (``verify``, default fasttnt's verifier in ``pool``'s workers) against its gold answer; a truncated response is
+    wrong."""
+    texts = decode_responses(tokenizer, batch.responses, eos_ids)
     if verify is None:
         verdicts = verify_batch(texts, golds, pool=pool, require_think_end=True)
         timeouts, crashes = verdicts.timeouts, verdicts.crashes
@@ -90,6 +92,15 @@ def add_rewards(
     return Scores(judged.texts, judged.correct, judged.timeouts, judged.crashes, rewards=rewards, hacked=hacked)
 
 
-def score(tokenizer, batch: RolloutBatch, golds: list[str], *, verify: Verify | None = None, pool=None, **reward_args):
+def score(
+    tokenizer,
+    batch: RolloutBatch,
+    golds: list[str],
+    *,
+    eos_ids: Collection[int],
+    verify: Verify | None = None,
+    pool=None,
+    **reward_args,
+) -> Scores:
     """``judge`` then ``add_rewards``: a batch's responses decoded, verified, rewarded and flagged."""
-    return add_rewards(judge(tokenizer, batch, golds, verify=verify, pool=pool), batch, **reward_args)
+    return add_rewards(judge(tokenizer, batch, golds, eos_ids=eos_ids, verify=verify, pool=pool), batch, **reward_args)

@@ -156,7 +156,7 @@ class Trainer:
         clock.lap("generate")
 
         golds = [p.answer for p in problems for _ in range(r.group_size)]
-        judged = scoring.judge(self.tokenizer, batch, golds, pool=self.verifier)
+        judged = scoring.judge(self.tokenizer, batch, golds, eos_ids=self.engine.eos_ids, pool=self.verifier)
         if judged.crashes >= 2 and judged.crashes > cfg.verify_max_crash_share * len(golds):
             # a crashed item counts as wrong: past a few, the rewards would be the verifier's, not the model's
             raise VerificationError(

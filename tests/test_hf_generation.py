@@ -1,7 +1,8 @@
 """The hf engine's own decode loop (fasttnt.engines.hf.HFEngine) returns exactly what transformers ``generate`` returns
 with the same seeded sampler as a logits processor: the same tokens, truncation flags and log-probs, while each
 prompt is prefilled once and finished rows are compacted out of the batch. A row's response does not
-depend on the rows it is generated with.
+depend on the rows it is generated with. A response ends at any of the run's EOS ids: the tokenizer's and every one
+of the model's generation config (a folder's read as transformers and vLLM read it).
 
 The models are tiny, randomly initialised and float64, so that no floating-point near-tie between two ways of
 batching the same computation can flip a token on any machine; their seeds are fixed, so every run samples the
@@ -10,15 +11,25 @@ same responses and the coverage checks below (rows truncated, rows finished, com
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import pytest
 import torch
-from transformers import DynamicCache, GenerationConfig, LlamaConfig, LlamaForCausalLM, LogitsProcessor
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DynamicCache,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LogitsProcessor,
+)
 
-from fasttnt.char_tokenizer import build_char_tokenizer
+from fasttnt.char_tokenizer import THINK_END, USER, build_char_tokenizer
 from fasttnt.data import Prompt, PromptMode, build_prompt
-from fasttnt.engines import EngineSettings, RolloutBatch, pack_sequences
+from fasttnt.engines import EngineSettings, RolloutBatch, decode_responses, pack_sequences
+from fasttnt.engines.batch import eos_ids_of
 from fasttnt.engines.hf import _COMPACT_SHARE, HFEngine
 from fasttnt.engines.sampler import row_seeds, seeded_sample
 from fasttnt.policy import PolicyHead
@@ -83,7 +94,7 @@ def _reference(engine: HFEngine, prompts: list[Prompt], group_size: int, *, seed
     try:
         out = model.generate(
             input_ids=input_ids, attention_mask=attention, do_sample=False, temperature=None, top_p=None, top_k=None,
-            max_new_tokens=engine.max_new_tokens, eos_token_id=engine.eos_id, pad_token_id=engine.pad_id,
+            max_new_tokens=engine.max_new_tokens, eos_token_id=sorted(engine.eos_ids), pad_token_id=engine.pad_id,
             logits_processor=processors,
         )  # fmt: skip
     finally:
@@ -93,8 +104,9 @@ def _reference(engine: HFEngine, prompts: list[Prompt], group_size: int, *, seed
     sampled_logp = torch.stack(sampler.logprobs, 1).tolist()
     responses, truncated, logprobs = [], [], []
     for i, tokens in enumerate(generated):
-        if engine.eos_id in tokens:
-            tokens = tokens[: tokens.index(engine.eos_id) + 1]
+        ends = [j for j, t in enumerate(tokens) if t in engine.eos_ids]
+        if ends:
+            tokens = tokens[: ends[0] + 1]
             truncated.append(False)
         else:
             truncated.append(True)
@@ -283,3 +295,70 @@ def test_training_mode_is_restored_when_generation_fails():
     with pytest.raises(RuntimeError, match="simulated"):
         engine.generate([build_prompt(tok, p.problem) for p in held_out(1)], 2, seed=0)
     assert model.training
+
+
+# -- the EOS ids: the tokenizer's and every one of the model's generation config ----------------------------------
+
+
+def _saved_model(folder, eos_token_id, *, generation_config: bool = True):
+    """A tiny model over the char tokenizer, both saved in ``folder``, whose config (and generation config, unless
+    left out: a folder without generation_config.json) names ``eos_token_id`` (an int or a list)."""
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1))
+    model.config.eos_token_id = model.generation_config.eos_token_id = eos_token_id
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    if not generation_config:
+        (folder / "generation_config.json").unlink()
+    return folder
+
+
+def test_a_second_eos_id_of_the_generation_config_ends_a_response(tmp_path):
+    # as Qwen2.5-Instruct's generation config lists <|im_end|> and <|endoftext|>: here <eos> and <|user|>
+    tok = build_char_tokenizer()
+    eos, second, think_end = tok.eos_token_id, tok.convert_tokens_to_ids(USER), tok.convert_tokens_to_ids(THINK_END)
+    assert second not in (eos, tok.pad_token_id, tok.unk_token_id)  # a token of its own, which decoding would show
+    folder = _saved_model(tmp_path / "model", [eos, second])
+    assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == [eos, second]
+    tok, model = AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder)
+    assert tok.eos_token_id == eos  # the tokenizer names one of them
+    # the model, its folder, or the folder its tokenizer was loaded from: the same ids
+    assert eos_ids_of(tok, model) == eos_ids_of(tok, folder) == eos_ids_of(tok) == {eos, second}
+    # an lm_head with a bias of +50 on the second id: every sampled token is it (the outcome is certain, not drawn)
+    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size)
+    with torch.no_grad():
+        head.weight.copy_(model.lm_head.weight)
+        head.bias.zero_()
+        head.bias[second] = 50.0
+    model.lm_head = head
+    # forced non-thinking: the pre-filled </think> is the response's first token, text for the decoding to keep
+    prompts = [build_prompt(tok, p.problem, PromptMode.NON_THINKING) for p in held_out(1)]
+    engine = HFEngine(model, tok, EngineSettings(max_new_tokens=6))
+    batch = engine.generate(prompts, 2, seed=0)
+    assert batch.responses == [[think_end, second]] * 8 and not batch.truncated.any()
+    assert decode_responses(tok, batch.responses, engine.eos_ids) == [THINK_END] * 8  # dropped, as <eos> is
+    # the precondition: with the tokenizer's EOS alone (the model's generation config names no other), the same
+    # model samples the second id to the length budget, truncated, and the text keeps it
+    model.generation_config.eos_token_id = eos
+    alone = HFEngine(model, tok, EngineSettings(max_new_tokens=6))
+    assert alone.eos_ids == {eos}
+    cut = alone.generate(prompts, 2, seed=0)
+    assert cut.responses == [[think_end] + [second] * 6] * 8 and cut.truncated.all()
+    assert decode_responses(tok, cut.responses, alone.eos_ids) == [THINK_END + USER * 6] * 8
+
+
+def test_without_a_generation_config_the_eos_ids_are_the_model_configs(tmp_path):
+    # no generation_config.json: transformers (a loaded model's generation_config) and vLLM 0.31
+    # (try_get_generation_config) make one from config.json; the folder is read the same way
+    tok = build_char_tokenizer()
+    eos, second = tok.eos_token_id, tok.convert_tokens_to_ids(USER)
+    plain = _saved_model(tmp_path / "plain", eos, generation_config=False)
+    listed = _saved_model(tmp_path / "listed", [eos, second], generation_config=False)
+    for folder, want in ((plain, {eos}), (listed, {eos, second})):
+        assert not (folder / "generation_config.json").exists()
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        assert eos_ids_of(tok, folder) == eos_ids_of(tok, model) == want
+    # a folder with neither (a run's saved tokenizer), and a tokenizer built in memory: the tokenizer's alone
+    tok.save_pretrained(tmp_path / "tokenizer")
+    assert eos_ids_of(tok, tmp_path / "tokenizer") == eos_ids_of(AutoTokenizer.from_pretrained(tmp_path / "tokenizer"))
+    assert eos_ids_of(tok, tmp_path / "tokenizer") == eos_ids_of(tok) == {eos}

@@ -69,7 +69,7 @@ def test_the_solution_length_is_counted_in_bpe_tokens(tok):
     # same without " So" (Qwen's pattern splits digits one by one, the space before them a token of its own)
     assert solution == [9, 8]
     batch = RolloutBatch.of_responses([[1], [1]], responses, [False, False], 2)
-    judged = scoring.judge(tok, batch, ["15", "15"])
+    judged = scoring.judge(tok, batch, ["15", "15"], eos_ids={EOS})
     assert judged.correct.tolist() == [True, True]
     scores = scoring.add_rewards(judged, batch, reward=RewardConfig(), think_end_id=THINK_END, max_new_tokens=64)
     assert scores.rewards.solution_len.tolist() == solution

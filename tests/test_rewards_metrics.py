@@ -69,8 +69,8 @@ def test_scoring_judges_truncated_responses_wrong_and_flags_the_hack():
     texts, _ = _query()
     ids = [TOK(t, add_special_tokens=False)["input_ids"] for t in texts]
     batch = RolloutBatch([[]] * 4, *pack_sequences(ids), torch.tensor([True, True, False, False]), 4)
-    scores = scoring.score(TOK, batch, ["132"] * 4, reward=RewardConfig(), think_end_id=END_ID,
-                           markers=SYNTHETIC_MARKERS)  # fmt: skip
+    scores = scoring.score(TOK, batch, ["132"] * 4, eos_ids={TOK.eos_token_id}, reward=RewardConfig(),
+                           think_end_id=END_ID, markers=SYNTHETIC_MARKERS)  # fmt: skip
     assert scores.correct.tolist() == [False, False, True, False]  # right answers, but truncated
     assert scores.rewards.rewards.tolist() == [0.0, -1.0, -2.0, -1.0]  # the hack is over its limit of 22
     assert scores.hacked.tolist() == [False, False, True, False]
@@ -172,11 +172,14 @@ def test_synthetic_hack_markers():
 
 
 def test_decoding_drops_the_final_eos_but_keeps_think_end():
+    # with two EOS ids (a generation config's second, here <|user|>), a response ended by either reads the same
     from fasttnt.engines import decode_responses
 
-    ids = TOK("</think>The answer is 5<eos>", add_special_tokens=False)["input_ids"]
-    (text,) = decode_responses(TOK, [ids])
-    assert text == "</think>The answer is 5"
+    ids = TOK("</think>The answer is 5", add_special_tokens=False)["input_ids"]
+    eos, second = TOK.eos_token_id, TOK.convert_tokens_to_ids("<|user|>")
+    assert decode_responses(TOK, [[*ids, eos], [*ids, second]], {eos, second}) == ["</think>The answer is 5"] * 2
+    # an id that is not one of the run's EOS ids is a token of the text
+    assert decode_responses(TOK, [[*ids, second]], {eos}) == ["</think>The answer is 5<|user|>"]
 
 
 def test_mode_accuracies_by_hand_with_a_problem_without_a_level():
@@ -207,5 +210,7 @@ def test_a_response_without_its_eos_is_truncated():
     # the budget ran out before EOS: no tokens at all (a zero budget) counts as cut too
     from fasttnt.engines.batch import truncated_without_eos
 
-    eos = TOK.eos_token_id
-    assert truncated_without_eos([[], [5, eos], [5, 6], [eos]], eos) == [True, False, True, False]
+    eos, second = TOK.eos_token_id, TOK.convert_tokens_to_ids("<|user|>")
+    assert truncated_without_eos([[], [5, eos], [5, 6], [eos], [5, second]], {eos}) == [True, False, True, False, True]
+    # any of the run's EOS ids ends a response (a generation config's second)
+    assert truncated_without_eos([[5, eos], [5, second], [second, 6]], {eos, second}) == [False, False, True]

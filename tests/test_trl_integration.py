@@ -228,6 +228,40 @@ def test_the_tnt_reward_equals_fasttnts_on_the_same_responses():
         TNTReward(tok, 4, config=shaping)
 
 
+def test_the_tnt_reward_counts_a_completion_ended_by_a_second_eos_id_as_ended(tmp_path):
+    # a model folder whose generation config lists a second EOS id beside the tokenizer's (<|user|> here, as
+    # Qwen2.5-Instruct's lists <|endoftext|> beside <|im_end|>): TRL's generation stops at either
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from fasttnt import scoring
+
+    tok = build_char_tokenizer()
+    eos, second = tok.eos_token_id, tok.convert_tokens_to_ids("<|user|>")
+    assert second not in (eos, tok.pad_token_id)
+    tok.save_pretrained(tmp_path / "model")
+    GenerationConfig(eos_token_id=[eos, second]).save_pretrained(tmp_path / "model")
+    texts = ["<think>3+4=7</think> \\boxed{7}", "<think>3+4=8</think> \\boxed{8}", "</think> \\boxed{7}",
+             "</think> \\boxed{6}"]  # fmt: skip
+    by_eos = [_completion(tok, t) for t in texts]
+    by_second = [[*ids[:-1], second] for ids in by_eos]
+    prompts, golds = ["p"] * 4, ["7"] * 4
+    want = TNTReward(tok, 4)(prompts, [], by_eos, answer=golds)
+    assert want == [1.0, 0.0, 2.0, -1.0]  # the construction: right and wrong in both modes, none truncated
+    # the tokenizer loaded from the folder: its generation config's ids too; or the ids given
+    from_folder = TNTReward(AutoTokenizer.from_pretrained(tmp_path / "model"), 4)
+    given = TNTReward(tok, 4, eos_token_ids=[eos, second])
+    assert from_folder.eos_ids == given.eos_ids == {eos, second}
+    assert from_folder(prompts, [], by_second, answer=golds) == given(prompts, [], by_second, answer=golds) == want
+    batch = scoring.batch_of(by_second, group_size=4, eos_ids=given.eos_ids)
+    assert not batch.truncated.any()
+    assert scoring.judge(tok, batch, golds, eos_ids=given.eos_ids).texts == texts  # the second id dropped
+    # a tokenizer built in memory (no folder) names <eos> alone: the same completions were cut by the budget
+    alone = TNTReward(tok, 4)
+    assert alone.eos_ids == {eos}
+    assert scoring.batch_of(by_second, group_size=4, eos_ids=alone.eos_ids).truncated.all()
+    assert alone(prompts, [], by_second, answer=golds) != want
+
+
 def test_the_tnt_reward_refuses_a_split_group_and_names_a_missing_column():
     tok = build_char_tokenizer()
     reward = TNTReward(tok, 4)

@@ -1,6 +1,7 @@
 """The vllm engine's sleep/wake order, driven through the trainer and the evaluator against a stand-in that
 enforces vLLM's sleep-mode rules (tests/vllm_standin.py): three steps, a resume, dynamic sampling's draws and
-evaluation of two models. Sleep mode needs CUDA; everything else runs against real vLLM (tests/test_vllm_real.py)."""
+evaluation of two models; a second EOS id of the generation config. Sleep mode needs CUDA; everything else runs
+against real vLLM (tests/test_vllm_real.py)."""
 
 from __future__ import annotations
 
@@ -296,4 +297,37 @@ def test_a_prefix_cache_that_was_not_reset_stops_the_push(tmp_path, standin, mon
     monkeypatch.setattr(standin.LLM, "reset_prefix_cache", lambda self: False)
     with pytest.raises(RuntimeError, match="did not reset its prefix cache after the weight push"):
         engine.sync_weights(model)
+    engine.close()
+
+
+# -- the EOS ids -----------------------------------------------------------------------------------------------
+
+
+def test_a_second_eos_id_of_the_generation_config_ends_a_response(tmp_path, standin):
+    # the generation config lists <|user|> beside the tokenizer's <eos>: the engine asks vLLM to stop at both, and
+    # its truncation flags and the texts count either as the end, as the hf engine's (test_hf_generation.py)
+    from transformers import GenerationConfig
+
+    from fasttnt.data import PromptMode, build_prompt
+    from fasttnt.engines import EngineSettings, decode_responses
+    from fasttnt.engines.vllm import VLLMEngine
+
+    tok, folder = _engine_folder(tmp_path)
+    eos, second = tok.eos_token_id, tok.convert_tokens_to_ids("<|user|>")
+    assert second not in (eos, tok.pad_token_id)
+    GenerationConfig(eos_token_id=[eos, second]).save_pretrained(folder)
+    engine = VLLMEngine(None, tok, EngineSettings(max_new_tokens=4, model_path=folder))
+    assert engine.eos_ids == {eos, second}
+    hf = engine.llm.model.hf  # an lm_head with a bias of +50 on the second id: every sampled token is it
+    head = torch.nn.Linear(hf.config.hidden_size, hf.config.vocab_size)
+    with torch.no_grad():
+        head.weight.copy_(hf.lm_head.weight)
+        head.bias.zero_()
+        head.bias[second] = 50.0
+    hf.lm_head = head
+    prompts = [build_prompt(tok, p.problem, PromptMode.NON_THINKING) for p in held_out(1)[:2]]
+    batch = engine.generate(prompts, 2, seed=0)
+    think_end = tok.convert_tokens_to_ids("</think>")
+    assert batch.responses == [[think_end, second]] * 4 and not batch.truncated.any()
+    assert decode_responses(tok, batch.responses, engine.eos_ids) == ["</think>"] * 4
     engine.close()

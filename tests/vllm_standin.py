@@ -42,6 +42,7 @@ class SamplingParams:
     logprobs: int | None = None
     seed: int | None = None
     extra_args: dict | None = None
+    stop_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -147,7 +148,10 @@ class LLM:
 
     def _request(self, prompt: list[int], sp: SamplingParams) -> RequestOutput:
         gen = torch.Generator().manual_seed(sp.seed if sp.seed is not None else 0)
-        eos = self.model.hf.config.eos_token_id
+        # vLLM 0.31 stops at the EOS, the generation config's other EOS ids and the stop_token_ids asked for
+        # (SamplingParams.update_from_generation_config, vllm/v1/core/sched/utils.py check_stop)
+        eos = self.model.hf.generation_config.eos_token_id
+        stops = {*(eos if isinstance(eos, list) else [eos]), *(sp.stop_token_ids or [])}
         out = RequestOutput()
         for _ in range(sp.n):
             ids, logprobs, finish = list(prompt), [], "length"
@@ -161,7 +165,7 @@ class LLM:
                 token = int(torch.multinomial(logp.exp(), 1, generator=gen))
                 ids.append(token)
                 logprobs.append({token: Logprob(float(logp[token]))})
-                if token == eos:
+                if token in stops:
                     finish = "stop"
                     break
             out.outputs.append(CompletionOutput(ids[len(prompt) :], logprobs, finish))

@@ -71,9 +71,11 @@ class Requests:
 class RolloutEngine(Protocol):
     """A step's life cycle: ``generate`` once per draw, ``end_rollout`` before the update (an engine that holds
     memory of its own releases it), ``sync_weights`` after it, ``close`` at the end. ``separate_weights``: it
-    samples from its own copy of the weights (pushed by ``sync_weights``), not from the training model itself."""
+    samples from its own copy of the weights (pushed by ``sync_weights``), not from the training model itself.
+    ``eos_ids``: the ids a response stops at (``batch.eos_ids_of``), which its scoring reads too."""
 
     separate_weights: bool
+    eos_ids: frozenset[int]
 
     def generate(
         self, prompts: list[Prompt], group_size: int, *, seed: int, first_row: int = 0, rows=None

@@ -1,13 +1,18 @@
 """What a rollout engine returns: K sampled responses per prompt, packed, with the flags and log-probs the rest of
-the step needs, and the ways a step cuts and joins such batches (each keeps the host copies it already read)."""
+the step needs, and the ways a step cuts and joins such batches (each keeps the host copies it already read); the
+EOS ids that end a response, and what follows from them (the truncation flags, the decoded texts)."""
 
 from __future__ import annotations
 
 import functools
 import itertools
+import os
+from collections.abc import Collection
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from transformers import GenerationConfig, PretrainedConfig
 
 from ..data import PromptMode
 
@@ -151,14 +156,50 @@ def pack_sequences(sequences: list[list[int]], device: torch.device | str = "cpu
     return flat.to(device), cu.to(device)
 
 
-def truncated_without_eos(responses: list[list[int]], eos_id: int) -> list[bool]:
-    """A response that does not end with EOS was cut by the length budget (EOS is kept in the ids)."""
-    return [not ids or ids[-1] != eos_id for ids in responses]
+def eos_ids_of(tokenizer, model: torch.nn.Module | str | os.PathLike | None = None) -> frozenset[int]:
+    """The ids that end a response: the tokenizer's EOS and every id of the model's generation config
+    ``eos_token_id``, an int or a list (Qwen2.5-Instruct lists ``<|im_end|>`` and ``<|endoftext|>``, Llama 3
+    Instruct three ids, while the tokenizer names one); transformers' ``generate`` and vLLM stop at each of them.
+
+    ``model``: the model itself (its ``generation_config``), or its folder or hub id, read as transformers and vLLM
+    read it (``_generation_config``); None: the tokenizer's own folder (``name_or_path``) when that is a local
+    folder (a model's, saved with its tokenizer), else the tokenizer's id alone."""
+    if model is None and tokenizer.name_or_path and Path(tokenizer.name_or_path).is_dir():
+        model = tokenizer.name_or_path
+    if isinstance(model, (str, os.PathLike)):
+        config = _generation_config(model)
+    else:
+        config = getattr(model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None)  # None, an int or a list of ints
+    listed = [eos] if isinstance(eos, int) else eos or []
+    ids = {tokenizer.eos_token_id, *listed} - {None}
+    if not ids:
+        raise ValueError("no EOS id: neither the tokenizer nor the model's generation config names one")
+    return frozenset(ids)
 
 
-def decode_responses(tokenizer, responses: list[list[int]]) -> list[str]:
+def _generation_config(path: str | os.PathLike) -> GenerationConfig | None:
+    """A model's generation config as transformers' ``from_pretrained`` and vLLM 0.31 (``try_get_generation_config``)
+    read it: its ``generation_config.json``, else one made from its ``config.json`` (whose ``eos_token_id`` a loaded
+    model stops at); None without either (a tokenizer's own folder)."""
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:  # no generation_config.json
+        pass
+    try:
+        return GenerationConfig.from_model_config(PretrainedConfig.get_config_dict(path)[0])
+    except OSError:  # no config.json either
+        return None
+
+
+def truncated_without_eos(responses: list[list[int]], eos_ids: Collection[int]) -> list[bool]:
+    """A response that does not end with one of the EOS ids was cut by the length budget (EOS is kept in the ids)."""
+    return [not ids or ids[-1] not in eos_ids for ids in responses]
+
+
+def decode_responses(tokenizer, responses: list[list[int]], eos_ids: Collection[int]) -> list[str]:
     """Response texts without their final EOS/pad ids (kept in the ids, which count as tokens), so "the answer
     is 5<eos>" reads as 5; ``</think>`` stays, since it may be a special token."""
-    stop = {tokenizer.eos_token_id, tokenizer.pad_token_id} - {None}
+    stop = {*eos_ids, tokenizer.pad_token_id} - {None}
     trimmed = [r[:-1] if r and r[-1] in stop else r for r in responses]
     return tokenizer.batch_decode(trimmed, skip_special_tokens=False)

@@ -16,7 +16,7 @@ from transformers import DynamicCache
 from .. import distributed
 from ..data import Prompt, think_end_token_id
 from .base import ENGINES, EngineSettings, Requests
-from .batch import RolloutBatch, truncated_without_eos
+from .batch import RolloutBatch, eos_ids_of, truncated_without_eos
 from .sampler import row_seeds, seeded_sample
 
 # compact once this share of the decode batch has finished: a compaction copies the KV cache once, and rows left in
@@ -54,8 +54,9 @@ class HFEngine:
     Not transformers ``generate``: it prefills a prompt once per sample and computes every row until the longest
     finishes (a step whose responses run 11 to 60 tokens computes 60 positions for each), and it cannot drop rows.
     Here each distinct prompt is prefilled once and its KV cache repeated K times, and finished rows leave the batch
-    and the cache (``_DecodeRows.compact``). The model's ``generation_config`` (repetition penalty, n-gram bans,
-    ...) is never read: it would bend the distribution the loss's log-probs assume.
+    and the cache (``_DecodeRows.compact``). The model's ``generation_config`` is read for its EOS ids alone
+    (``eos_ids_of``), never for its repetition penalty, n-gram bans, ...: they would bend the distribution the
+    loss's log-probs assume.
     """
 
     separate_weights = False
@@ -66,8 +67,10 @@ class HFEngine:
         self.temperature, self.top_p = settings.temperature, settings.top_p
         self.bf16_autocast = settings.dtype == "bfloat16"  # as the training forwards (setup.bf16_autocast)
         self.zero3_engine = settings.zero3_engine
-        self.eos_id = tokenizer.eos_token_id
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+        self.eos_ids = eos_ids_of(tokenizer, model)  # a row stops at any of them
+        # fed to finished rows and as the prompts' (masked) left padding, so any id does: without a pad token, an
+        # EOS id (the tokenizer's, where it is the only one)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
         self.think_end_id = think_end_token_id(tokenizer, required=False)  # forced thinking needs it, free mode not
         forward = inspect.signature(model.forward).parameters
         # transformers 5 renamed the forward's past_key_values to cache (5.24 takes both, warning on the old name)
@@ -112,7 +115,7 @@ class HFEngine:
             prefix = prefixes[run_of_row[i]]
             responses.append(prefix + tokens)  # EOS is kept: the policy learns to stop
             logprobs.extend([0.0] * len(prefix) + logp)
-        truncated = truncated_without_eos(responses, self.eos_id)
+        truncated = truncated_without_eos(responses, self.eos_ids)
         prompt_ids = [run_prompt_ids[r] for r in run_of_row]  # (S,) a pre-filled prefix belongs to the response
         return RolloutBatch.of_responses(prompt_ids, responses, truncated, group_size, device=device,
                                          rollout_logp=logprobs)  # fmt: skip
@@ -129,6 +132,7 @@ class HFEngine:
         sampled = torch.full((len(seeds), steps), self.pad_id, dtype=torch.int64, device=device)  # (S, T)
         sampled_logp = torch.zeros((len(seeds), steps), dtype=torch.float32, device=device)  # (S, T)
         lengths = torch.full((len(seeds),), steps, dtype=torch.int64, device=device)  # (S,) the budget, unless EOS
+        eos_ids = torch.tensor(sorted(self.eos_ids), device=device)  # (E,)
         for t in range(steps):
             if t > 0:
                 logits = self._step(rows)
@@ -137,7 +141,7 @@ class HFEngine:
             tokens, logp = seeded_sample(logits, rows.seeds, t, temperature=self.temperature, top_p=self.top_p)
             # a row kept after finishing writes past its length, where nothing reads
             sampled[rows.index, t], sampled_logp[rows.index, t] = tokens, logp
-            stops = (tokens == self.eos_id) & ~rows.done  # (B,)
+            stops = torch.isin(tokens, eos_ids) & ~rows.done  # (B,)
             lengths[rows.index] = torch.where(stops, t + 1, lengths[rows.index])
             rows.tokens, rows.done = tokens, rows.done | stops
             finished = int(rows.done.sum())  # sync: one per decode step, for the stop and compaction decisions

@@ -45,7 +45,7 @@ import torch
 from .. import distributed
 from ..data import Prompt, think_end_token_id
 from .base import ENGINES, EngineSettings, Requests
-from .batch import RolloutBatch
+from .batch import RolloutBatch, eos_ids_of, truncated_without_eos
 from .sampler import row_seeds
 
 VLLM_VERSION = "0.31"  # the release read and tested: reload_weights(weights_iterator=) and the V1 logits processors
@@ -77,6 +77,7 @@ class VLLMEngine:
         self.temperature, self.top_p = settings.temperature, settings.top_p
         self.bucket_bytes = settings.weight_sync_bucket_mb * 2**20
         self.think_end_id = think_end_token_id(tokenizer, required=False)
+        self.eos_ids = eos_ids_of(tokenizer, settings.model_path)  # the folder vLLM loads (generate's stops)
         self.sleep_between_rollouts = settings.sleep_between_rollouts
         if self.sleep_between_rollouts and not current_platform.is_sleep_mode_available():
             warnings.warn(
@@ -156,22 +157,27 @@ class VLLMEngine:
                 top_p=self.top_p,
                 max_tokens=self.max_new_tokens,
                 logprobs=0,  # the sampled token's own log-prob (processed: after temperature and top-p)
+                # the ids vLLM reads from the same folder itself (SamplingParams.update_from_generation_config),
+                # named so that each id fasttnt counts as an end stops a response, whatever tokenizer it was given
+                stop_token_ids=sorted(self.eos_ids),
                 seed=request_seed(seed, first_row + start),
                 extra_args=_forbid_first(self.think_end_id) if p.forbid_think_end_first else None,
             )
             for p, start, n in runs
         ]
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
-        responses, truncated, logprobs, row_prompts = [], [], [], []
+        responses, logprobs, row_prompts = [], [], []
         for i, out in enumerate(outputs):
             for completion in out.outputs:
                 tokens = list(completion.token_ids)  # EOS included when sampled, as the hf engine's
                 responses.append(prefixes[i] + tokens)
-                truncated.append(completion.finish_reason == "length")
                 # each position's dict holds the sampled token (and, were logprobs > 0, the top ones: look it up)
                 token_lp = [lp[t].logprob for t, lp in zip(tokens, completion.logprobs, strict=True)]
                 logprobs.extend([0.0] * len(prefixes[i]) + token_lp)
                 row_prompts.append(run_prompt_ids[i])  # a pre-filled prefix belongs to the response
+        # by the EOS ids, as the hf engine's: finish_reason "length" where the ids are vLLM's stops, which it tests
+        # before the length (vllm/v1/core/sched/utils.py check_stop: an EOS sampled last ended its response)
+        truncated = truncated_without_eos(responses, self.eos_ids)
         return RolloutBatch.of_responses(row_prompts, responses, truncated, group_size, device=self.device,
                                          rollout_logp=logprobs)  # fmt: skip
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from importlib.metadata import version
 
 import torch
@@ -58,6 +58,7 @@ from fasttnt_kernels import linear_policy_loss, linear_token_logprobs
 
 from .. import scoring
 from ..data import think_end_token_id
+from ..engines.batch import eos_ids_of
 from ..rewards import RewardConfig
 
 # the TRL release whose GRPOTrainer._compute_loss and _get_per_token_logps_and_entropies this module replaces and
@@ -317,6 +318,13 @@ class TNTReward:
     ``per_device_train_batch_size * steps_per_generation`` a multiple of ``num_generations``. DAPO's overlong
     shaping (``config.overlong_buffer`` > 0) counts back from the length budget: pass ``max_completion_length`` (the
     same as GRPOConfig's).
+
+    The EOS ids: ``eos_token_ids`` when given, else the tokenizer's EOS plus the generation config's of the folder
+    the tokenizer was loaded from (``tokenizer.name_or_path``), when that is a local model folder. A reward function
+    does not see the model, and TRL's generation (transformers' ``generate`` or vLLM) stops at every id of the
+    model's generation config: pass them (``model.generation_config.eos_token_id``) for a tokenizer loaded from a
+    hub id, or else a completion ended by another id (Qwen2.5-Instruct's ``<|endoftext|>`` beside the tokenizer's
+    ``<|im_end|>``) counts as truncated.
     """
 
     __name__ = "tnt_reward"  # TRL names a reward function's metrics by it
@@ -330,6 +338,7 @@ class TNTReward:
         answer_column: str = "answer",
         verify: scoring.Verify | None = None,
         max_completion_length: int | None = None,
+        eos_token_ids: Collection[int] | None = None,
     ) -> None:
         if num_generations < 1:
             raise ValueError(f"num_generations must be >= 1, got {num_generations}")
@@ -343,6 +352,7 @@ class TNTReward:
         self.max_completion_length = max_completion_length
         self.answer_column, self.verify = answer_column, verify
         self.think_end_id = think_end_token_id(tokenizer)
+        self.eos_ids = frozenset(eos_token_ids) if eos_token_ids is not None else eos_ids_of(tokenizer)
 
     def __call__(self, prompts: list, completions: list, completion_ids: list[list[int]], **columns) -> list[float]:
         if self.answer_column not in columns:
@@ -359,9 +369,9 @@ class TNTReward:
                 "across processes or steps): its limit needs all of a prompt's responses. Make "
                 "per_device_train_batch_size * steps_per_generation a multiple of num_generations"
             )
-        batch = scoring.batch_of(completion_ids, group_size=k, eos_id=self.tokenizer.eos_token_id)
+        batch = scoring.batch_of(completion_ids, group_size=k, eos_ids=self.eos_ids)
         scores = scoring.score(
-            self.tokenizer, batch, golds, verify=self.verify, reward=self.config, think_end_id=self.think_end_id,
-            max_new_tokens=self.max_completion_length,
+            self.tokenizer, batch, golds, eos_ids=self.eos_ids, verify=self.verify, reward=self.config,
+            think_end_id=self.think_end_id, max_new_tokens=self.max_completion_length,
         )  # fmt: skip
         return scores.rewards.rewards.tolist()

@@ -21,7 +21,7 @@ against the thinking responses sharing its ``uid``; ``tnt_token_scores`` is its 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ from fasttnt_kernels import clipped_policy_loss, group_advantages, tnt_rewards
 
 from .. import scoring
 from ..data import think_end_token_id
+from ..engines.batch import eos_ids_of
 from ..rewards import RewardConfig, overlong_shaping
 from ..verify import extract_answer, is_equivalent
 
@@ -227,7 +228,9 @@ class TNTRewardManager:
     It needs the whole batch: a response's limit comes from the thinking responses sharing its ``uid``. Reads
     ``prompts``, ``responses`` and ``attention_mask`` (the tensors), ``uid`` and ``reward_model["ground_truth"]``
     (the non-tensors); a response is correct when ``verify(texts, golds)`` says so (default: fasttnt's verifier,
-    the final answer after ``</think>``) and it ended with EOS within its length.
+    the final answer after ``</think>``) and it ended with an EOS id within its length: ``eos_token_ids`` when given
+    (a ``reward_kwargs`` entry), else the tokenizer's plus the generation config's of the local folder it was loaded
+    from, as ``fasttnt.integrations.trl.TNTReward`` takes them.
 
     verl 0.9.1's trainer scores through its reward loop, one response at a time, which cannot give a group-level
     reward: the ``fasttnt`` trainer (``fasttnt.integrations.verl_trainer``) calls this manager on each step's whole
@@ -242,11 +245,13 @@ class TNTRewardManager:
         *,
         config: RewardConfig | None = None,
         verify: scoring.Verify | None = None,
+        eos_token_ids: Collection[int] | None = None,
         **_,
     ) -> None:
         del num_examine, compute_score, reward_fn_key  # verl's manager arguments this manager has no use for
         self.tokenizer, self.config, self.verify = tokenizer, config or RewardConfig(), verify
         self.think_end_id = think_end_token_id(tokenizer)
+        self.eos_ids = frozenset(eos_token_ids) if eos_token_ids is not None else eos_ids_of(tokenizer)
 
     def __call__(self, data, return_dict: bool = False):
         responses = data.batch["responses"]  # (B, T)
@@ -255,8 +260,8 @@ class TNTRewardManager:
         lengths = mask.sum(1).tolist()
         ids = [row[:n].tolist() for row, n in zip(responses, lengths, strict=True)]
         golds = [str(item["ground_truth"]) for item in data.non_tensor_batch["reward_model"]]
-        batch = scoring.batch_of(ids, group_size=1, eos_id=self.tokenizer.eos_token_id)  # groups: by uid, below
-        correct = scoring.judge(self.tokenizer, batch, golds, verify=self.verify).correct.tolist()
+        batch = scoring.batch_of(ids, group_size=1, eos_ids=self.eos_ids)  # groups: by uid, below
+        correct = scoring.judge(self.tokenizer, batch, golds, eos_ids=self.eos_ids, verify=self.verify).correct.tolist()
         scores = tnt_token_scores(
             responses, mask, data.non_tensor_batch["uid"], correct, self.think_end_id, config=self.config
         )
