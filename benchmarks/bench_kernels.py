@@ -463,9 +463,13 @@ def linear_loss_case(n: int, h: int, v: int, dtype, device, mean_len: int) -> Ca
         return -logp64.mean(), torch.full_like(logp64, -1.0 / n)
 
     def fused():
-        from fasttnt_kernels import linear_policy_loss
+        from fasttnt_kernels import PolicyLossInputs, linear_policy_loss
 
-        return (lambda x: linear_policy_loss(x["hidden"], x["weight"], x["ids"], x["old"], x["adv"], x["cu"])[0]), ""
+        def call(x):
+            inputs = PolicyLossInputs(x["adv"], x["cu"], old_logp=x["old"])
+            return linear_policy_loss(x["hidden"], x["weight"], x["ids"], inputs)[0]
+
+        return call, ""
 
     def unfused():
         from fasttnt_kernels import clipped_policy_loss, linear_token_logprobs
@@ -834,7 +838,7 @@ def run_case(case: Case, device, args, report: Callable[[dict], None], deadline:
 
 _MEMORY_CHILD = """
 import resource, sys, torch
-from fasttnt_kernels import linear_policy_loss, linear_token_logprobs
+from fasttnt_kernels import PolicyLossInputs, linear_policy_loss, linear_token_logprobs
 sys.path.insert(0, {here!r})
 from bench_kernels import TRL_VOCAB_CHUNK, materialised_linear_logprobs
 n, h, v, how, chunk = {n}, {h}, {v}, {how!r}, {chunk}
@@ -849,7 +853,7 @@ if how == "fused":
     linear_token_logprobs(hidden, weight, ids, chunk_bytes=chunk).sum().backward()
 elif how == "loss":  # the update's whole loss: 4 sequences, token-mean, gradients formed in the forward
     cu = torch.linspace(0, n, 5).long()
-    linear_policy_loss(hidden, weight, ids, None, torch.randn(4), cu, chunk_bytes=chunk)[0].backward()
+    linear_policy_loss(hidden, weight, ids, PolicyLossInputs(torch.randn(4), cu), chunk_bytes=chunk)[0].backward()
 elif how == "trl":  # TRL 1.16's GRPO log-prob path (its fused lm_head's chunked function)
     ChunkedLogProbFunction.apply(hidden, weight, None, ids, 1.0, TRL_VOCAB_CHUNK, None, 1.0, ())[0].sum().backward()
 else:

@@ -6,6 +6,7 @@ CLI turns it into one line and exit code 2 before anything heavy starts.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ from typing import Literal
 
 import yaml
 
-from fasttnt_kernels import ROLLOUT_CORRECTIONS
+from fasttnt_kernels import ROLLOUT_CORRECTIONS, PolicyLossConfig, SettingError, check_reward_limits
 
 from .data import DATASETS, names_a_path
 from .metrics import MARKER_SETS
@@ -101,6 +102,9 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class LossConfig:
+    # clip_low, clip_high, dual_clip, kl_coef, entropy_coef, agg and norm_length are the kernel's PolicyLossConfig,
+    # by name: the trainer builds that one object from them (PolicyLossConfig.of) and hands it to the loss, and
+    # validate() runs the kernel type's own checks on them (one set of checks, from the config to the kernel)
     adv_scale: Literal["std", "none"] = "std"
     adv_eps: float = 1e-6
     clip_low: float = 0.2
@@ -222,6 +226,14 @@ def validate(cfg: TrainConfig) -> None:
         if not ok:
             raise ConfigError(f"{key}: {why}")
 
+    @contextlib.contextmanager
+    def named_by_key(section: str):
+        """The kernel's own checks of the settings it receives, the one at fault named by its key in ``section``."""
+        try:
+            yield
+        except SettingError as err:
+            raise ConfigError(f"{section}.{err.key}: {err.why}") from None
+
     r, loss, o = cfg.rollout, cfg.loss, cfg.optim
     need(cfg.steps >= 1, "steps", "must be >= 1")
     need(cfg.save_every >= 1, "save_every", "must be >= 1")
@@ -292,10 +304,8 @@ def validate(cfg: TrainConfig) -> None:
         f"{loss.mini_batches} mini-batches do not divide rollout.prompts_per_step={r.prompts_per_step}",
     )
     need(loss.ppo_epochs >= 1, "loss.ppo_epochs", "must be >= 1")
-    need(0 <= loss.clip_low < 1, "loss.clip_low", "must be in [0, 1)")
-    need(loss.clip_high >= 0, "loss.clip_high", "must be >= 0")
-    need(loss.dual_clip is None or loss.dual_clip > 1, "loss.dual_clip", "must be > 1")
-    need(loss.kl_coef >= 0, "loss.kl_coef", "must be >= 0")
+    with named_by_key("loss"):  # clip_low, clip_high, dual_clip, kl_coef, agg, norm_length, entropy_coef
+        PolicyLossConfig.of(loss)
     need(loss.rollout_correction_cap >= 1, "loss.rollout_correction_cap", "must be >= 1 (1 means on-policy)")
     need(0 <= loss.mode_token_floor < 1, "loss.mode_token_floor", "must be a probability in [0, 1)")
     need(
@@ -310,23 +320,16 @@ def validate(cfg: TrainConfig) -> None:
         "loss.mode_token_logp",
         f"mixture assumes free samples drawn from the whole distribution; rollout.top_p={r.top_p} cuts it (use 1)",
     )
-    need(
-        loss.agg != "seq-mean-token-sum-norm" or (loss.norm_length or 0) > 0,
-        "loss.norm_length",
-        "agg=seq-mean-token-sum-norm needs norm_length > 0 (usually rollout.max_new_tokens)",
-    )
     need(o.lr > 0, "optim.lr", "must be > 0")
     need(o.grad_clip > 0, "optim.grad_clip", "must be > 0")
     need(o.eps > 0, "optim.eps", "must be > 0")
     need(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
-    need(cfg.reward.scheme in REWARD_SCHEMES, "reward.scheme", f"unknown; choose one of {REWARD_SCHEMES.names()}")
-    need(
-        cfg.reward.scheme != "uniform-limit"
-        or (cfg.reward.uniform_limit is not None and cfg.reward.uniform_limit >= 0),
-        "reward.uniform_limit",
-        "reward.scheme=uniform-limit needs uniform_limit >= 0",
-    )
-    need(cfg.reward.omega > 0, "reward.omega", "must be > 0")
+    reward = cfg.reward
+    need(reward.scheme in REWARD_SCHEMES, "reward.scheme", f"unknown; choose one of {REWARD_SCHEMES.names()}")
+    with named_by_key("reward"):  # omega, fallback_limit, uniform_limit
+        check_reward_limits(
+            reward.scheme, omega=reward.omega, fallback_limit=reward.fallback_limit, uniform_limit=reward.uniform_limit
+        )
     need(bool(cfg.data.levels) and all(1 <= x <= 9 for x in cfg.data.levels), "data.levels", "digits in 1..9")
     need(
         cfg.data.hack_markers == "auto" or cfg.data.hack_markers in MARKER_SETS,

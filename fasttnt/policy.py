@@ -13,11 +13,11 @@ logits are never materialised.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 
-from fasttnt_kernels import PolicyLossConfig, linear_policy_loss, linear_token_logprobs
+from fasttnt_kernels import PolicyLossConfig, PolicyLossInputs, linear_policy_loss, linear_token_logprobs
 
 from .attention import Packing, packed_forward, takes_mask_mapping, use_packed_attention
 from .engines.batch import RolloutBatch
@@ -101,43 +101,25 @@ def pack_micro_batch(prompts: list[list[int]], responses: list[list[int]], first
     )
 
 
-@dataclass(frozen=True)
-class LossSettings:
-    """The policy loss's hyper-parameters (``loss.*``), built once from the config: the kernel's own validated
-    ``PolicyLossConfig`` and the entropy bonus."""
-
-    policy: PolicyLossConfig = field(default_factory=PolicyLossConfig)
-    entropy_coef: float = 0.0
-
-    @classmethod
-    def of(cls, loss) -> LossSettings:
-        names = [f.name for f in fields(PolicyLossConfig)]  # clip_low, clip_high, dual_clip, kl_coef, agg, norm_length
-        return cls(PolicyLossConfig(**{name: getattr(loss, name) for name in names}), loss.entropy_coef)
+LossSettings = PolicyLossConfig
+"""The loss's settings (``loss.*``), the entropy bonus included, are the kernel's own ``PolicyLossConfig``:
+``fasttnt.actor`` builds the one object once per run as ``LossSettings.of(cfg.loss)`` and every micro-batch hands
+it to the kernel (``MicroBatchLoss.settings``); no second type mirrors its fields."""
 
 
 @dataclass(frozen=True)
-class MicroBatchLoss:
-    """``linear_policy_loss``'s inputs for one micro-batch: its slices of the per-sequence and per-token tensors,
-    the normalisers of its whole mini-batch (over all ranks), and the settings."""
+class MicroBatchLoss(PolicyLossInputs):
+    """``linear_policy_loss``'s inputs for one micro-batch: its slices of the per-sequence and per-token tensors and
+    the normalisers of its whole mini-batch (over all ranks), which are the kernel's own ``PolicyLossInputs``, and
+    the run's settings."""
 
-    advantages: torch.Tensor  # (s,)
-    cu_seqlens: torch.Tensor  # (s+1,) from 0
-    old_logp: torch.Tensor | None = None  # (n,); None: on-policy (the current log-probs, detached)
-    ref_logp: torch.Tensor | None = None  # (n,)
-    is_weights: torch.Tensor | None = None  # (n,) the rollout correction's weights
-    total_tokens: float | None = None
-    total_seqs: float | None = None
-    first_advantages: torch.Tensor | None = None  # (s,) the first tokens' own (loss.mode_advantage=decoupled)
-    settings: LossSettings = field(default_factory=LossSettings)
+    settings: PolicyLossConfig = field(default_factory=PolicyLossConfig)
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float):
         """(loss, stats, logp) of the micro-batch's response tokens, the gradient formed in the same pass."""
-        # the fields are linear_policy_loss's keyword arguments, by name
-        inputs = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "settings"}
         return linear_policy_loss(
-            hidden, weight, targets, temperature=temperature, entropy_coef=self.settings.entropy_coef,
-            return_logp=True, **inputs, **asdict(self.settings.policy),
-        )  # fmt: skip
+            hidden, weight, targets, self, config=self.settings, temperature=temperature, return_logp=True
+        )
 
 
 class PolicyHead(torch.nn.Module):

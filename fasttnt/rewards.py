@@ -15,7 +15,7 @@ afterwards.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -32,11 +32,14 @@ class RewardConfig:
     omega: float = 2.0
     fallback_limit: float = 1000.0
     uniform_limit: float | None = None
-    think_correct: float = 1.0
-    think_wrong: float = 0.0
-    direct_correct: float = 2.0
-    direct_wrong: float = -1.0
-    over_limit: float = -2.0
+    # the reward table, flat under reward.* as users write it: the kernel's RewardValues by name, with its defaults
+    # (one place for the paper's numbers); `values` makes the kernel's table of them, and the kernel's limit checks
+    # (check_reward_limits) validate omega, fallback_limit and uniform_limit for the config
+    think_correct: float = RewardValues.think_correct
+    think_wrong: float = RewardValues.think_wrong
+    direct_correct: float = RewardValues.direct_correct
+    direct_wrong: float = RewardValues.direct_wrong
+    over_limit: float = RewardValues.over_limit
     # the accuracy-aware table (AdaptThink's constraint, Zhang et al. 2025, sec. 3, with its delta 0.05: reward =
     # correct - R_ref(x) + delta 1{direct}): a direct answer earns the thinking reward plus direct_margin, right or
     # wrong, in place of direct_correct / direct_wrong. Within the limit, direct then pays more on average exactly
@@ -60,13 +63,13 @@ class RewardConfig:
 
     @property
     def values(self) -> RewardValues:
-        direct_correct, direct_wrong = self.direct_correct, self.direct_wrong
-        if self.direct_margin is not None:
-            direct_correct, direct_wrong = (
-                self.think_correct + self.direct_margin,
-                self.think_wrong + self.direct_margin,
-            )
-        return RewardValues(self.think_correct, self.think_wrong, direct_correct, direct_wrong, self.over_limit)
+        """The table the kernel pays (``tnt_rewards``' ``values``): these keys, with ``direct_margin``'s direct
+        rewards in place of ``direct_correct`` / ``direct_wrong`` when it is set."""
+        table = RewardValues(**{f.name: getattr(self, f.name) for f in fields(RewardValues)})
+        if self.direct_margin is None:
+            return table
+        margin = self.direct_margin
+        return replace(table, direct_correct=self.think_correct + margin, direct_wrong=self.think_wrong + margin)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""What every op shares: choosing Triton or the reference, input checks, and output allocation."""
+"""What every op shares: choosing Triton or the reference, input checks, settings errors, and output allocation."""
 
 from __future__ import annotations
 
@@ -8,6 +8,19 @@ import torch
 
 BACKEND_ENV = "FASTTNT_KERNELS"
 _BACKENDS = ("auto", "triton", "torch")
+# log-ratios are clamped to +-this before exp (the policy loss's ratio and KL, the rollout correction's weights):
+# exp(20) = 4.9e8 is far past any clip bound or cap, and far from float32's overflow at exp(88.7)
+LOG_RATIO_CLAMP = 20.0
+
+
+class SettingError(ValueError):
+    """A hyper-parameter out of its range. ``key`` names the setting as the op calls it and ``why`` says what it
+    must be, so a caller that holds the value under a name of its own (a trainer's ``loss.clip_high``) can name its
+    key with the op's own reason instead of checking the range a second time."""
+
+    def __init__(self, key: str, why: str) -> None:
+        super().__init__(f"{key} {why}")
+        self.key, self.why = key, why
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
@@ -72,35 +85,3 @@ def check_same_device(**tensors: torch.Tensor) -> None:
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-# -- the lm_head matmuls both lm_head ops run -------------------------------------------------------------------
-
-
-def matmul_dtype(t: torch.Tensor) -> torch.dtype:
-    """The dtype the lm_head matmul runs in: autocast's when it is on for this device, else the input's."""
-    device_type = t.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return t.dtype
-
-
-def mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    # the operands are already in the chosen dtype; autocast must not cast them again
-    with torch.autocast(a.device.type, enabled=False):
-        return torch.mm(a, b, out=out)
-
-
-def aggregation_weights(agg: str, norm_length: float | None, N: int, S: int, total_tokens, total_seqs):
-    """(w_const, w_per_len) of a policy-loss aggregation, w_t = w_const + w_per_len / len_s (clipped_policy_loss's
-    formulas; linear_policy_loss's too): token-mean 1 / tokens, seq-mean-token-mean 1 / (seqs len_s),
-    seq-mean-token-sum-norm 1 / (seqs norm_length). ``total_tokens``/``total_seqs`` replace N/S when given."""
-    tokens = float(N if total_tokens is None else total_tokens)
-    seqs = float(S if total_seqs is None else total_seqs)
-    if agg == "token-mean":
-        return (1.0 / tokens if tokens > 0 else 0.0), 0.0
-    if seqs <= 0:
-        return 0.0, 0.0
-    if agg == "seq-mean-token-mean":
-        return 0.0, 1.0 / seqs
-    return 1.0 / (seqs * norm_length), 0.0

@@ -29,52 +29,20 @@ r > 1 + clip_high; dual), the k3 estimate of KL(old || new), the mean ratio and 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import triton
 import triton.language as tl
 
 from . import _common
-
-Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-RolloutCorrection = Literal["none", "token-truncate", "token-mask", "sequence-truncate", "sequence-mask"]
-ROLLOUT_CORRECTIONS = ("none", "token-truncate", "token-mask", "sequence-truncate", "sequence-mask")
+from ._common import LOG_RATIO_CLAMP
+from ._policy_loss import PolicyLossConfig, PolicyLossInputs, config_of
 
 STAT_NAMES = ("clip_frac_low", "clip_frac_high", "dual_clip_frac", "approx_kl", "ratio_mean", "kl_ref")
 # the partials buffer's columns: the loss first, then one per statistic
 _N_PARTIALS = 1 + len(STAT_NAMES)
 _BLOCK = 1024
-# exp(20) = 4.9e8: far past any clip bound, and far from float32's overflow at exp(88.7)
-LOG_RATIO_CLAMP = 20.0
-
-
-@dataclass(frozen=True)
-class PolicyLossConfig:
-    """The loss's hyper-parameters, validated once."""
-
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = None
-    kl_coef: float = 0.0
-    agg: Aggregation = "token-mean"
-    norm_length: float | None = None
-
-    def __post_init__(self) -> None:
-        if not (0.0 <= self.clip_low < 1.0):
-            raise ValueError(f"clip_low must be in [0, 1), got {self.clip_low}")
-        if not self.clip_high >= 0.0:
-            raise ValueError(f"clip_high must be >= 0, got {self.clip_high}")
-        if self.dual_clip is not None and not self.dual_clip > 1.0:
-            raise ValueError(f"dual_clip must be > 1 (it bounds the loss of negative advantages), got {self.dual_clip}")
-        if not (math.isfinite(self.kl_coef) and self.kl_coef >= 0.0):
-            raise ValueError(f"kl_coef must be a finite number >= 0, got {self.kl_coef}")
-        if self.agg not in _AGGREGATIONS:
-            raise ValueError(f"agg must be one of {_AGGREGATIONS}, got {self.agg!r}")
-        if self.agg == "seq-mean-token-sum-norm" and not (self.norm_length is not None and self.norm_length > 0):
-            raise ValueError(f"agg={self.agg!r} needs norm_length > 0 (usually the max response length)")
+_DEFAULT_CONFIG = PolicyLossConfig()
 
 
 @triton.jit
@@ -190,17 +158,19 @@ def clipped_policy_loss_reference(
     advantages: torch.Tensor,
     cu_seqlens: torch.Tensor,
     *,
-    config: PolicyLossConfig = PolicyLossConfig(),
+    config: PolicyLossConfig = _DEFAULT_CONFIG,
     ref_logp: torch.Tensor | None = None,
     is_weights: torch.Tensor | None = None,
     total_tokens: float | None = None,
     total_seqs: float | None = None,
     first_advantages: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The semantics in plain differentiable PyTorch (float32, or float64 for float64 ``logp``)."""
-    N, S = logp.shape[0], advantages.shape[0]
+    """The semantics in plain differentiable PyTorch (float32, or float64 for float64 ``logp``); ``config``'s
+    ``entropy_coef`` is not read (the entropy bonus is ``linear_policy_loss``'s)."""
+    N = logp.shape[0]
+    normalisers = PolicyLossInputs(advantages, cu_seqlens, total_tokens=total_tokens, total_seqs=total_seqs)
+    w_const, w_per_len = normalisers.aggregation_weights(config, N)
     a, seq_len = per_token_advantages(advantages, cu_seqlens, N, first_advantages)
-    w_const, w_per_len = _common.aggregation_weights(config.agg, config.norm_length, N, S, total_tokens, total_seqs)
     loss_t, indicators = token_terms_reference(
         logp, old_logp, a, seq_len, config=config, ref_logp=ref_logp, is_weights=is_weights
     )
@@ -271,133 +241,96 @@ def token_terms_reference(
     return loss_t, indicators
 
 
-def rollout_correction_weights(
-    old_logp: torch.Tensor,
-    rollout_logp: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    *,
-    mode: RolloutCorrection,
-    cap: float,
-) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-    """Importance weights (N,) float32 for the ``is_weights`` of ``clipped_policy_loss``, and their statistics.
+class TokenTerms:
+    """The loss's per-token terms over one packed batch, a range of its tokens at a time: the range's weighted loss
+    and statistic sums (N_PARTIALS,), with dloss/dlogp written into ``grad`` when given. The Triton kernel finds each
+    token's sequence in the whole batch's ``cu_seqlens``; the reference path (autograd through
+    ``token_terms_reference``, the CPU's) reads per-token advantages made here once. ``clipped_policy_loss`` runs
+    it over all N tokens at once, ``linear_policy_loss`` over each chunk of rows as its log-probs are made."""
 
-    The rollout engine samples with its own kernels and numerics (vLLM: bf16, its own sampler), so its token
-    probabilities differ from the trainer's. With rho = exp(old - rollout), per token (``token-*``) or per sequence
-    from the sum of its tokens' differences (``sequence-*``), clamped to +-20 before ``exp``:
-    ``*-truncate`` uses min(rho, cap), ``*-mask`` uses rho where rho <= cap and 0 elsewhere; ``none`` returns no
-    weights. The same modes and formulas as TRL's ``vllm_importance_sampling_mode`` (grpo_trainer.py,
-    trl 1.16) with its lower bound unset; verl calls it rollout correction. Plain PyTorch: elementwise work
-    and one segment sum, no host sync.
+    def __init__(self, inputs: PolicyLossInputs, config: PolicyLossConfig, N: int, *, use_triton: bool) -> None:
+        self.inputs, self.config, self.use_triton = inputs, config, use_triton
+        self.w_const, self.w_per_len = inputs.aggregation_weights(config, N)
+        if not use_triton:  # the reference's per-token view of the batch, made once for every range
+            x = inputs
+            self.a_t, self.seq_len_t = per_token_advantages(x.advantages, x.cu_seqlens, N, x.first_advantages)
 
-    Statistics (float32 scalars, token means): ``rollout_logp_diff`` mean |old - rollout|, ``rollout_is_mean``
-    the mean weight as applied (of rho itself for ``none``), ``rollout_is_clipped_frac`` the share of tokens whose
-    weight was truncated or masked.
-    """
-    if mode not in ROLLOUT_CORRECTIONS:
-        raise ValueError(f"mode must be one of {ROLLOUT_CORRECTIONS}, got {mode!r}")
-    if not cap >= 1.0:
-        raise ValueError(f"cap must be >= 1 (a weight of 1 means on-policy), got {cap}")
-    _common.check_1d("old_logp", old_logp)
-    N = old_logp.shape[0]
-    _common.check_1d("rollout_logp", rollout_logp, N)
-    _common.check_1d("cu_seqlens", cu_seqlens)
-    diff = old_logp.detach().float() - rollout_logp.detach().float()  # (N,)
-    if mode.startswith("sequence"):
-        lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # (S,)
-        seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=diff.device), lengths, output_size=N)
-        per_seq = torch.zeros(lengths.numel(), dtype=diff.dtype, device=diff.device).index_add_(0, seq, diff)
-        log_rho = per_seq[seq]  # (N,) each token carries its sequence's summed difference
-    else:
-        log_rho = diff
-    rho = torch.exp(log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # (N,)
-    over = rho > cap  # (N,) the tokens a truncation or a mask changes
-    if mode == "none":
-        weights = None
-    elif mode.endswith("truncate"):
-        weights = rho.clamp(max=cap)
-    else:
-        weights = rho.masked_fill(over, 0.0)
-    applied = rho if weights is None else weights
-    changed = over if weights is not None else torch.zeros_like(over)
-    n = max(N, 1)
-    stats = {
-        "rollout_logp_diff": diff.abs().sum() / n,
-        "rollout_is_mean": applied.sum() / n,
-        "rollout_is_clipped_frac": changed.sum().float() / n,
-    }
-    return weights, stats
+    def __call__(self, rows: slice, logp: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor:
+        """The sums of tokens ``rows`` of the batch, whose log-probs are ``logp`` (n,); an on-policy loss (no
+        ``old_logp``) takes ``logp`` as the old ones."""
+        x = self.inputs
+        old = logp if x.old_logp is None else x.old_logp[rows]
+        ref = x.ref_logp[rows] if x.ref_logp is not None else None
+        is_w = x.is_weights[rows] if x.is_weights is not None else None
+        if self.use_triton:
+            return self._launch(rows.start, logp, old, ref, is_w, grad)
+        return self._autograd(rows, logp, old, ref, is_w, grad)
 
+    def _autograd(self, rows: slice, logp, old_logp, ref_logp, is_weights, grad) -> torch.Tensor:
+        """The reference's terms of tokens ``rows``, and dloss/dlogp through autograd."""
+        seq_len = self.seq_len_t[rows]
+        with torch.enable_grad():
+            x = logp.detach().requires_grad_()
+            loss_t, indicators = token_terms_reference(
+                x, old_logp, self.a_t[rows], seq_len, config=self.config, ref_logp=ref_logp, is_weights=is_weights
+            )
+            weighted = (loss_t * (self.w_const + self.w_per_len / seq_len.to(loss_t.dtype))).sum()
+            if grad is not None:
+                (g,) = torch.autograd.grad(weighted, x)
+                grad.copy_(g)
+        sums = [weighted.detach()] + [indicators[name].sum() for name in STAT_NAMES]
+        return torch.stack(sums).float()
 
-def launch_token_terms(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    ref_logp: torch.Tensor | None,
-    is_weights: torch.Tensor | None,
-    advantages: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    config: PolicyLossConfig,
-    w_const: float,
-    w_per_len: float,
-    *,
-    grad: torch.Tensor | None,
-    token_offset: int = 0,
-    first_advantages: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Run the kernel over tokens ``token_offset .. token_offset + n - 1`` of a packed batch (``advantages`` and
-    ``cu_seqlens`` are the whole batch's; the per-token inputs are the n tokens'). Writes dloss/dlogp into
-    ``grad`` (n,) when given; returns the sums (N_PARTIALS,): the weighted loss, then one per statistic."""
-    n, S = logp.shape[0], advantages.shape[0]
-    num_blocks = max(1, triton.cdiv(n, _BLOCK))
-    partials = _common.new_empty((num_blocks, _N_PARTIALS), dtype=torch.float32, device=logp.device)
-    if n == 0 or S == 0:
-        partials.zero_()
-        if grad is not None:
-            grad.zero_()
-    else:
-        _clipped_policy_loss_kernel[(num_blocks,)](
-            logp,
-            old_logp,
-            ref_logp if ref_logp is not None else logp,
-            is_weights if is_weights is not None else logp,
-            advantages,
-            first_advantages if first_advantages is not None else advantages,
-            cu_seqlens,
-            grad if grad is not None else partials,
-            partials,
-            n,
-            S,
-            max(1, math.ceil(math.log2(S)) + 1),
-            token_offset,
-            config.clip_low,
-            config.clip_high,
-            config.dual_clip if config.dual_clip is not None else 0.0,
-            config.kl_coef,
-            w_const,
-            w_per_len,
-            LOG_RATIO_CLAMP,
-            HAS_DUAL_CLIP=config.dual_clip is not None,
-            HAS_REF=ref_logp is not None,
-            HAS_IS_WEIGHT=is_weights is not None,
-            HAS_FIRST_ADV=first_advantages is not None,
-            COMPUTE_GRAD=grad is not None,
-            N_PARTIALS=_N_PARTIALS,
-            BLOCK=_BLOCK,
-        )
-    return partials.sum(dim=0)  # (N_PARTIALS,): a fixed-order reduction, so the loss is deterministic
+    def _launch(self, token_offset: int, logp, old_logp, ref_logp, is_weights, grad) -> torch.Tensor:
+        """The kernel over the n tokens ``token_offset ..`` of the batch (``logp`` and the other per-token tensors
+        are those n tokens')."""
+        x, config = self.inputs, self.config
+        n, S = logp.shape[0], x.advantages.shape[0]
+        num_blocks = max(1, triton.cdiv(n, _BLOCK))
+        partials = _common.new_empty((num_blocks, _N_PARTIALS), dtype=torch.float32, device=logp.device)
+        if n == 0 or S == 0:
+            partials.zero_()
+            if grad is not None:
+                grad.zero_()
+        else:
+            _clipped_policy_loss_kernel[(num_blocks,)](
+                logp,
+                old_logp,
+                ref_logp if ref_logp is not None else logp,
+                is_weights if is_weights is not None else logp,
+                x.advantages,
+                x.first_advantages if x.first_advantages is not None else x.advantages,
+                x.cu_seqlens,
+                grad if grad is not None else partials,
+                partials,
+                n,
+                S,
+                max(1, math.ceil(math.log2(S)) + 1),
+                token_offset,
+                config.clip_low,
+                config.clip_high,
+                config.dual_clip if config.dual_clip is not None else 0.0,
+                config.kl_coef,
+                self.w_const,
+                self.w_per_len,
+                LOG_RATIO_CLAMP,
+                HAS_DUAL_CLIP=config.dual_clip is not None,
+                HAS_REF=ref_logp is not None,
+                HAS_IS_WEIGHT=is_weights is not None,
+                HAS_FIRST_ADV=x.first_advantages is not None,
+                COMPUTE_GRAD=grad is not None,
+                N_PARTIALS=_N_PARTIALS,
+                BLOCK=_BLOCK,
+            )
+        return partials.sum(dim=0)  # (N_PARTIALS,): a fixed-order reduction, so the loss is deterministic
 
 
 class ClippedPolicyLossFunction(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx, logp, old_logp, ref_logp, is_weights, advantages, cu_seqlens, config, total_tokens, total_seqs, first_adv
-    ):
-        N, S = logp.shape[0], advantages.shape[0]
+    def forward(ctx, logp, inputs: PolicyLossInputs, config: PolicyLossConfig):
+        N = logp.shape[0]
         grad = _common.new_empty(N, dtype=torch.float32, device=logp.device) if logp.requires_grad else None  # (N,)
-        w_const, w_per_len = _common.aggregation_weights(config.agg, config.norm_length, N, S, total_tokens, total_seqs)
-        sums = launch_token_terms(
-            logp, old_logp, ref_logp, is_weights, advantages, cu_seqlens, config, w_const, w_per_len, grad=grad,
-            first_advantages=first_adv,
-        )  # fmt: skip
+        sums = TokenTerms(inputs, config, N, use_triton=True)(slice(0, N), logp, grad)
         ctx.save_for_backward(grad)
         ctx.logp_dtype = logp.dtype
         stats = sums[1:] / max(N, 1)
@@ -408,43 +341,7 @@ class ClippedPolicyLossFunction(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_stats):
         (grad,) = ctx.saved_tensors
         grad_logp = (grad * grad_loss).to(ctx.logp_dtype) if grad is not None else None
-        return grad_logp, None, None, None, None, None, None, None, None, None
-
-
-def check_policy_loss_inputs(
-    N: int,
-    old_logp: torch.Tensor | None,
-    advantages: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    *,
-    ref_logp: torch.Tensor | None,
-    kl_coef: float,
-    is_weights: torch.Tensor | None,
-    total_tokens: float | None,
-    total_seqs: float | None,
-    first_advantages: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
-    """Check the loss's inputs for N tokens (shapes, dtypes, normalisers); returns the tensors given, by name."""
-    tensors = {"advantages": advantages, "cu_seqlens": cu_seqlens}
-    _common.check_1d("advantages", advantages)
-    _common.check_1d("cu_seqlens", cu_seqlens, advantages.shape[0] + 1)
-    _common.check_dtype("advantages", advantages, _common.FLOAT_DTYPES)
-    if first_advantages is not None:
-        _common.check_1d("first_advantages", first_advantages, advantages.shape[0])
-        _common.check_dtype("first_advantages", first_advantages, _common.FLOAT_DTYPES)
-        tensors["first_advantages"] = first_advantages
-    _common.check_dtype("cu_seqlens", cu_seqlens, _common.INDEX_DTYPES)
-    if ref_logp is None and kl_coef > 0:
-        raise ValueError(f"kl_coef={kl_coef} needs ref_logp")
-    for name, t in (("old_logp", old_logp), ("ref_logp", ref_logp), ("is_weights", is_weights)):
-        if t is not None:
-            _common.check_1d(name, t, N)
-            _common.check_dtype(name, t, _common.FLOAT_DTYPES)
-            tensors[name] = t
-    for name, value in (("total_tokens", total_tokens), ("total_seqs", total_seqs)):
-        if value is not None and not value > 0:
-            raise ValueError(f"{name} must be > 0 when given, got {value}")
-    return tensors
+        return grad_logp, None, None
 
 
 def clipped_policy_loss(
@@ -453,44 +350,46 @@ def clipped_policy_loss(
     advantages: torch.Tensor,
     cu_seqlens: torch.Tensor,
     *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
+    config: PolicyLossConfig | None = None,
     ref_logp: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
     is_weights: torch.Tensor | None = None,
-    agg: Aggregation = "token-mean",
-    norm_length: float | None = None,
     total_tokens: float | None = None,
     total_seqs: float | None = None,
     first_advantages: torch.Tensor | None = None,
+    **settings: float | str | None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Token-level clipped policy-gradient loss of packed sequences; returns ``(loss, stats)``.
 
     logp, old_logp, ref_logp: (N,) float; advantages: (S,) float; cu_seqlens: (S+1,) int32/int64, starting at 0
-    and ending at N. The loss is a float32 scalar, differentiable w.r.t. ``logp`` only (the others are
-    constants of the update). ``is_weights`` (N,) float, optional: a per-token weight of the policy-gradient term
-    (not of the KL term), e.g. ``rollout_correction_weights``. ``stats`` maps the names in ``STAT_NAMES`` to
-    float32 scalars on the device (no host sync). ``total_tokens``/``total_seqs`` replace N/S as the normalisers,
-    for a loss split into micro-batches or across ranks whose sum must equal the whole batch's mean.
-    ``first_advantages`` (S,) float, optional: the advantage of each sequence's first token in place of its
+    and ending at N. ``config``: the hyper-parameters (``PolicyLossConfig()``'s defaults when None), or their
+    fields as keywords in its place (``clip_high=0.28, kl_coef=0.05``); its ``entropy_coef`` must be 0 here (the
+    bonus needs entropies: ``linear_policy_loss``). The loss is a float32 scalar, differentiable w.r.t. ``logp``
+    only (the others are constants of the update). ``is_weights`` (N,) float, optional: a per-token weight of the
+    policy-gradient term (not of the KL term), e.g. ``rollout_correction_weights``. ``stats`` maps the names in
+    ``STAT_NAMES`` to float32 scalars on the device (no host sync). ``total_tokens``/``total_seqs`` replace N/S as
+    the normalisers, for a loss split into micro-batches or across ranks whose sum must equal the whole batch's
+    mean. ``first_advantages`` (S,) float, optional: the advantage of each sequence's first token in place of its
     sequence's (``mode_advantages``' mode-token advantage).
     """
-    config = PolicyLossConfig(clip_low, clip_high, dual_clip, kl_coef, agg, norm_length)
+    config = config_of("clipped_policy_loss", config, settings)
+    if config.entropy_coef != 0.0:
+        raise ValueError(
+            f"entropy_coef={config.entropy_coef}: clipped_policy_loss sees log-probs, not entropies; use "
+            "linear_policy_loss, or subtract the bonus from this loss"
+        )
     _common.check_1d("logp", logp)
     _common.check_dtype("logp", logp, _common.FLOAT_DTYPES)
-    tensors = check_policy_loss_inputs(
-        logp.shape[0],
-        old_logp,
+    inputs = PolicyLossInputs(
         advantages,
         cu_seqlens,
+        old_logp=old_logp,
         ref_logp=ref_logp,
-        kl_coef=kl_coef,
         is_weights=is_weights,
+        first_advantages=first_advantages,
         total_tokens=total_tokens,
         total_seqs=total_seqs,
-        first_advantages=first_advantages,
     )
+    tensors = inputs.check(logp.shape[0], config)
     tensors["logp"] = logp
     _common.check_same_device(**tensors)
 
@@ -509,16 +408,5 @@ def clipped_policy_loss(
         )
         return loss.float(), {k: v.float() for k, v in stats.items()}
 
-    loss, stats = ClippedPolicyLossFunction.apply(
-        logp.contiguous(),
-        old_logp.detach().contiguous(),
-        ref_logp.detach().contiguous() if ref_logp is not None else None,
-        is_weights.detach().contiguous() if is_weights is not None else None,
-        advantages.detach().contiguous(),
-        cu_seqlens.contiguous(),
-        config,
-        total_tokens,
-        total_seqs,
-        first_advantages.detach().contiguous() if first_advantages is not None else None,
-    )
+    loss, stats = ClippedPolicyLossFunction.apply(logp.contiguous(), inputs.constants(), config)
     return loss, dict(zip(STAT_NAMES, stats.unbind(0), strict=True))

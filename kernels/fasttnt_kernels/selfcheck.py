@@ -128,7 +128,8 @@ def _check_mode_advantages(device, quick):
 
 
 def _check_clipped_policy_loss(device, quick):
-    from .clipped_policy_loss import PolicyLossConfig, clipped_policy_loss, clipped_policy_loss_reference
+    from ._policy_loss import PolicyLossConfig
+    from .clipped_policy_loss import clipped_policy_loss, clipped_policy_loss_reference
 
     s = 128 if quick else 2048
     lengths = torch.randint(1, 400, (s,), device=device)
@@ -139,19 +140,17 @@ def _check_clipped_policy_loss(device, quick):
     old = logp + torch.randn(n, device=device) * 0.3
     ref = logp + torch.randn(n, device=device) * 0.3
     adv = torch.randn(s, device=device)
-    kw = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl_coef=0.01)
+    config = PolicyLossConfig(clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl_coef=0.01)
 
     def run_triton():
         x = logp.clone().requires_grad_()
-        loss, stats = clipped_policy_loss(x, old, adv, cu, ref_logp=ref, **kw)
+        loss, stats = clipped_policy_loss(x, old, adv, cu, ref_logp=ref, config=config)
         loss.backward()
         return {"loss": loss, "grad": x.grad, **stats}
 
     got, seconds = _timed(run_triton, device)
     x = logp.double().requires_grad_()
-    loss, stats = clipped_policy_loss_reference(
-        x, old.double(), adv.double(), cu, config=PolicyLossConfig(**kw), ref_logp=ref.double()
-    )
+    loss, stats = clipped_policy_loss_reference(x, old.double(), adv.double(), cu, config=config, ref_logp=ref.double())
     loss.backward()
     truth = {"loss": loss, "grad": x.grad, **stats}
     errors = {k: (_rel_err(got[k], truth[k]), FP32) for k in ("loss", "grad", "clip_frac_low", "clip_frac_high")}

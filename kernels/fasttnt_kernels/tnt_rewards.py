@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from . import _common
+from ._common import SettingError
 
 Scheme = Literal["tnt", "no-limit", "uniform-limit", "binary"]
 SCHEMES = ("tnt", "no-limit", "uniform-limit", "binary")
@@ -61,17 +62,23 @@ class _Rule:
     values: RewardValues
 
 
+def check_reward_limits(scheme: str, *, omega: float, fallback_limit: float, uniform_limit: float | None) -> None:
+    """The limit's settings for ``scheme``; a ``SettingError`` names the one at fault. The one check of these
+    settings: ``tnt_rewards`` runs it, and so does a trainer validating its config (fasttnt's ``reward.*`` keys)."""
+    if not (math.isfinite(omega) and omega > 0):
+        raise SettingError("omega", f"must be > 0 and finite, got {omega}")
+    if not fallback_limit >= 0:
+        raise SettingError("fallback_limit", f"must be >= 0, got {fallback_limit}")
+    if scheme == "uniform-limit" and not (uniform_limit is not None and uniform_limit >= 0):
+        raise SettingError("uniform_limit", f"must be >= 0 under scheme='uniform-limit', got {uniform_limit}")
+
+
 def _resolve_scheme(
     scheme: str, *, omega: float, fallback_limit: float, uniform_limit: float | None, values: RewardValues
 ) -> _Rule:
     if scheme not in SCHEMES:
-        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
-    if not (math.isfinite(omega) and omega > 0):
-        raise ValueError(f"omega must be a finite number > 0, got {omega}")
-    if not fallback_limit >= 0:
-        raise ValueError(f"fallback_limit must be >= 0, got {fallback_limit}")
-    if scheme == "uniform-limit" and not (uniform_limit is not None and uniform_limit >= 0):
-        raise ValueError(f"scheme='uniform-limit' needs uniform_limit >= 0, got {uniform_limit}")
+        raise SettingError("scheme", f"must be one of {SCHEMES}, got {scheme!r}")
+    check_reward_limits(scheme, omega=omega, fallback_limit=fallback_limit, uniform_limit=uniform_limit)
     if scheme == "tnt":
         return _Rule(True, math.inf, values)
     if scheme == "uniform-limit":

@@ -11,10 +11,10 @@ import torch
 from fasttnt_kernels import (
     STAT_NAMES,
     PolicyLossConfig,
+    SettingError,
     _common,
     clipped_policy_loss,
     clipped_policy_loss_reference,
-    rollout_correction_weights,
 )
 
 from checks import DEVICE, FP32_LOG_RATIO_MARGIN, assert_close, hand_worked_case, off_the_bounds
@@ -154,38 +154,6 @@ def test_extreme_log_ratios_stay_finite(triton_path, with_ref):
     assert grad[:6].abs().max() == 0
 
 
-def test_rollout_correction_modes_by_hand():
-    # two sequences: [log diffs 0.5, -0.2] and [2.0, 0.3, -1.0]; cap 2
-    old = torch.tensor([0.5, -0.2, 2.0, 0.3, -1.0], dtype=torch.float64) - 3.0
-    rollout = torch.full((5,), -3.0, dtype=torch.float64)
-    cu = torch.tensor([0, 2, 5])
-    rho_tok = torch.tensor([0.5, -0.2, 2.0, 0.3, -1.0], dtype=torch.float64).exp()
-    rho_seq = torch.tensor([0.3, 0.3, 1.3, 1.3, 1.3], dtype=torch.float64).exp()
-    expected = {
-        "token-truncate": (rho_tok.clamp(max=2.0), 1 / 5),
-        "token-mask": (torch.where(rho_tok > 2, 0.0, rho_tok), 1 / 5),
-        "sequence-truncate": (rho_seq.clamp(max=2.0), 3 / 5),  # e^1.3 = 3.7 > 2: the second sequence's 3 tokens
-        "sequence-mask": (torch.where(rho_seq > 2, 0.0, rho_seq), 3 / 5),
-    }
-    for mode, (weights, frac) in expected.items():
-        got, stats = rollout_correction_weights(old, rollout, cu, mode=mode, cap=2.0)
-        assert got.dtype == torch.float32, mode
-        torch.testing.assert_close(got.double(), weights, rtol=1e-6, atol=1e-7, msg=mode)
-        assert math.isclose(stats["rollout_is_clipped_frac"].item(), frac, rel_tol=1e-6), mode
-        assert math.isclose(stats["rollout_is_mean"].item(), weights.mean().item(), rel_tol=1e-6), mode
-        assert math.isclose(stats["rollout_logp_diff"].item(), 4.0 / 5, rel_tol=1e-6), mode
-    none, stats = rollout_correction_weights(old, rollout, cu, mode="none", cap=2.0)
-    assert none is None and stats["rollout_is_clipped_frac"].item() == 0.0
-    assert math.isclose(stats["rollout_is_mean"].item(), rho_tok.mean().item(), rel_tol=1e-6)
-    # a difference of 1000 (a token the engine nearly never samples) gives a finite weight
-    huge, _ = rollout_correction_weights(old + 1000, rollout, cu, mode="sequence-truncate", cap=2.0)
-    assert torch.isfinite(huge).all() and huge.max().item() == 2.0
-    with pytest.raises(ValueError, match="mode must be one of"):
-        rollout_correction_weights(old, rollout, cu, mode="tokens", cap=2.0)
-    with pytest.raises(ValueError, match="cap must be >= 1"):
-        rollout_correction_weights(old, rollout, cu, mode="token-mask", cap=0.5)
-
-
 def test_bfloat16_log_probs(triton_path):
     logp, old, ref, adv, cu = _packed_batch([40, 17, 0, 300], torch.bfloat16)
     loss, _, grad = _run(logp, old, adv, cu, ref_logp=ref, kl_coef=0.1)
@@ -305,7 +273,8 @@ def test_all_sequences_empty(triton_path):
         ({"clip_low": 1.0}, "clip_low"),
         ({"dual_clip": 0.5}, "dual_clip must be > 1"),
         ({"agg": "sum"}, "agg must be one of"),
-        ({"agg": "seq-mean-token-sum-norm"}, "needs norm_length"),
+        ({"agg": "seq-mean-token-sum-norm"}, "norm_length must be > 0 with agg='seq-mean-token-sum-norm'"),
+        ({"entropy_coef": 0.01}, "linear_policy_loss"),
         ({"kl_coef": 0.1}, "needs ref_logp"),
         ({"total_tokens": 0}, "total_tokens"),
         ({"is_weights": torch.ones(2)}, "is_weights must have 3 elements"),
@@ -315,6 +284,31 @@ def test_bad_options_name_the_problem(kwargs, match):
     logp = torch.zeros(3)
     with pytest.raises(ValueError, match=match):
         clipped_policy_loss(logp, logp, torch.zeros(1), torch.tensor([0, 3]), **kwargs)
+
+
+def test_settings_as_one_config_or_as_keywords(triton_path):
+    # the loss takes its settings as one PolicyLossConfig; the keywords are its fields, the same loss to the bit
+    logp, old, ref, adv, cu = _packed_batch([5, 0, 40])
+    config = PolicyLossConfig(clip_low=0.1, clip_high=0.3, dual_clip=2.0, kl_coef=0.05)
+    by_config = _run(logp, old, adv, cu, ref_logp=ref, config=config)
+    by_keywords = _run(logp, old, adv, cu, ref_logp=ref, clip_low=0.1, clip_high=0.3, dual_clip=2.0, kl_coef=0.05)
+    assert torch.equal(by_config[0], by_keywords[0]) and torch.equal(by_config[2], by_keywords[2])
+    with pytest.raises(TypeError, match="not both"):
+        clipped_policy_loss(logp, old, adv, cu, config=config, clip_high=0.2)
+    with pytest.raises(TypeError, match="'clip_hgh'"):
+        clipped_policy_loss(logp, old, adv, cu, clip_hgh=0.2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [({"clip_low": -0.1}, "clip_low"), ({"clip_high": float("nan")}, "clip_high"), ({"kl_coef": math.inf}, "kl_coef"),
+     ({"entropy_coef": -1.0}, "entropy_coef"), ({"agg": "seq-mean-token-sum-norm"}, "norm_length")],
+)  # fmt: skip
+def test_a_bad_setting_names_its_field(kwargs, key):
+    # validated once, where the config is made; the error carries the field, for a caller's own key (loss.<key>)
+    with pytest.raises(SettingError, match=f"^{key} ") as err:
+        PolicyLossConfig(**kwargs)
+    assert err.value.key == key and str(err.value) == f"{key} {err.value.why}"
 
 
 def test_bad_shapes_name_the_tensor():

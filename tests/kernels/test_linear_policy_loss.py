@@ -12,6 +12,7 @@ import torch
 from fasttnt_kernels import (
     LINEAR_STAT_NAMES,
     PolicyLossConfig,
+    PolicyLossInputs,
     clipped_policy_loss,
     clipped_policy_loss_reference,
     linear_policy_loss,
@@ -77,10 +78,24 @@ def _chunk_bytes(dtype):
     return ROWS_PER_CHUNK * V * torch.empty((), dtype=dtype).element_size()
 
 
+_SETTINGS = ("clip_low", "clip_high", "dual_clip", "kl_coef", "agg", "norm_length", "entropy_coef")
+
+
+def _typed(old, adv, cu, kw):
+    """The loss's tensors and settings of ``kw`` (clipped_policy_loss's keywords) as the op's two objects, and the
+    keywords left (temperature)."""
+    kw = dict(kw)
+    config = PolicyLossConfig(**{k: kw.pop(k) for k in _SETTINGS if k in kw})
+    tensors = ("ref_logp", "is_weights", "first_advantages", "total_tokens", "total_seqs")
+    inputs = PolicyLossInputs(adv, cu, old_logp=old, **{k: kw.pop(k) for k in tensors if k in kw})
+    return inputs, config, kw
+
+
 def _fused(hidden, weight, ids, old, adv, cu, **kw):
     h = hidden.detach().clone().requires_grad_()
     w = weight.detach().clone().requires_grad_()
-    loss, stats = linear_policy_loss(h, w, ids, old, adv, cu, chunk_bytes=_chunk_bytes(hidden.dtype), **kw)
+    inputs, config, rest = _typed(old, adv, cu, kw)
+    loss, stats = linear_policy_loss(h, w, ids, inputs, config=config, chunk_bytes=_chunk_bytes(hidden.dtype), **rest)
     (loss * 0.75).backward()  # an upstream gradient other than 1
     return loss.detach(), stats, h.grad, w.grad
 
@@ -102,24 +117,15 @@ def _composed(hidden, weight, ids, old, adv, cu, *, temperature=1.0, entropy_coe
     return loss.detach(), stats, h.grad, w.grad
 
 
-def _truth(hidden, weight, ids, old, adv, cu, *, ref_logp=None, is_weights=None, dtype=torch.float64, **kw):
+def _truth(hidden, weight, ids, old, adv, cu, *, dtype=torch.float64, **kw):
     """The materialised reference, in float64 unless told (float32 under autocast: bf16 logits)."""
-    cfg_keys = ("clip_low", "clip_high", "dual_clip", "kl_coef", "agg", "norm_length")
-    config = PolicyLossConfig(**{k: kw.pop(k) for k in cfg_keys if k in kw})
     h = hidden.detach().to(dtype).requires_grad_()
     w = weight.detach().to(dtype).requires_grad_()
-    loss, stats = linear_policy_loss_reference(
-        h,
-        w,
-        ids,
-        None if old is None else old.to(dtype),
-        adv.to(dtype),
-        cu,
-        config=config,
-        ref_logp=None if ref_logp is None else ref_logp.to(dtype),
-        is_weights=None if is_weights is None else is_weights.to(dtype),
-        **kw,
-    )
+    for name in ("ref_logp", "is_weights", "first_advantages"):
+        if kw.get(name) is not None:
+            kw[name] = kw[name].to(dtype)
+    inputs, config, rest = _typed(None if old is None else old.to(dtype), adv.to(dtype), cu, kw)
+    loss, stats = linear_policy_loss_reference(h, w, ids, inputs, config=config, **rest)
     (loss * 0.75).backward()
     return loss.detach(), stats, h.grad, w.grad
 
@@ -214,7 +220,8 @@ def test_asymmetric_clips_by_hand(monkeypatch, path, agg, dual_clip, kl):
     ids = torch.zeros(n, dtype=torch.long, device=DEVICE)
     cu = torch.tensor([0, *itertools.accumulate(case["lengths"])], device=DEVICE)
     adv = torch.tensor(case["advantages"], device=DEVICE)
-    loss, stats = linear_policy_loss(hidden, weight, ids, old, adv, cu, ref_logp=ref, **case["options"])
+    inputs, config, _ = _typed(old, adv, cu, {"ref_logp": ref, **case["options"]})
+    loss, stats = linear_policy_loss(hidden, weight, ids, inputs, config=config)
     loss.backward()
     assert math.isclose(loss.item(), case["loss"], rel_tol=1e-5, abs_tol=1e-7)
     for name, value in case["stats"].items():
@@ -260,7 +267,8 @@ def test_bfloat16_weights_get_a_bfloat16_gradient_rounded_once(monkeypatch, path
 def test_no_grad_computes_the_loss_only(triton_path):
     hidden, weight, ids, old, _ref, _is_w, adv, cu = _batch()
     with torch.no_grad():
-        loss, _stats = linear_policy_loss(hidden, weight, ids, old, adv, cu, chunk_bytes=_chunk_bytes(torch.float32))
+        inputs = PolicyLossInputs(adv, cu, old_logp=old)
+        loss, _stats = linear_policy_loss(hidden, weight, ids, inputs, chunk_bytes=_chunk_bytes(torch.float32))
     want = _composed(hidden, weight, ids, old, adv, cu)
     torch.testing.assert_close(loss, want[0], rtol=1e-6, atol=1e-6)
     assert not loss.requires_grad
@@ -275,15 +283,36 @@ def test_far_off_policy_tokens_stay_finite(triton_path):
         assert torch.isfinite(t).all(), name
 
 
+def test_the_keyword_form_is_the_same_call(triton_path):
+    # the fields of PolicyLossInputs and PolicyLossConfig by name (clipped_policy_loss's keywords, which TRL's
+    # integration passes) build the same two objects: the same loss and gradients, to the bit
+    hidden, weight, ids, old, ref, is_w, adv, cu = _batch()
+    kw = dict(ref_logp=ref, is_weights=is_w, kl_coef=0.05, clip_high=0.28, entropy_coef=0.02, total_tokens=80.0)
+    typed = _fused(hidden, weight, ids, old, adv, cu, **kw)
+    h = hidden.detach().clone().requires_grad_()
+    w = weight.detach().clone().requires_grad_()
+    loss, stats = linear_policy_loss(
+        h, w, ids, old_logp=old, advantages=adv, cu_seqlens=cu, chunk_bytes=_chunk_bytes(torch.float32), **kw
+    )
+    (loss * 0.75).backward()
+    for a, b in zip(typed, (loss.detach(), stats, h.grad, w.grad), strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in a) if isinstance(a, dict) else torch.equal(a, b)
+
+
 def test_bad_inputs_name_what_is_wrong():
     hidden, weight, ids, old, _ref, _is_w, adv, cu = _batch()
+    inputs = PolicyLossInputs(adv, cu, old_logp=old)
     with pytest.raises(ValueError, match="old_logp must have"):
-        linear_policy_loss(hidden, weight, ids, old[:-1], adv, cu)
+        linear_policy_loss(hidden, weight, ids, PolicyLossInputs(adv, cu, old_logp=old[:-1]))
     with pytest.raises(ValueError, match="cu_seqlens must have"):
-        linear_policy_loss(hidden, weight, ids, old, adv, cu[:-1])
+        linear_policy_loss(hidden, weight, ids, PolicyLossInputs(adv, cu[:-1], old_logp=old))
     with pytest.raises(ValueError, match="needs ref_logp"):
-        linear_policy_loss(hidden, weight, ids, old, adv, cu, kl_coef=0.1)
+        linear_policy_loss(hidden, weight, ids, inputs, config=PolicyLossConfig(kl_coef=0.1))
     with pytest.raises(ValueError, match="weight \\(V, H\\)"):
-        linear_policy_loss(hidden, weight[:, :-1], ids, old, adv, cu)
+        linear_policy_loss(hidden, weight[:, :-1], ids, inputs)
     with pytest.raises(ValueError, match="entropy_coef"):
-        linear_policy_loss(hidden, weight, ids, old, adv, cu, entropy_coef=-1.0)
+        linear_policy_loss(hidden, weight, ids, inputs, entropy_coef=-1.0)
+    with pytest.raises(TypeError, match="not both"):
+        linear_policy_loss(hidden, weight, ids, inputs, advantages=adv)
+    with pytest.raises(TypeError, match="not both"):
+        linear_policy_loss(hidden, weight, ids, inputs, config=PolicyLossConfig(), clip_high=0.3)

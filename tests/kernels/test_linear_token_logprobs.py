@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fasttnt_kernels import linear_token_logprobs, linear_token_logprobs_reference
-from fasttnt_kernels.linear_token_logprobs import chunk_rows_for
+from fasttnt_kernels._lm_head import chunk_rows_for
 
 from checks import DEVICE, assert_close, assert_within, bf16_logit_bounds
 

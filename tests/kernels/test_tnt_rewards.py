@@ -179,7 +179,7 @@ def test_no_host_sync(triton_path):
     ("kwargs", "error", "match"),
     [
         ({"scheme": "adaptive"}, ValueError, "scheme must be one of"),
-        ({"scheme": "uniform-limit"}, ValueError, "needs uniform_limit"),
+        ({"scheme": "uniform-limit"}, ValueError, "uniform_limit must be >= 0 under scheme='uniform-limit'"),
         ({"omega": 0.0}, ValueError, "omega"),
         ({"group_size": 3}, ValueError, "dividing the 4 responses"),
         ({"correct": torch.ones(4)}, TypeError, "bool"),

@@ -1,0 +1,174 @@
+"""What the two policy-loss ops share (``clipped_policy_loss``, ``linear_policy_loss``), and what a trainer hands
+them: the hyper-parameters (``PolicyLossConfig``), the per-sequence and per-token tensors (``PolicyLossInputs``),
+their checks, and the aggregation's token weights."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+import torch
+
+from . import _common
+from ._common import SettingError
+
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """The loss's hyper-parameters, validated once, where the object is made; a ``SettingError`` names the field.
+
+    A trainer builds one from its config section (``of``: fasttnt from its ``loss.*`` keys, once per run) and hands
+    that very object to the ops. ``entropy_coef`` is here rather than beside it because it is a hyper-parameter of
+    the same loss, written in the same config section: one object then carries every one of them from the config
+    to the kernel and validates them together. Only ``linear_policy_loss`` applies it (it has the entropies);
+    ``clipped_policy_loss`` sees log-probs alone and refuses a nonzero one.
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    kl_coef: float = 0.0
+    agg: Aggregation = "token-mean"
+    norm_length: float | None = None
+    entropy_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, key: str, why: str) -> None:
+            if not ok:
+                raise SettingError(key, f"{why}, got {getattr(self, key)!r}")
+
+        need(0.0 <= self.clip_low < 1.0, "clip_low", "must be in [0, 1)")
+        need(self.clip_high >= 0.0, "clip_high", "must be >= 0")
+        dual = self.dual_clip
+        need(dual is None or dual > 1.0, "dual_clip", "must be > 1 (it bounds the loss of negative advantages)")
+        finite_nonnegative = "must be a finite number >= 0"
+        need(math.isfinite(self.kl_coef) and self.kl_coef >= 0.0, "kl_coef", finite_nonnegative)
+        need(self.agg in AGGREGATIONS, "agg", f"must be one of {AGGREGATIONS}")
+        need(
+            self.agg != "seq-mean-token-sum-norm" or (self.norm_length is not None and self.norm_length > 0),
+            "norm_length",
+            f"must be > 0 with agg={self.agg!r} (usually the max response length)",
+        )
+        need(math.isfinite(self.entropy_coef) and self.entropy_coef >= 0.0, "entropy_coef", finite_nonnegative)
+
+    @classmethod
+    def of(cls, settings: Any) -> PolicyLossConfig:
+        """The settings read by field name from an object that has them as attributes (a trainer's config section,
+        such as fasttnt's ``loss``; its other attributes are not read)."""
+        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class PolicyLossInputs:
+    """The loss's tensors for S packed sequences of N tokens: constants of the update (no gradient reaches them).
+    Sequence s owns tokens cu_seqlens[s]:cu_seqlens[s+1]."""
+
+    advantages: torch.Tensor  # (S,) float, one per sequence
+    cu_seqlens: torch.Tensor  # (S+1,) int32/int64, from 0 to N
+    old_logp: torch.Tensor | None = None  # (N,) float; None (linear_policy_loss only): on-policy, the current ones
+    ref_logp: torch.Tensor | None = None  # (N,) float, the reference policy's, for the k3 KL term
+    is_weights: torch.Tensor | None = None  # (N,) float, per-token weights of the policy-gradient term
+    first_advantages: torch.Tensor | None = None  # (S,) float, each sequence's first token's own (mode_advantages)
+    # replace N and S as the normalisers, so that micro-batches (or ranks) add up to the whole batch's loss
+    total_tokens: float | None = None
+    total_seqs: float | None = None
+
+    def check(self, N: int, config: PolicyLossConfig) -> dict[str, torch.Tensor]:
+        """Check the inputs for N tokens (shapes, dtypes, normalisers); returns the tensors given, by name."""
+        tensors = {"advantages": self.advantages, "cu_seqlens": self.cu_seqlens}
+        _common.check_1d("advantages", self.advantages)
+        _common.check_1d("cu_seqlens", self.cu_seqlens, self.advantages.shape[0] + 1)
+        _common.check_dtype("advantages", self.advantages, _common.FLOAT_DTYPES)
+        if self.first_advantages is not None:
+            _common.check_1d("first_advantages", self.first_advantages, self.advantages.shape[0])
+            _common.check_dtype("first_advantages", self.first_advantages, _common.FLOAT_DTYPES)
+            tensors["first_advantages"] = self.first_advantages
+        _common.check_dtype("cu_seqlens", self.cu_seqlens, _common.INDEX_DTYPES)
+        if self.ref_logp is None and config.kl_coef > 0:
+            raise ValueError(f"kl_coef={config.kl_coef} needs ref_logp")
+        for name in ("old_logp", "ref_logp", "is_weights"):
+            t = getattr(self, name)
+            if t is not None:
+                _common.check_1d(name, t, N)
+                _common.check_dtype(name, t, _common.FLOAT_DTYPES)
+                tensors[name] = t
+        for name in ("total_tokens", "total_seqs"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 when given, got {value}")
+        return tensors
+
+    def constants(self, dtype: torch.dtype | None = None) -> PolicyLossInputs:
+        """The tensors as a Function's forward reads them: detached, contiguous, and in ``dtype`` when given
+        (``cu_seqlens`` keeps its integer dtype)."""
+
+        def const(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            t = t.detach()
+            return (t if dtype is None else t.to(dtype)).contiguous()
+
+        return PolicyLossInputs(
+            advantages=const(self.advantages),
+            cu_seqlens=self.cu_seqlens.contiguous(),
+            old_logp=const(self.old_logp),
+            ref_logp=const(self.ref_logp),
+            is_weights=const(self.is_weights),
+            first_advantages=const(self.first_advantages),
+            total_tokens=self.total_tokens,
+            total_seqs=self.total_seqs,
+        )
+
+    def tokens(self, N: int) -> float:
+        """The token normaliser: ``total_tokens``, or the N tokens given."""
+        return float(N if self.total_tokens is None else self.total_tokens)
+
+    def aggregation_weights(self, config: PolicyLossConfig, N: int) -> tuple[float, float]:
+        """(w_const, w_per_len) of ``config.agg``, the weight of a token of a sequence of len_s tokens being
+        w_const + w_per_len / len_s: token-mean 1 / tokens, seq-mean-token-mean 1 / (seqs len_s),
+        seq-mean-token-sum-norm 1 / (seqs norm_length)."""
+        tokens = self.tokens(N)
+        seqs = float(self.advantages.shape[0] if self.total_seqs is None else self.total_seqs)
+        if config.agg == "token-mean":
+            return (1.0 / tokens if tokens > 0 else 0.0), 0.0
+        if seqs <= 0:
+            return 0.0, 0.0
+        if config.agg == "seq-mean-token-mean":
+            return 0.0, 1.0 / seqs
+        return 1.0 / (seqs * config.norm_length), 0.0
+
+
+_INPUT_FIELDS = frozenset(f.name for f in fields(PolicyLossInputs))
+_CONFIG_FIELDS = frozenset(f.name for f in fields(PolicyLossConfig))
+
+
+def config_of(op: str, config: PolicyLossConfig | None, settings: dict[str, Any]) -> PolicyLossConfig:
+    """``config``, or one made of ``settings``: ``PolicyLossConfig``'s fields as keywords (``clip_high=0.28``), the
+    shorthand of a caller that sets a few. Not both; a keyword that is no field is refused by name."""
+    unknown = sorted(settings.keys() - _CONFIG_FIELDS)
+    if unknown:
+        raise TypeError(f"{op}() got an unexpected keyword argument {unknown[0]!r}")
+    if config is None:
+        return PolicyLossConfig(**settings)
+    if settings:
+        raise TypeError(f"{op}(): give the loss's settings as config= or as keywords, not both: {sorted(settings)}")
+    return config
+
+
+def resolve(
+    op: str, inputs: PolicyLossInputs | None, config: PolicyLossConfig | None, keywords: dict[str, Any]
+) -> tuple[PolicyLossInputs, PolicyLossConfig]:
+    """The inputs and the settings of an op that takes both objects, or in their place their fields by name
+    (``old_logp=..., advantages=..., cu_seqlens=..., clip_high=0.28``): ``clipped_policy_loss``'s keyword form, in
+    which callers such as TRL's integration call the fused op. A field given both ways is refused."""
+    given = {name: value for name, value in keywords.items() if name in _INPUT_FIELDS}
+    settings = {name: value for name, value in keywords.items() if name not in _INPUT_FIELDS}
+    if inputs is None:
+        inputs = PolicyLossInputs(**given)
+    elif given:
+        raise TypeError(f"{op}(): give the loss's tensors as inputs= or as keywords, not both: {sorted(given)}")
+    return inputs, config_of(op, config, settings)

@@ -1,0 +1,96 @@
+"""One type per concept from the config to the kernel: the loss settings a user writes under ``loss.*`` become the
+kernel's own ``PolicyLossConfig`` (the very object the fused loss receives), the reward table under ``reward.*``
+the kernel's own ``RewardValues``; each is validated once, by the kernel type, its errors named by the config key."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fasttnt import policy, rewards
+from fasttnt.config import ConfigError, TrainConfig, load_config, with_overrides
+from fasttnt.policy import LossSettings, MicroBatchLoss
+from fasttnt.rewards import PackedResponses, RewardConfig, compute_rewards
+from fasttnt_kernels import PolicyLossConfig, PolicyLossInputs, RewardValues, SettingError
+
+
+def test_the_loss_section_builds_the_kernels_config():
+    cfg = load_config(None, ["loss.clip_high=0.3", "loss.entropy_coef=0.01", "loss.dual_clip=3"])
+    settings = LossSettings.of(cfg.loss)  # how the actor builds it, once per run
+    assert type(settings) is PolicyLossConfig
+    assert (settings.clip_high, settings.entropy_coef, settings.dual_clip) == (0.3, 0.01, 3.0)
+    assert settings.clip_low == cfg.loss.clip_low and settings.agg == cfg.loss.agg
+
+
+def test_the_kernel_receives_that_very_object(monkeypatch):
+    settings = PolicyLossConfig.of(load_config(None, ["loss.clip_high=0.3"]).loss)
+    seen = {}
+    real = policy.linear_policy_loss
+
+    def spy(hidden, weight, ids, inputs, **kw):
+        seen.update(inputs=inputs, **kw)
+        return real(hidden, weight, ids, inputs, **kw)
+
+    monkeypatch.setattr(policy, "linear_policy_loss", spy)
+    loss_inputs = MicroBatchLoss(advantages=torch.ones(2), cu_seqlens=torch.tensor([0, 1, 3]), settings=settings)
+    loss, stats, logp = loss_inputs(torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 4, 2]), 1.0)
+    assert seen["config"] is settings and seen["inputs"] is loss_inputs
+    assert isinstance(loss_inputs, PolicyLossInputs)  # the micro-batch's tensors are the kernel's inputs type
+    assert torch.isfinite(loss) and logp.shape == (3,) and set(stats) >= {"clip_frac_high", "entropy"}
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("loss.clip_high=-1", "clip_high"),
+        ("loss.clip_low=1", "clip_low"),
+        ("loss.dual_clip=0.5", "dual_clip"),
+        ("loss.kl_coef=.inf", "kl_coef"),
+        ("loss.entropy_coef=-0.1", "entropy_coef"),
+        ("loss.agg=seq-mean-token-sum-norm", "norm_length"),
+    ],
+)
+def test_a_bad_loss_setting_is_the_kernels_error_named_by_its_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    # the kernel type's own check and reason, under the key the user wrote
+    with pytest.raises(SettingError) as kernel:
+        PolicyLossConfig.of(with_overrides(TrainConfig(), [override]).loss)  # parsed, not validated
+    assert kernel.value.key == key
+    assert str(err.value) == f"loss.{key}: {kernel.value.why}"
+
+
+def test_the_reward_section_builds_the_kernels_table(monkeypatch):
+    cfg = load_config(None, ["reward.over_limit=-3", "reward.direct_margin=0.1"]).reward
+    table = cfg.values
+    assert type(table) is RewardValues
+    assert (table.over_limit, table.direct_correct, table.direct_wrong) == (-3.0, 1.1, 0.1)
+    assert RewardConfig().values == RewardValues()  # the table's defaults are the kernel's, declared once
+    seen = {}
+    real = rewards.tnt_rewards
+
+    def spy(*args, **kw):
+        seen.update(kw)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(rewards, "tnt_rewards", spy)
+    # a 4-token direct answer (</think> = 7 first) and a thinking one with 1 token of solution: limit 2 x 1 = 2
+    batch = PackedResponses(torch.tensor([7, 5, 5, 5, 1, 7, 2]), torch.tensor([0, 4, 7]), group_size=2)
+    out = compute_rewards(batch, torch.tensor([True, True]), 7, cfg)
+    assert type(seen["values"]) is RewardValues and seen["values"] == table
+    assert out.rewards.tolist() == [-3.0, 1.0]  # over the limit: the table's over_limit; thinking and right: 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["reward.omega=0"], "omega"),
+        (["reward.omega=.inf"], "omega"),
+        (["reward.fallback_limit=-1"], "fallback_limit"),
+        (["reward.scheme=uniform-limit"], "uniform_limit"),
+    ],
+)
+def test_a_bad_reward_limit_is_the_kernels_error_named_by_its_key(overrides, key):
+    with pytest.raises(ConfigError, match=f"^reward\\.{key}: must be ") as err:
+        load_config(None, overrides)
+    assert "got" in str(err.value)  # the kernel's reason, with the value
