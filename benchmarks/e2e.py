@@ -139,7 +139,7 @@ def trl_worker(args, workdir: Path, conn) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from fasttnt.integrations.trl import TNTReward
-    from fasttnt.setup import training_prompt
+    from fasttnt.run_setup import training_prompt
 
     cfg = resolved_config(args)
     folder = _model_folder(args, cfg)

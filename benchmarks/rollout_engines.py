@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     from fasttnt.config import load_config
     from fasttnt.distributed import local_device
     from fasttnt.engines import build_engine
-    from fasttnt.setup import engine_settings, load_policy, prompt_budget_of, training_prompt
+    from fasttnt.engines.sampler import step_seed
+    from fasttnt.run_setup import engine_settings, load_policy, prompt_budget_of, training_prompt
     from fasttnt.stream import ProblemStream
 
     cfg = load_config(args.config, args.overrides)
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             timers = _HFTimers(model) if name == "hf" else None
             start = time.perf_counter()
             with timers or contextlib.nullcontext():
-                batch = engine.generate(prompts, r.group_size, seed=cfg.seed * 1_000_003 + i)
+                batch = engine.generate(prompts, r.group_size, seed=step_seed(cfg.seed, i))
             seconds = time.perf_counter() - start
             if i > 0:
                 tokens = batch.response_ids.numel()

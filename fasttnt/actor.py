@@ -30,23 +30,27 @@ from .policy import (
     response_logprobs,
     run_dummy,
 )
-from .step_metrics import ROLLOUT_METRICS, TOKEN_METRICS, add_into, reduce_named
+from .step_metrics import ROLLOUT_METRICS, TOKEN_METRICS, add_into
 
 
-class OldLogprobs(NamedTuple):
-    old: torch.Tensor | None  # (N,) the old policy's log-probs
-    ref: torch.Tensor | None  # (N,) the reference model's
+class NoGradLogprobs(NamedTuple):
+    """A batch's log-probs before the update, without gradients (``Actor.old_and_ref_logprobs``); None where not
+    needed."""
+
+    old_policy: torch.Tensor | None  # (N,) the policy's before the update (the old policy, pi_old)
+    reference: torch.Tensor | None  # (N,) the reference model's (the KL term)
     think_end: torch.Tensor | None  # (G,) mode-mixed: log pi_old(</think> | x) at each group's first position
 
 
 class Actor:
     def __init__(self, cfg: TrainConfig, parts, *, correction: str) -> None:
-        """``parts``: the built run (``fasttnt.setup.Parts``): model, head, optimizer, DeepSpeed's engine, ranks, and
-        the rollout engine (one that samples from a copy of the weights has its log-probs checked every step)."""
+        """``parts``: the built run (``fasttnt.run_setup.RunParts``): model, head, optimizer, DeepSpeed's engine,
+        ranks, and the rollout engine (one that samples from a copy of the weights has its log-probs checked every
+        step)."""
         self.cfg = cfg
         self.model, self.head, self.optimizer = parts.model, parts.head, parts.optimizer
         self.ds_engine, self.ref_model = parts.ds_engine, parts.ref_model
-        self.distributed, self.world = parts.dist is not None, parts.world
+        self.dist, self.world = parts.dist, parts.world
         self.device = parts.device
         self.autocast_on = parts.autocast
         self.correction = correction
@@ -55,8 +59,8 @@ class Actor:
         # distribution (under top-p both engines report log-probs renormalised over the nucleus, the trainer of the
         # whole: they differ by design, which the rollout correction weighs)
         guarded = parts.engine.separate_weights and cfg.rollout.max_logp_diff is not None
-        self.check_engine = guarded and cfg.rollout.top_p == 1.0
-        if guarded and not self.check_engine:
+        self.guards_engine = guarded and cfg.rollout.top_p == 1.0
+        if guarded and not self.guards_engine:
             warnings.warn(
                 f"rollout.max_logp_diff: the stale-weight guard is off at rollout.top_p={cfg.rollout.top_p} (the "
                 "engine's log-probs are renormalised over the nucleus, the trainer's are not); nothing checks that "
@@ -66,7 +70,7 @@ class Actor:
 
     # -- log-probs without gradients ----------------------------------------------------------------------------
 
-    def old_and_ref_logprobs(self, batch: RolloutBatch, probe: RolloutBatch | None = None) -> OldLogprobs:
+    def old_and_ref_logprobs(self, batch: RolloutBatch, probe: RolloutBatch | None = None) -> NoGradLogprobs:
         """The old log-probs (N,), needed once the policy moves within the step (a second mini-batch or epoch), to
         importance-weight against the engine's (the weights are needed before the fused loss forms its gradient;
         TRL computes them likewise for its vLLM correction, grpo_trainer.py, trl 1.16), to check an engine that
@@ -75,21 +79,21 @@ class Actor:
         on. None where not needed."""
         loss_cfg = self.cfg.loss
         old_logp = ref_logp = probe_logp = None
-        compared = (self.correction != "none" or self.check_engine) and batch.rollout_logp is not None
+        compared = (self.correction != "none" or self.guards_engine) and batch.rollout_logp is not None
         if loss_cfg.ppo_epochs > 1 or loss_cfg.mini_batches > 1 or compared or probe is not None:
             old_logp = self.logprobs(self.policy, batch, zero3_collectives=self.zero3)
         if probe is not None:
             probe_logp = self.logprobs(self.policy, probe, zero3_collectives=self.zero3)
         if self.ref_model is not None:  # a plain module on every rank: no collectives
             ref_logp = self.logprobs(self.ref_model, batch, zero3_collectives=False)
-        return OldLogprobs(old_logp, ref_logp, probe_logp)
+        return NoGradLogprobs(old_policy=old_logp, reference=ref_logp, think_end=probe_logp)
 
     def logprobs(self, model, batch: RolloutBatch, *, zero3_collectives: bool) -> torch.Tensor:
         """Log-probs (N,) of the batch under ``model`` (the policy, ``policy``, or the reference model), without
         gradients, in micro-batches of ``micro_batch_tokens``. ``zero3_collectives``: the forwards gather
         parameters collectively, so every rank runs as many (the ones with fewer pad with dummy forwards)."""
         plan = plan_micro_batches(batch, self.cfg.micro_batch_tokens)
-        pad_to = self._max_over_ranks(len(plan)) if zero3_collectives else 0
+        pad_to = distributed.max_over_ranks(self.dist, len(plan)) if zero3_collectives else 0
         with torch.no_grad(), self.autocast():
             logp, _ = response_logprobs(model, batch, plan, temperature=self.cfg.rollout.temperature, pad_to=pad_to)
         return logp
@@ -98,7 +102,7 @@ class Actor:
         """The mean |old - rollout| log-prob per sampled token, over all ranks (the stale-weight guard's number, the
         ``rollout_logp_diff`` the update logs). sync: one read."""
         diff = (old_logp.float() - batch.rollout_logp).abs().sum()
-        total = self.sum_over_ranks(torch.stack([diff, diff.new_tensor(float(old_logp.numel()))]))
+        total = distributed.sum_over_ranks(self.dist, torch.stack([diff, diff.new_tensor(float(old_logp.numel()))]))
         return float(total[0] / total[1].clamp(min=1.0))
 
     # -- the update ---------------------------------------------------------------------------------------------
@@ -148,7 +152,7 @@ class Actor:
         still count them. Returns the step's metrics and its named sums over the ranks: ``TOKEN_METRICS``' token
         sums, the tokens trained on (``trained``) and the tokens the rollout diagnostics cover (``rollout``)."""
         local = torch.tensor([float(part.bounds[-1]), float(part.lengths.numel())], device=self.device)
-        n_tokens, n_seqs = self.sum_over_ranks(local).tolist()  # sync: one read per mini-batch
+        n_tokens, n_seqs = distributed.sum_over_ranks(self.dist, local).tolist()  # sync: one read per mini-batch
         sums = {name: torch.zeros((), dtype=torch.float32, device=self.device) for name in ("loss", *TOKEN_METRICS)}
         # the rollout correction over the whole mini-batch when the old log-probs are known; else (on-policy, no
         # correction) its diagnostics come from each micro-batch's log-probs, of the sequences trained on
@@ -171,7 +175,7 @@ class Actor:
         per_token = (old_logp, ref_logp, weights)
         part, (advantages, first), per_token, skipped = self._drop_zero_advantage(part, (advantages, first), per_token)
         plan = plan_micro_batches(part, self.cfg.micro_batch_tokens)
-        n_micro = self._max_over_ranks(len(plan)) if self.ds_engine is not None else len(plan)
+        n_micro = distributed.max_over_ranks(self.dist, len(plan)) if self.ds_engine is not None else len(plan)
         # at least one backward, so a step with every sequence skipped still steps on (zero) gradients, as the
         # unskipped update would
         n_micro = max(n_micro, 1)
@@ -208,7 +212,7 @@ class Actor:
         counts = {"micro_batches": float(len(plan)), "skipped": float(skipped), "trained": trained_tokens,
                   "rollout": rollout_tokens}  # fmt: skip
         local_sums = {**sums, **{k: sums["loss"].new_tensor(v) for k, v in counts.items()}}
-        totals = reduce_named(local_sums, self.sum_over_ranks)  # one collective per optimizer step
+        totals = distributed.sum_named_over_ranks(self.dist, local_sums)  # one collective per optimizer step
         metrics = {
             "loss": totals["loss"],
             "grad_norm": grad_norm.to(totals["loss"].device).float(),
@@ -292,10 +296,3 @@ class Actor:
         if not self.autocast_on:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
-
-    def sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` summed over the ranks (itself in one process): a collective every rank calls."""
-        return distributed.all_sum(t) if self.distributed else t
-
-    def _max_over_ranks(self, n: int) -> int:
-        return distributed.all_max(n, self.device) if self.distributed else n  # sync: one read

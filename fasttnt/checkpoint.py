@@ -1,4 +1,4 @@
-"""Checkpoints: save, resume and the final export.
+"""Checkpoints: ``save``, ``restore`` (a resume) and the final export.
 
 A step's folder is written under a temporary name and renamed into place, so a run killed mid-save leaves the
 previous checkpoint whole. It holds the weights (safetensors, Hugging Face layout), the optimizer
@@ -236,6 +236,20 @@ def save(
     if rank == 0:
         commit_checkpoint(root, tmp, final, keep=keep)
     distributed.barrier()
+
+
+def restore(folder: Path, model, optimizer, ds_engine=None, *, rank: int = 0) -> TrainerState:
+    """``save``'s inverse, into a built run: the checkpoint in ``folder``'s weights and optimizer state (single
+    process; distributed, DeepSpeed restores its own shards of both), this rank's RNG states, and the step and data
+    position, returned. The weights are copied into the model's own parameters, which the optimizer and the rollout
+    engine hold. Call it after the engine is built: vLLM reseeds the global RNGs when it starts."""
+    if ds_engine is None:
+        load_weights(model, folder)
+    else:
+        if not (folder / "deepspeed").is_dir():
+            raise FileExistsError(f"{folder} was written by a single-process run: resume it the same way (no launcher)")
+        ds_engine.load_checkpoint(str(folder), tag="deepspeed")
+    return load_training_state(folder, optimizer if ds_engine is None else None, rank=rank)
 
 
 def export_final(out: Path, model, tokenizer: Path | None, *, rank: int = 0) -> Path:

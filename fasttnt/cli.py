@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from .eval_settings import BENCHMARK_ORDER, MATH_MAX_NEW_TOKENS, EvalSettings
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fasttnt", description="GRPO for hybrid reasoning models with the TNT reward")
@@ -46,26 +48,34 @@ def main(argv: list[str] | None = None) -> int:
         description="Evaluates each --model on each benchmark and writes eval.json, eval.md and eval.png; "
         "finished (model, benchmark) results are kept, so a rerun with the same --output-dir skips them.",
     )
+    # the defaults are EvalSettings' (fasttnt.eval_settings), shown by --help
+    defaults = EvalSettings()
     ev.add_argument("--model", action="append", required=True, help="a local HF folder or hub id (repeatable)")
     ev.add_argument(
         "--benchmarks",
-        default="aime24,aime25,amc23,math500,minerva,olympiad,gpqa",
-        help="comma-separated: synthetic, aime24, aime25, amc23, math500, minerva, olympiad, gpqa, or local files",
+        default=",".join(BENCHMARK_ORDER),
+        help=f"comma-separated: synthetic, {', '.join(BENCHMARK_ORDER)}, or local files (default: all but synthetic)",
     )
-    ev.add_argument("--samples", type=int, default=4, help="samples per problem; accuracy is their mean (pass@1)")
-    ev.add_argument("--mode", choices=["free", "thinking", "non-thinking"], default="free")
+    ev.add_argument("--samples", type=int, default=defaults.samples,
+                    help="samples per problem; accuracy is their mean, pass@1 (default: %(default)s)")  # fmt: skip
+    ev.add_argument("--mode", choices=["free", "thinking", "non-thinking"], default=defaults.mode,
+                    help="free: the model chooses; the others force a mode (default: %(default)s)")  # fmt: skip
     ev.add_argument(
-        "--prompt-style", choices=["plain", "ellipsis"], default="plain",
-        help="ellipsis: AutoThink's prompt, <think> followed by '...' (as data.prompt_style in training)",
+        "--prompt-style", choices=["plain", "ellipsis"], default=defaults.prompt_style,
+        help="ellipsis: AutoThink's prompt, <think> followed by '...' (as data.prompt_style in training; default: "
+        "%(default)s)",
     )  # fmt: skip
-    ev.add_argument("--engine", choices=["hf", "vllm"], default="hf")
-    ev.add_argument("--temperature", type=float, default=0.6)
-    ev.add_argument("--top-p", type=float, default=0.95)
-    ev.add_argument("--max-new-tokens", type=int, default=None, help="default: 96 for synthetic, else 16384")
-    ev.add_argument("--synthetic-per-level", type=int, default=50, help="held-out synthetic problems per level")
-    ev.add_argument("--limit", type=int, default=None, help="at most this many problems per benchmark")
-    ev.add_argument("--seed", type=int, default=0)
-    ev.add_argument("--output-dir", default="runs/eval")
+    ev.add_argument("--engine", choices=["hf", "vllm"], default=defaults.engine, help="default: %(default)s")
+    ev.add_argument("--temperature", type=float, default=defaults.temperature, help="default: %(default)s")
+    ev.add_argument("--top-p", type=float, default=defaults.top_p, help="default: %(default)s")
+    ev.add_argument("--max-new-tokens", type=int, default=None,
+                    help=f"default: {defaults.max_new_tokens} for synthetic, else {MATH_MAX_NEW_TOKENS}")  # fmt: skip
+    ev.add_argument("--synthetic-per-level", type=int, default=defaults.synthetic_per_level,
+                    help="held-out synthetic problems per level (default: %(default)s)")  # fmt: skip
+    ev.add_argument("--limit", type=int, default=defaults.limit,
+                    help="at most this many problems per benchmark (default: all)")  # fmt: skip
+    ev.add_argument("--seed", type=int, default=defaults.seed, help="default: %(default)s")
+    ev.add_argument("--output-dir", default="runs/eval", help="default: %(default)s")
     ev.add_argument("--save-responses", action="store_true", help="write every response as jsonl")
     cmp = commands.add_parser(
         "compare",
@@ -269,7 +279,7 @@ def _eval(args) -> int:
     from transformers.utils import logging as hf_logging
 
     from .data import DataError
-    from .evaluate import SYNTHETIC, EvalSettings, run_eval
+    from .evaluate import default_max_new_tokens, run_eval
 
     benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
     problems = [] if benchmarks else ["--benchmarks is empty"]
@@ -287,7 +297,7 @@ def _eval(args) -> int:
     if problems:
         print(f"fasttnt eval: {problems[0]}", file=sys.stderr)
         return 2
-    max_new = args.max_new_tokens or (96 if benchmarks == [SYNTHETIC] else 16384)
+    max_new = args.max_new_tokens or default_max_new_tokens(benchmarks)
     settings = replace(
         EvalSettings(),
         samples=args.samples,

@@ -9,9 +9,10 @@ import math
 from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .char_tokenizer import THINK_END, THINK_START
+from .metrics import MARKER_SETS, HackMarkers
 from .registry import Registry
 
 
@@ -190,6 +191,28 @@ def load_problems(
 
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 """The instruction DeepSeek recommends for R1-series models on math (their model card's usage notes)."""
+SYNTHETIC = "synthetic"
+"""The embedded arithmetic task (``fasttnt.synthetic``), as ``data.train`` and ``fasttnt eval --benchmarks`` name it."""
+
+
+class DatasetStyle(NamedTuple):
+    """What a dataset's prompts ask and what marks a hack in its responses."""
+
+    instruction: str  # appended to each problem (``build_prompt``)
+    markers: HackMarkers  # thinking after ``</think>`` (``metrics.hack_flags``)
+
+
+def dataset_style(dataset: str, *, instruction: str | None = None, markers: str = "auto") -> DatasetStyle:
+    """The instruction and hack markers of ``dataset``'s prompts, for training and evaluation alike: none and the
+    synthetic task's markers for ``synthetic``, DeepSeek's math instruction and the math markers for any other set.
+    ``instruction`` (None: that default) and ``markers`` (a ``MARKER_SETS`` name, ``auto``: that default) are
+    ``data.instruction`` and ``data.hack_markers``."""
+    synthetic = dataset == SYNTHETIC
+    if instruction is None:
+        instruction = "" if synthetic else MATH_INSTRUCTION
+    if markers == "auto":
+        markers = "synthetic" if synthetic else "math"
+    return DatasetStyle(instruction, MARKER_SETS[markers])
 
 
 class PromptMode(str, Enum):

@@ -105,6 +105,33 @@ def all_max_tensor(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def sum_over_ranks(ctx: DistContext | None, t: torch.Tensor) -> torch.Tensor:
+    """``t`` summed over the ranks (``t`` itself in one process, ``ctx`` None): a collective every rank calls."""
+    return all_sum(t) if ctx else t
+
+
+def sum_named_over_ranks(ctx: DistContext | None, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each named scalar summed over the ranks in one collective: stacked by name and unstacked by the same names,
+    so no caller depends on an order."""
+    names = list(values)
+    total = sum_over_ranks(ctx, torch.stack([values[name].reshape(()) for name in names]))
+    return dict(zip(names, total.unbind(0), strict=True))
+
+
+def max_over_ranks(ctx: DistContext | None, n: int) -> int:
+    """The largest ``n`` over the ranks (``n`` itself in one process, ``ctx`` None)."""
+    return all_max(n, ctx.device) if ctx else n  # sync: one read
+
+
+def any_over_ranks(ctx: DistContext | None, *flags: bool) -> tuple[bool, ...]:
+    """Each flag, true where it is true on any rank, so that every rank takes the same branch (a stop at a signal,
+    another draw of dynamic sampling): one collective for all the flags; in one process (``ctx`` None), the flags."""
+    if not ctx:
+        return flags
+    t = all_max_tensor(torch.tensor([float(f) for f in flags], device=ctx.device))
+    return tuple(bool(x) for x in t.tolist())  # sync: one read
+
+
 def deepspeed_config(cfg, world: int, *, autocast: bool = False) -> dict:
     """The DeepSpeed config from ours: ZeRO stage, clipping, float32 master weights, bf16 autocast in the forward
     when ``autocast``; the optimizer is ours (AdamW)."""

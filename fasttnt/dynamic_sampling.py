@@ -2,32 +2,18 @@
 all equal has a zero advantage and teaches nothing, so a step draws more batches of prompts until it has
 ``prompts_per_step`` groups whose rewards differ (``rollout.dynamic_sampling``, capped by ``rollout.max_draws``).
 
-A ``Draw`` is one batch of prompts after rollout, verification and reward; the trainer makes them, this module
-joins them and picks the groups a step trains on.
+A draw is one batch of prompts after rollout, verification and reward, a ``fasttnt.scoring.ScoredBatch``; the
+trainer makes them, this module joins them and picks the groups a step trains on.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from fasttnt_kernels import TntRewards
 
 from .engines.batch import RolloutBatch
-
-
-@dataclass
-class Draw:
-    """One batch of prompts on this rank, through rollout, verify and reward. S responses, G = S / K groups."""
-
-    batch: RolloutBatch
-    correct: torch.Tensor  # (S,) bool
-    rewards: TntRewards  # rewards, non_thinking, solution_len (S,); limit (G,)
-    hacked: torch.Tensor  # (S,) bool
-    timeouts: int = 0
-    crashes: int = 0
-    levels: torch.Tensor | None = None  # (S,) int: each response's problem level, -1 where it has none
+from .scoring import ScoredBatch
 
 
 def varied_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -47,24 +33,26 @@ def choose_groups(varied: list[bool], quota: int) -> tuple[list[int], int]:
     return sorted(kept + fills), len(fills)
 
 
-def concat_draws(draws: list[Draw]) -> Draw:
+def concat_draws(draws: list[ScoredBatch]) -> ScoredBatch:
     """The draws as one, in order (the groups of draw 0 first)."""
     if len(draws) == 1:
         return draws[0]
     rewards = TntRewards(*(torch.cat([getattr(d.rewards, f) for d in draws]) for f in TntRewards._fields))
-    return Draw(
+    return ScoredBatch(
         RolloutBatch.concat([d.batch for d in draws]),
+        [t for d in draws for t in d.texts],
         torch.cat([d.correct for d in draws]),
         rewards,
-        torch.cat([d.hacked for d in draws]),
-        sum(d.timeouts for d in draws),
-        sum(d.crashes for d in draws),
-        torch.cat([d.levels for d in draws]) if all(d.levels is not None for d in draws) else None,
+        hacked=_cat_optional([d.hacked for d in draws]),
+        timeouts=sum(d.timeouts for d in draws),
+        crashes=sum(d.crashes for d in draws),
+        levels=_cat_optional([d.levels for d in draws]),
     )
 
 
-def select_groups(draw: Draw, groups: list[int]) -> Draw:
-    """Groups ``groups`` (ascending) of a draw, all K responses each, repacked from 0."""
+def select_groups(draw: ScoredBatch, groups: list[int]) -> ScoredBatch:
+    """Groups ``groups`` (ascending) of a draw, all K responses each, repacked from 0. The verifier's counts
+    (``timeouts``, ``crashes``) are of whole draws and stay with them: the selection's are 0."""
     k = draw.batch.group_size
     seqs = [g * k + j for g in groups for j in range(k)]
     batch, _ = draw.batch.select(seqs)
@@ -73,4 +61,16 @@ def select_groups(draw: Draw, groups: list[int]) -> Draw:
     g = torch.tensor(groups, dtype=torch.long, device=draw.rewards.limit.device)
     r = draw.rewards
     rewards = TntRewards(r.rewards[s], r.non_thinking[s], r.solution_len[s], r.limit[g])
-    return Draw(batch, draw.correct[s], rewards, draw.hacked[s])
+    return ScoredBatch(
+        batch,
+        [draw.texts[i] for i in seqs],
+        draw.correct[s],
+        rewards,
+        hacked=None if draw.hacked is None else draw.hacked[s],
+        levels=None if draw.levels is None else draw.levels[s],
+    )
+
+
+def _cat_optional(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The parts joined, or None where any draw has none."""
+    return torch.cat(parts) if all(p is not None for p in parts) else None

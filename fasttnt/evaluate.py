@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -18,42 +18,34 @@ from tqdm.auto import tqdm
 from . import scoring
 from .data import (
     DATASETS,
-    MATH_INSTRUCTION,
+    SYNTHETIC,
     DataError,
     Problem,
     PromptMode,
     build_prompt,
+    dataset_style,
     load_problems,
     loading_model,
     think_end_token_id,
 )
 from .distributed import local_device
 from .engines import EngineSettings, build_engine
-from .metrics import MARKER_SETS, rollout_metrics, to_floats, token_efficiency
+from .engines.sampler import step_seed
+from .eval_settings import BENCHMARK_ORDER, MATH_MAX_NEW_TOKENS, EvalSettings
+from .metrics import rollout_metrics, to_floats, token_efficiency
 from .rewards import RewardConfig
 from .synthetic import held_out
 from .verify import VerifierPool
 
-SYNTHETIC = "synthetic"
-BENCHMARK_ORDER = ("aime24", "aime25", "amc23", "math500", "minerva", "olympiad", "gpqa")
 PAPER_MEAN = ("aime24", "aime25", "amc23", "minerva", "olympiad")
 """The five math sets whose mean the TNT paper reports (AIME24, AIME25, AMC23, Minerva, OlympiadBench); MATH-500 and
 GPQA-Diamond are reported beside it, not averaged in. With none of them evaluated, the mean is over all."""
 
 
-@dataclass(frozen=True)
-class EvalSettings:
-    samples: int = 4  # per problem; accuracy is their mean (pass@1)
-    mode: str = "free"
-    temperature: float = 0.6  # DeepSeek's recommended sampling for R1-series models, as the peers evaluate
-    top_p: float = 0.95
-    max_new_tokens: int = 96
-    engine: str = "hf"
-    seed: int = 0
-    synthetic_per_level: int = 50
-    batch_prompts: int = 64
-    limit: int | None = None  # at most this many problems per benchmark
-    prompt_style: str = "plain"  # or "ellipsis": AutoThink's (fasttnt.data.build_prompt)
+def default_max_new_tokens(benchmarks: list[str]) -> int:
+    """The length budget where none is given: the synthetic task's (``EvalSettings.max_new_tokens``) when it is the
+    only benchmark, else the math sets' (``MATH_MAX_NEW_TOKENS``)."""
+    return EvalSettings.max_new_tokens if benchmarks == [SYNTHETIC] else MATH_MAX_NEW_TOKENS
 
 
 def _slug(name: str) -> str:
@@ -102,9 +94,7 @@ def evaluate_one(
     engine, tokenizer, name: str, problems: list[Problem], settings: EvalSettings, pool
 ) -> tuple[dict, list]:
     """Metrics of one model (its rollout engine) on one benchmark, and every response as a record."""
-    synthetic = name == SYNTHETIC
-    instruction = "" if synthetic else MATH_INSTRUCTION
-    markers = MARKER_SETS["synthetic" if synthetic else "math"]
+    style = dataset_style(name)  # the instruction and hack markers training on this set would use
     think_end_id = think_end_token_id(tokenizer)
     records: list[dict] = []
     k = settings.samples
@@ -112,11 +102,15 @@ def evaluate_one(
         chunk = problems[start : start + settings.batch_prompts]
         prompts = [
             build_prompt(
-                tokenizer, p.problem, PromptMode(settings.mode), instruction=instruction, style=settings.prompt_style
+                tokenizer,
+                p.problem,
+                PromptMode(settings.mode),
+                instruction=style.instruction,
+                style=settings.prompt_style,
             )
             for p in chunk
         ]
-        batch = engine.generate(prompts, k, seed=settings.seed * 1_000_003 + start)
+        batch = engine.generate(prompts, k, seed=step_seed(settings.seed, start))
         golds = [p.answer for p in chunk for _ in range(k)]
         scores = scoring.score(
             tokenizer,
@@ -126,7 +120,7 @@ def evaluate_one(
             pool=pool,
             reward=RewardConfig(),
             think_end_id=think_end_id,
-            markers=markers,
+            markers=style.markers,
         )
         truncated, correct = batch.truncated.tolist(), scores.correct.tolist()
         modes, hacked = scores.rewards.non_thinking.tolist(), scores.hacked.tolist()

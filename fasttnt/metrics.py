@@ -156,12 +156,12 @@ def mode_accuracies(correct, non_thinking, free=None, forced_direct=None, levels
         groups["acc_forced_direct"] = forced_direct.bool()
     out = {}
     nan = torch.full((), float("nan"), device=right.device)
+    present = [] if levels is None else [lv for lv in levels.unique().tolist() if lv >= 0]  # sync: the levels present
     for name, rows in groups.items():
         out[name] = torch.where(rows.any(), _masked_mean(right, rows), nan)
-        if levels is not None:
-            for level in [lv for lv in levels.unique().tolist() if lv >= 0]:  # sync: the levels present
-                at = rows & (levels == level)
-                out[f"{name}_l{level}"] = torch.where(at.any(), _masked_mean(right, at), nan)
+        for level in present:
+            at = rows & (levels == level)
+            out[f"{name}_l{level}"] = torch.where(at.any(), _masked_mean(right, at), nan)
     return out
 
 

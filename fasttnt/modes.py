@@ -51,9 +51,10 @@ push down the digits of right direct answers, nor right thinking answers those o
 The TNT limit, rewards, advantages and hack flags treat forced and free responses alike: a forced non-thinking
 response is a non-thinking response.
 
-Everything here is ``ModeMix``, which the trainer asks at two points: ``rollout`` (each row's prompt in its mode
-for the engine, which only sees per-row prompts, and the rows' codes on the batch) and, after the old log-probs,
-``loss_terms`` (the advantages, the first tokens' behaviour log-probs or weights, the floor).
+Everything here is ``ModeMix``, which the trainer asks at three points: ``rollout`` (each row's prompt in its mode
+for the engine, which only sees per-row prompts, and the rows' codes on the batch), ``probe`` (the rows whose old
+log-probs are each group's log pi_old(</think> | x)) and, after the old log-probs, ``loss_terms`` (the advantages,
+the first tokens' behaviour log-probs or weights, the floor).
 """
 
 from __future__ import annotations
@@ -156,11 +157,13 @@ class ModeMix:
         batch.forced = torch.tensor(codes, dtype=torch.int8, device=batch.truncated.device)  # (S,)
         return batch
 
+    # -- point 2: the old log-probs ------------------------------------------------------------------------------
+
     def probe(self, batch: RolloutBatch, think_end_id: int) -> RolloutBatch | None:
         """The rows whose log-probs the old policy gives ``loss_terms`` (``think_end_probe``); None when unmixed."""
         return think_end_probe(batch, think_end_id) if self.active else None
 
-    # -- point 2: after the old log-probs ------------------------------------------------------------------------
+    # -- point 3: after the old log-probs ------------------------------------------------------------------------
 
     def loss_terms(
         self, batch: RolloutBatch, rewards, old_logp: torch.Tensor | None, end_logp: torch.Tensor | None,

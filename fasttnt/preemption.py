@@ -1,5 +1,5 @@
 """Preemption: SIGTERM and SIGINT ask a run to stop after its step, with a checkpoint, and every rank agrees on
-the step at which it stops."""
+the step at which it stops (``distributed.any_over_ranks``, in ``Trainer.run``)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,7 @@ import signal
 import threading
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
-
-from . import distributed
 
 EXIT_PREEMPTED = 3  # the exit code of a run stopped by SIGTERM or SIGINT after saving: resume it
 
@@ -53,11 +50,3 @@ class StopSignals:
             return
         self.requested = name
         tqdm.write(f"{name}: stopping after this step, with a checkpoint (Ctrl-C again to stop at once)")
-
-
-def agree(dist, device: torch.device, *flags: bool) -> tuple[bool, ...]:
-    """Each flag true on any rank, so all ranks stop and save at the same step (one collective a step)."""
-    if not dist:
-        return flags
-    t = distributed.all_max_tensor(torch.tensor([float(f) for f in flags], device=device))
-    return tuple(bool(x) for x in t.tolist())  # sync: one read per step

@@ -4,7 +4,9 @@ and verl integrations share.
 A response is *correct* when the verifier accepts its final answer (after ``</think>``) and it ended by itself: a
 response cut by the length budget is wrong whatever it says (``judge``). Rewards are then the configured scheme's
 (``fasttnt.rewards``), computed on device from the token ids, and a non-thinking response that thinks anyway after
-its ``</think>`` is flagged as a hack (``fasttnt.metrics.hack_flags``): ``add_rewards``. ``score`` does both.
+its ``</think>`` is flagged as a hack (``fasttnt.metrics.hack_flags``): ``add_rewards``. ``score`` does both. What
+comes out is a ``ScoredBatch``: the record of one draw of a training step (``fasttnt.dynamic_sampling`` joins and
+cuts them) and of one chunk of an evaluation.
 """
 
 from __future__ import annotations
@@ -36,9 +38,17 @@ class Judged:
 
 
 @dataclass
-class Scores(Judged):
-    rewards: TntRewards | None = None  # rewards, non_thinking, solution_len (S,); limit (G,)
-    hacked: torch.Tensor | None = None  # (S,) bool: non-thinking, and thinking after its </think>
+class ScoredBatch:
+    """A rollout batch through verify and reward: S responses, G = S / K groups."""
+
+    batch: RolloutBatch
+    texts: list[str]  # (S,) decoded, without the final EOS
+    correct: torch.Tensor  # (S,) bool on the batch's device: verified right and not truncated
+    rewards: TntRewards  # rewards, non_thinking, solution_len (S,); limit (G,)
+    hacked: torch.Tensor | None = None  # (S,) bool: non-thinking, and thinking after its </think>; None: no markers
+    timeouts: int = 0  # verifications killed at their timeout (counted wrong)
+    crashes: int = 0  # verifications whose worker died (counted wrong)
+    levels: torch.Tensor | None = None  # (S,) int: each response's problem level, -1 where it has none (the trainer)
 
 
 def batch_of(responses: list[list[int]], *, group_size: int, eos_ids: Collection[int], device="cpu") -> RolloutBatch:
@@ -80,7 +90,7 @@ def add_rewards(
     think_end_id: int,
     markers: HackMarkers | None = None,
     max_new_tokens: int | None = None,
-) -> Scores:
+) -> ScoredBatch:
     """The rewards of ``reward.scheme`` for judged responses (each group's limit from its own thinking responses;
     the overlong shaping, if on, counts back from ``max_new_tokens``) and, given ``markers``, the hack flags."""
     packed = PackedResponses(batch.response_ids, batch.cu_seqlens, batch.group_size)
@@ -89,7 +99,9 @@ def add_rewards(
     if markers is not None:
         non_thinking = rewards.non_thinking.tolist()  # sync: the hack flags need the text, on the host
         hacked = torch.tensor(hack_flags(judged.texts, non_thinking, markers), device=judged.correct.device)
-    return Scores(judged.texts, judged.correct, judged.timeouts, judged.crashes, rewards=rewards, hacked=hacked)
+    return ScoredBatch(
+        batch, judged.texts, judged.correct, rewards, hacked=hacked, timeouts=judged.timeouts, crashes=judged.crashes
+    )
 
 
 def score(
@@ -101,6 +113,6 @@ def score(
     verify: Verify | None = None,
     pool=None,
     **reward_args,
-) -> Scores:
+) -> ScoredBatch:
     """``judge`` then ``add_rewards``: a batch's responses decoded, verified, rewarded and flagged."""
     return add_rewards(judge(tokenizer, batch, golds, eos_ids=eos_ids, verify=verify, pool=pool), batch, **reward_args)

@@ -3,10 +3,13 @@
     rollout -> verify -> reward (once per draw) -> old/ref log-probs -> advantage -> update -> weight sync -> log
 
 With DAPO's dynamic sampling (``fasttnt.dynamic_sampling``) a step draws more batches of prompts until enough of
-their groups have rewards that differ. The pieces live in their own modules: building the run (``setup``), the
+their groups have rewards that differ. The pieces live in their own modules: building the run (``run_setup``), the
 micro-batched update (``actor``), scoring (``scoring``), the logged numbers (``step_metrics``), checkpoints
-(``checkpoint``), signals (``preemption``) and the run's files (``runlog``). The rewards, advantages, log-probs
-and loss are the project's kernels; metrics stay on device until one read per step.
+(``checkpoint``), signals (``preemption``), the collectives over ranks (``distributed``) and the run's files
+(``runlog``). The rewards, advantages, log-probs and loss are the project's kernels. The device is read where a
+decision on the host needs it, each read marked ``# sync:``: per draw, the groups whose rewards differ and the modes
+the hack flags need; per mini-batch, the normalisers and the sequences the update skips; in the log phase, the step's
+metrics in three reads (the levels present, the metrics, the counts).
 """
 
 from __future__ import annotations
@@ -18,20 +21,22 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import checkpoint, distributed, scoring, setup
+from . import checkpoint, distributed, run_setup, scoring
 from .actor import Actor
 from .checkpoint import TrainerState
 from .config import TrainConfig, rollout_correction
 from .data import PromptMode
-from .dynamic_sampling import Draw, choose_groups, concat_draws, select_groups, varied_groups
+from .dynamic_sampling import choose_groups, concat_draws, select_groups, varied_groups
 from .engines.batch import FORCED_CODES
+from .engines.sampler import step_seed
 from .metrics import mode_accuracies, own_limits, rollout_metrics, to_floats
 from .modes import ModeMix, forced_rows
 from .plots import plot_curves
-from .preemption import Preempted, StopSignals, agree
+from .preemption import Preempted, StopSignals
 from .rewards import mode_balance
 from .runlog import RunLog
-from .step_metrics import TOKEN_METRICS, reduce_named
+from .scoring import ScoredBatch
+from .step_metrics import TOKEN_METRICS
 from .verify import VerifierPool
 
 
@@ -81,7 +86,7 @@ class Trainer:
     ) -> None:  # fmt: skip
         """``progress``: show the step bar (off where several runs share one terminal, ``fasttnt compare --jobs``)."""
         self.cfg, self.out, self.progress = cfg, Path(output_dir), progress
-        self.parts = parts = setup.build(cfg, self.out, resume=resume, new_config_ok=new_config_ok)
+        self.parts = parts = run_setup.build(cfg, self.out, resume=resume, new_config_ok=new_config_ok)
         self.dist, self.rank, self.world, self.is_main = parts.dist, parts.rank, parts.world, parts.is_main
         self.device, self.model, self.tokenizer = parts.device, parts.model, parts.tokenizer
         self.engine, self.stream, self.state = parts.engine, parts.stream, parts.state
@@ -97,7 +102,7 @@ class Trainer:
     def step(self) -> dict[str, float]:
         cfg, r = self.cfg, self.cfg.rollout
         step, clock = self.state.step + 1, PhaseClock()
-        lr = cfg.optim.lr * setup.lr_factor(cfg, self.state.step)  # the rate this step's update uses
+        lr = cfg.optim.lr * run_setup.lr_factor(cfg, self.state.step)  # the rate this step's update uses
         for group in self.actor.optimizer.param_groups:
             group["lr"] = lr
 
@@ -117,20 +122,20 @@ class Trainer:
 
         # old and reference log-probs (and, mode-mixed, of </think> first)
         batch = trained.batch
-        old = self.actor.old_and_ref_logprobs(batch, self.modes.probe(batch, self.parts.think_end_id))
+        logp = self.actor.old_and_ref_logprobs(batch, self.modes.probe(batch, self.parts.think_end_id))
         clock.lap("logprobs")
 
         # advantage, and the mode tokens' terms (fasttnt.modes); the engine's weights checked against the old
         # log-probs, whose first tokens a mode-mixed batch has set
-        terms = self.modes.loss_terms(batch, trained.rewards, old.old, old.think_end, self.parts.think_end_id)
+        terms = self.modes.loss_terms(batch, trained.rewards, logp.old_policy, logp.think_end, self.parts.think_end_id)
         self._check_engine_weights(step, batch, terms.old_logp)
         clock.lap("advantage")
 
         # update
-        update = self.actor.update(batch, terms.advantages, terms.old_logp, old.ref, terms.token_weights,
+        update = self.actor.update(batch, terms.advantages, terms.old_logp, logp.reference, terms.token_weights,
                                    terms.first_advantages)  # fmt: skip
         if terms.floored is not None:  # the share of forced responses over all ranks whose first token was left out
-            counts = self.actor.sum_over_ranks(terms.floored)
+            counts = distributed.sum_over_ranks(self.dist, terms.floored)
             update["mode_floored"] = counts[0] / counts[1].clamp(min=1)
         clock.lap("update")
 
@@ -139,12 +144,13 @@ class Trainer:
         clock.lap("sync")
 
         # log
-        values = self._record(step, lr, drawn, trained, update, len(draws), varied, filled, clock.times, old.think_end)
+        values = self._record(step=step, lr=lr, drawn=drawn, trained=trained, update=update, n_draws=len(draws),
+                              varied=varied, filled=filled, times=clock.times, think_end=logp.think_end)  # fmt: skip
         self.state = TrainerState(step=step, data_position=self.stream.position, world=self.world,
                                   logp_diff_floor=self.guard_floor)  # fmt: skip
         return values
 
-    def _draw(self, step: int, draw: int, clock: PhaseClock) -> Draw:
+    def _draw(self, step: int, draw: int, clock: PhaseClock) -> ScoredBatch:
         """Draw ``draw`` of a step: the next prompts_per_step prompts, this rank's share generated (seeded per
         response; draw 0's seeds are those of a step without dynamic sampling), verified and rewarded."""
         cfg, r, per_rank = self.cfg, self.cfg.rollout, self.parts.prompts_per_rank
@@ -152,7 +158,7 @@ class Trainer:
         problems = problems[self.rank * per_rank : (self.rank + 1) * per_rank]
         first_row = (draw * r.prompts_per_step + self.rank * per_rank) * r.group_size
         prompts = [self.parts.prompt(p) for p in problems]
-        batch = self.modes.rollout(self.engine, prompts, seed=cfg.seed * 1_000_003 + step, first_row=first_row)
+        batch = self.modes.rollout(self.engine, prompts, seed=step_seed(cfg.seed, step), first_row=first_row)
         clock.lap("generate")
 
         golds = [p.answer for p in problems for _ in range(r.group_size)]
@@ -172,7 +178,7 @@ class Trainer:
         if cfg.reward.mode_balance:  # the modes' shares of the draw's free responses, over all ranks
             nt = scores.rewards.non_thinking
             free = ~forced_rows(batch)
-            shares = self.actor.sum_over_ranks(torch.stack([(free & ~nt).sum(), (free & nt).sum()]).float())
+            shares = distributed.sum_over_ranks(self.dist, torch.stack([(free & ~nt).sum(), (free & nt).sum()]).float())
             scores.rewards = scores.rewards._replace(
                 rewards=mode_balance(scores.rewards.rewards, nt, cfg.reward, shares, free)
             )
@@ -180,13 +186,13 @@ class Trainer:
         # the accuracies by mode and level (metrics.mode_accuracies); -1 marks a problem without a level, so every
         # rank and draw has the same fields to gather and concatenate
         levels = torch.tensor([-1 if p.level is None else p.level for p in problems], device=judged.correct.device)
-        levels = levels.repeat_interleave(r.group_size)
-        return Draw(batch, scores.correct, scores.rewards, scores.hacked, scores.timeouts, scores.crashes, levels)
+        scores.levels = levels.repeat_interleave(r.group_size)
+        return scores
 
     def _check_engine_weights(self, step: int, batch, old_logp) -> None:
         """Stop before training on samples that the engine drew from weights other than the trainer's."""
         limit = configured = self.cfg.rollout.max_logp_diff
-        if not self.actor.check_engine or old_logp is None or batch.rollout_logp is None:
+        if not self.actor.guards_engine or old_logp is None or batch.rollout_logp is None:
             return
         diff = self.actor.engine_logp_diff(batch, old_logp)
         if self.parts.autocast and step == 1:  # bf16: the noise floor, on weights that match by construction
@@ -211,11 +217,18 @@ class Trainer:
     def _short_of_groups(self, varied: int) -> bool:
         """Whether this rank, or any other, has fewer than its share of groups with differing rewards (every rank
         then draws again, so the ranks stay in step)."""
-        return any(agree(self.dist, self.device, varied < self.parts.prompts_per_rank))
+        return any(distributed.any_over_ranks(self.dist, varied < self.parts.prompts_per_rank))
 
-    def _record(self, step, lr, drawn: Draw, trained: Draw, update, n_draws, varied, filled, times, think_end) -> dict:
+    def _record(
+        self, *, step: int, lr: float, drawn: ScoredBatch, trained: ScoredBatch, update: dict[str, torch.Tensor],
+        n_draws: int, varied: list[bool], filled: int, times: dict[str, float], think_end: torch.Tensor | None,
+    ) -> dict:  # fmt: skip
         """The step's row of metrics.jsonl: every metric over all ranks' responses (N ranks log what one process
-        would), the update's means, counts, rates and times; one read from the device."""
+        would), the update's means, counts, rates and times. ``drawn``: every response of the step's draws, which
+        the metrics describe; ``trained``: the groups the update ran on; ``varied``: per drawn group, whether its
+        rewards differ; ``filled``: the equal-reward groups that filled the batch; ``think_end``: mode-mixed, each
+        trained group's log pi_old(</think> | x). Three reads from the device: the levels present, the metrics and
+        the counts."""
         r = self.cfg.rollout
         rewards = drawn.rewards
         per_response = {"correct": drawn.correct, "non_thinking": rewards.non_thinking,
@@ -239,9 +252,9 @@ class Trainer:
                   "prompt_tokens": sum(len(p) for p in batch.prompt_ids), "timeouts": drawn.timeouts,
                   "crashes": drawn.crashes, "varied": sum(varied), "groups": len(varied), "filled": filled}  # fmt: skip
         counts = {k: torch.tensor(float(v), dtype=torch.float64, device=self.device) for k, v in counts.items()}
-        counts = reduce_named(counts, self.actor.sum_over_ranks)
+        counts = distributed.sum_named_over_ranks(self.dist, counts)
         accuracies = mode_accuracies(per_response["correct"], per_response["non_thinking"], **by_mode)
-        values = to_floats({**rollout_metrics(**per_response), **accuracies, **update})  # sync: one read per step
+        values = to_floats({**rollout_metrics(**per_response), **accuracies, **update})  # sync: one read
         for name in list(values):  # measured on no token (every sequence skipped), or no response of a mode: not
             if (name in TOKEN_METRICS or name.startswith("acc_")) and not math.isfinite(values[name]):  # NaN rows
                 del values[name]
@@ -283,7 +296,8 @@ class Trainer:
                     log.write(self.step())
                     step, minutes = self.state.step, cfg.save_every_minutes
                     timed = minutes is not None and time.monotonic() - last_save >= 60 * minutes
-                    stop, timed = agree(self.dist, self.device, signals.requested is not None, timed)
+                    # every rank stops and saves at the same step: one collective a step
+                    stop, timed = distributed.any_over_ranks(self.dist, signals.requested is not None, timed)
                     if step % cfg.save_every == 0 or step == cfg.steps or timed or stop:
                         self._save()
                         last_save = time.monotonic()

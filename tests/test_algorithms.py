@@ -11,9 +11,10 @@ from small import SMALL, deterministic, metric_rows
 from fasttnt.actor import Actor
 from fasttnt.cli import main as cli_main
 from fasttnt.config import ConfigError, load_config
-from fasttnt.dynamic_sampling import Draw, choose_groups, concat_draws, select_groups, varied_groups
+from fasttnt.dynamic_sampling import choose_groups, concat_draws, select_groups, varied_groups
 from fasttnt.engines import RolloutBatch, pack_sequences
 from fasttnt.rewards import PackedResponses, RewardConfig, compute_rewards, overlong_shaping
+from fasttnt.scoring import ScoredBatch
 from fasttnt.trainer import Trainer
 from fasttnt.variants import VariantError, check_variant, read_variants_file, split_variants, variant_overrides
 from fasttnt_kernels import TntRewards
@@ -87,7 +88,7 @@ def test_bad_algorithm_options_name_the_key(override, message):
 # -- dynamic sampling, its pieces ------------------------------------------------------------------------------
 
 
-def _draw(lengths: list[int], rewards: list[float], k: int, first_token: int = 10) -> Draw:
+def _draw(lengths: list[int], rewards: list[float], k: int, first_token: int = 10) -> ScoredBatch:
     seqs = [[first_token + i] * n for i, n in enumerate(lengths)]
     ids, cu = pack_sequences(seqs)
     s = len(lengths)
@@ -95,7 +96,8 @@ def _draw(lengths: list[int], rewards: list[float], k: int, first_token: int = 1
                          rollout_logp=torch.arange(ids.numel(), dtype=torch.float32))  # fmt: skip
     r = torch.tensor(rewards)
     out = TntRewards(r, r > 1, torch.full((s,), -1, dtype=torch.int32), torch.arange(s // k, dtype=torch.float32))
-    return Draw(batch, r > 0, out, torch.zeros(s, dtype=torch.bool), timeouts=1)
+    texts = [f"response {first_token + i}" for i in range(s)]
+    return ScoredBatch(batch, texts, r > 0, out, hacked=torch.zeros(s, dtype=torch.bool), timeouts=1)
 
 
 def test_varied_groups_and_the_choice_of_groups():
@@ -125,6 +127,7 @@ def test_concat_and_select_keep_each_groups_responses_together():
     assert picked.rewards.rewards.tolist() == [0.0, 1.0, 2.0, 0.0]
     assert picked.rewards.limit.tolist() == [0.0, 0.0]  # each draw's own group 0
     assert picked.correct.tolist() == [False, True, True, False]
+    assert picked.texts == a.texts[:2] + b.texts[:2] and picked.timeouts == 0  # a draw's counts stay with it
 
 
 # -- dynamic sampling in the trainer ----------------------------------------------------------------------------
@@ -314,3 +317,29 @@ def test_verls_tnt_scores_shape_back_from_the_padded_width():
     last = torch.tensor(lengths) - 1
     torch.testing.assert_close(shaped[rows, last] - plain[rows, last], torch.tensor([0.0, -0.5, -1.0, 0.0]))
     assert (shaped.sum(1) == shaped[rows, last]).all()  # the score sits at each response's last token only
+
+
+def test_verls_scores_come_from_the_configured_scheme_registered_or_not():
+    # a scheme registered in REWARD_SCHEMES (tests/varied.py's) reaches verl's reward: two groups of 4, their rows
+    # interleaved as verl may hand them over, against compute_rewards on the same rows laid out group by group
+    from fasttnt.integrations.verl import tnt_token_scores
+
+    varied.register()
+    think_end = 3
+    rows = [[think_end, 5], [1, think_end, 4, 4], [think_end, 6, 6], [2, 2, think_end, 5], [think_end, 5, 5],
+            [1, think_end, 7], [think_end, 8, 8, 8], [4, think_end]]  # fmt: skip
+    uids = ["x", "y"] * 4
+    correct = [True, False, True, True, False, True, True, False]
+    t = max(map(len, rows)) + 2  # padded past the longest, as verl pads to its budget
+    responses = torch.zeros(len(rows), t, dtype=torch.long)
+    mask = torch.zeros(len(rows), t, dtype=torch.long)
+    for i, ids in enumerate(rows):
+        responses[i, : len(ids)], mask[i, : len(ids)] = torch.tensor(ids), 1
+    cfg = RewardConfig(scheme=varied.NAME)
+    scores = tnt_token_scores(responses, mask, uids, correct, think_end, config=cfg)
+    order = [i for uid in ("x", "y") for i in range(len(rows)) if uids[i] == uid]  # uid x first: seen first
+    truth = compute_rewards(PackedResponses(*pack_sequences([rows[i] for i in order]), 4), torch.tensor(correct)[order],
+                            think_end, cfg, max_new_tokens=t).rewards  # fmt: skip
+    got = [float(scores[i, len(rows[i]) - 1]) for i in order]
+    assert got == truth.tolist()
+    assert got[4:] == [0.0] * 4 and got[1] - got[0] >= varied.BONUS - 4  # varied's, not tnt's: group y all 0

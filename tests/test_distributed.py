@@ -99,6 +99,34 @@ def test_resume_with_the_same_ranks(single):
     _assert_same_run(_metrics(out), expected)
 
 
+def test_the_rank_helpers_over_a_world_of_one(tmp_path):
+    # the collectives themselves (gloo, one rank) and the single-process path (no process group) give the same:
+    # over one rank a sum, a maximum and an any are the identity
+    import torch
+    import torch.distributed as dist
+
+    from fasttnt import distributed
+
+    values = {"tokens": torch.tensor(12.0), "seqs": torch.tensor(3.0)}
+    t = torch.tensor([1.5, -2.0])
+    assert distributed.sum_over_ranks(None, t) is t
+    assert distributed.max_over_ranks(None, 5) == 5
+    assert distributed.any_over_ranks(None, True, False) == (True, False)
+    assert distributed.sum_named_over_ranks(None, values) == values
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ctx = distributed.DistContext(rank=0, world=1, local_rank=0, device=torch.device("cpu"))
+        summed = distributed.sum_over_ranks(ctx, t)
+        assert summed is not t and torch.equal(summed, t)  # a copy: the caller's tensor is not reduced in place
+        assert distributed.max_over_ranks(ctx, 5) == 5
+        assert distributed.any_over_ranks(ctx, True, False) == (True, False)
+        assert distributed.any_over_ranks(ctx, False) == (False,)
+        named = distributed.sum_named_over_ranks(ctx, values)
+        assert list(named) == list(values) and all(torch.equal(named[k], values[k]) for k in values)
+    finally:
+        dist.destroy_process_group()
+
+
 FAILING = """
 import sys
 from fasttnt import distributed

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from fasttnt.engines.sampler import inverse_cdf, row_seeds, row_uniforms, seeded_sample
+from fasttnt.engines.sampler import inverse_cdf, row_seeds, row_uniforms, seeded_sample, step_seed
 
 V = 40
 ROWS = 20_000  # draws per distribution: expected counts >= 5 for every token the checks below count
@@ -105,3 +105,38 @@ def test_top_p_over_a_flat_distribution_widens_its_search():
     tokens, logp = seeded_sample(logits, row_seeds(1, 0, 4), 0, temperature=1.0, top_p=0.9)
     assert (truth[tokens] > 0).all()
     torch.testing.assert_close(logp.double(), truth.log()[tokens], atol=1e-4, rtol=0)
+
+
+# The hashes' outputs on fixed inputs, computed by the sampler at commit 3862bd8 (before its logical shift became a
+# function of its own): a rollout's tokens are a function of these bits, so a rewrite of the hash must keep every one
+ROW_SEEDS = {  # (seed, first_row, rows): row_seeds
+    (0, 0, 4): [0, 6238072747940578789, -2606959012126976886, 2185194620014831856],
+    (123, 5, 3): [8812989653604322081, -7098010466717826931, -5139218791112526049],
+    (-7, 1000, 2): [193461947034471386, -8652195769311243285],
+    (2**62 + 12345, 0, 3): [-6072166925145794771, 7687263229063824990, 5269336624103793396],
+    (1_000_003 * 7 + 3, 40, 2): [-4061305083115092242, 910097207585545346],
+}
+UNIFORMS = {  # position: row_uniforms(row_seeds(123, 0, 4), position), as float.hex
+    0: ["0x1.5749bf14c5ec2p-2", "0x1.4c931118ea775p-1", "0x1.5cd8c415a7375p-1", "0x1.d634a15c96f24p-3"],
+    1: ["0x1.91c2fbd96e615p-1", "0x1.2464d75d58c87p-1", "0x1.9d77955e7df05p-1", "0x1.b84b09215aebfp-1"],
+    95: ["0x1.cf3cc4e89e573p-1", "0x1.512d462be55b4p-3", "0x1.219bc3199aafap-2", "0x1.5233ad307d01ap-2"],
+}
+# the extremes of int64 as row seeds, at position 7
+EXTREME_UNIFORMS = ["0x1.513006e9ff501p-1", "0x1.8f89317992a6bp-1", "0x1.e994b1aa75246p-2", "0x1.9af004c8bf233p-1"]
+# seeded_sample's tokens over fixed logits (4 rows x 50, sin-shaped), rows seeded row_seeds(99, 8, 4), T = 0.7
+TOKENS = {(0, 1.0): [4, 20, 40, 9], (0, 0.8): [4, 7, 40, 9], (3, 1.0): [8, 5, 7, 40], (3, 0.8): [6, 5, 7, 40]}
+
+
+def test_the_hashes_and_draws_are_bit_identical_to_the_recorded_ones():
+    for (seed, first_row, rows), expected in ROW_SEEDS.items():
+        assert row_seeds(seed, first_row, rows).tolist() == expected, (seed, first_row, rows)
+    seeds = row_seeds(123, 0, 4)
+    for position, expected in UNIFORMS.items():
+        assert [u.hex() for u in row_uniforms(seeds, position).tolist()] == expected, position
+    extremes = torch.tensor([0, -1, 2**63 - 1, -(2**63)])
+    assert [u.hex() for u in row_uniforms(extremes, 7).tolist()] == EXTREME_UNIFORMS
+    logits = torch.sin(torch.arange(4 * 50, dtype=torch.float32) * 0.37).view(4, 50) * 3
+    for (position, top_p), expected in TOKENS.items():
+        tokens, _ = seeded_sample(logits, row_seeds(99, 8, 4), position, temperature=0.7, top_p=top_p)
+        assert tokens.tolist() == expected, (position, top_p)
+    assert step_seed(7, 3) == 7 * 1_000_003 + 3  # the trainer's and evaluation's seed per call, as before

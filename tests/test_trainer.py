@@ -502,7 +502,7 @@ def test_the_hf_engine_is_not_guarded(tmp_path):
     cfg = load_config(None, small(tmp_path, varied.OVERRIDE, "loss.mini_batches=2", "rollout.max_logp_diff=1e-12",
                                   "steps=2"))  # fmt: skip
     trainer = Trainer(cfg, tmp_path / "run")
-    assert not trainer.actor.check_engine
+    assert not trainer.actor.guards_engine
     trainer.run()
     rows = metric_rows(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2] and all("rollout_logp_diff" in r for r in rows)
@@ -541,10 +541,52 @@ def test_a_checkpoint_without_numpys_rng_state_is_refused_in_one_line(tmp_path, 
     assert err[-1].startswith("fasttnt train: --resume: ")
 
 
+def test_restore_puts_back_what_save_wrote(tmp_path):
+    # checkpoint.save, then checkpoint.restore into a model and optimizer built afresh (other weights, no AdamW state)
+    # while the RNGs moved on: the saved weights, AdamW state, RNG states and trainer state, the weights copied into
+    # the model's own parameters (the ones the optimizer steps and the hf engine samples from)
+    from fasttnt import checkpoint
+    from fasttnt.char_tokenizer import build_char_tokenizer
+    from fasttnt.tiny import build_tiny_model
+
+    tok = build_char_tokenizer()
+    shape = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+
+    def built(seed: int):
+        model = build_tiny_model(tok, shape, seed=seed)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    model, optimizer = built(0)
+    ids = torch.tensor([tok("12+34", add_special_tokens=False)["input_ids"]])
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()  # an AdamW state to save
+    state = checkpoint.TrainerState(step=3, data_position=96, world=1, logp_diff_floor=0.25)
+    checkpoint.save(tmp_path / "checkpoints", load_config(None, small(tmp_path)), state, model, optimizer)
+    saved_rngs = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+
+    fresh, fresh_optimizer = built(1)
+    params = list(fresh.parameters())
+    assert not torch.equal(params[0], next(model.parameters()))  # precondition: other weights
+    torch.manual_seed(99)  # the RNGs move on after the save
+    random.seed(99)
+    np.random.seed(99)
+    folder = checkpoint.checkpoint_paths(tmp_path / "checkpoints", 3)[0]
+    assert checkpoint.restore(folder, fresh, fresh_optimizer) == state
+    assert all(a is b for a, b in zip(fresh.parameters(), params, strict=True))
+    want = model.state_dict()
+    assert all(torch.equal(value, want[name]) for name, value in fresh.state_dict().items())
+    got_opt, want_opt = fresh_optimizer.state_dict(), optimizer.state_dict()
+    assert got_opt["param_groups"] == want_opt["param_groups"] and got_opt["state"].keys() == want_opt["state"].keys()
+    for index, per_param in want_opt["state"].items():
+        assert all(torch.equal(got_opt["state"][index][key], value) for key, value in per_param.items())
+    assert torch.equal(torch.get_rng_state(), saved_rngs[0]) and random.getstate() == saved_rngs[1]
+    assert (np.random.get_state()[1] == saved_rngs[2]).all()
+
+
 def test_the_learning_rate_schedule_by_hand():
     # 3 warm-up steps rise linearly to the full rate (never 0, the first step trains); then constant, or a cosine or
     # linear decay from 1 to min_lr_ratio over the remaining 8 steps
-    from fasttnt.setup import lr_factor
+    from fasttnt.run_setup import lr_factor
 
     def factors(schedule: str) -> list[float]:
         cfg = load_config(None, ["steps=11", "optim.warmup_steps=3", f"optim.schedule={schedule}",

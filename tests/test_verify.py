@@ -217,6 +217,21 @@ def test_pool_survives_a_timeout_and_keeps_working():
         assert list(second) == [True] and second.timeouts == 0
 
 
+def test_verls_per_response_score_is_bounded_by_the_timeout():
+    # verl calls compute_score once per response, in its own process: a power tower the symbolic verifier would chew
+    # on for minutes is cut off at the trainer's default timeout and scores 0, and the next answer is judged as usual
+    import time
+
+    from fasttnt.integrations.verl import compute_score
+    from fasttnt.verify.answers import DEFAULT_TIMEOUT
+
+    start = time.monotonic()
+    assert compute_score("math", "\\boxed{9^{9^{9^{9}}}}", "1") == 0.0
+    assert time.monotonic() - start >= DEFAULT_TIMEOUT  # decided by the timeout, not by a fast path
+    assert compute_score("math", "\\boxed{\\sqrt{4}}", "2") == 1.0  # symbolic, in the same (restarted) worker
+    assert compute_score("math", "</think> \\boxed{7}", 7) == 1.0
+
+
 def test_long_answers_skip_the_symbolic_parser():
     long = "x+" * MAX_ANSWER_CHARS + "1"
     verdicts = verify_batch([f"\\boxed{{{long}}}"], ["1"])
@@ -318,7 +333,7 @@ def test_workers_outlive_a_sigterm_to_the_whole_job():
 
 def test_a_slow_worker_start_is_not_an_answers_timeout():
     # the item's clock starts when its worker has started (math-verify's import takes ~1-2 s here): with a 0.3 s
-    # timeout, a fresh pool still judges a quick item, where it used to count it wrong, as a timeout
+    # timeout, a fresh pool still judges a quick item, rather than count its worker's start as the item's timeout
     with VerifierPool(workers=1, timeout=0.3) as pool:
         verdicts = verify_batch(["\\boxed{\\sqrt{4}}"], ["2"], pool=pool)
     assert list(verdicts) == [True] and verdicts.timeouts == 0

@@ -71,7 +71,7 @@ def test_resume_pushes_the_checkpoint_and_restores_the_rng(tmp_path, standin):
     # vLLM reseeds the global RNGs when it starts: the checkpoint's state must be the one in force after it
     saved = torch.load(list_checkpoints(tmp_path / "resumed" / "checkpoints")[-1] / "rng.pt", weights_only=True)
     assert torch.equal(torch.get_rng_state(), saved["torch"])
-    # what the engine returns lives on the trainer's device (the old engine put it on "cuda", whatever the rank)
+    # what the engine returns lives on the trainer's device (each rank's own, not an index-less "cuda")
     batch = trainer.engine.generate([trainer.parts.prompt(p) for p in held_out(2)], 2, seed=0)
     for t in (batch.response_ids, batch.cu_seqlens, batch.truncated, batch.rollout_logp):
         assert t.device == trainer.device
@@ -206,7 +206,7 @@ def _engine_folder(tmp_path: Path):
 
 
 def test_an_index_less_cuda_device_gets_its_index(tmp_path, standin, monkeypatch):
-    # what setup.build made for one process before: torch.device("cuda"), which torch.cuda.set_device refuses
+    # an index-less torch.device("cuda"), which torch.cuda.set_device refuses (distributed.local_device adds the index)
     # ("Expected a torch.device with a specified index"); the recorded set_device checks its argument as PyTorch does
     from torch.cuda._utils import _get_device_index
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -9,7 +10,7 @@ import torch
 
 from ..data import Prompt
 from ..registry import Registry
-from .batch import RolloutBatch
+from .batch import RolloutBatch, truncated_without_eos
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class Requests:
                 runs.append((i, 1))
         return cls(rows, runs)
 
-    def tokenized_runs(self, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
+    def tokenized_runs(self, tokenizer) -> TokenizedRuns:
         """Each run's prompt ids and its pre-filled response prefix (empty when none), tokenised apart: a BPE merge
         across the two would make the engines' prompts differ, and the pre-fill is the start of the response."""
         prompts = [self.rows[start] for start, _ in self.runs]
@@ -65,7 +66,46 @@ class Requests:
             tokenizer(p.response_prefix, add_special_tokens=False)["input_ids"] if p.response_prefix else []
             for p in prompts
         ]
-        return ids, prefixes
+        run_of_row = [r for r, (_, n) in enumerate(self.runs) for _ in range(n)]
+        return TokenizedRuns(ids, prefixes, run_of_row)
+
+
+@dataclass(frozen=True)
+class TokenizedRuns:
+    """A rollout's runs as token ids, and how an engine's samples become the batch: both engines feed each run its
+    prompt and then its pre-fill (a forced mode's ``</think>``), and hand the pre-fill back as the start of each of
+    the run's responses (``rollout_batch``)."""
+
+    prompt_ids: list[list[int]]  # per run: the prompt proper
+    prefixes: list[list[int]]  # per run: the pre-filled start of its responses, empty when none
+    run_of_row: list[int]  # (S,) each row's run
+
+    @property
+    def inputs(self) -> list[list[int]]:
+        """What each run's prefill (hf) or request (vllm) takes: the prompt, then the pre-fill."""
+        return [ids + prefix for ids, prefix in zip(self.prompt_ids, self.prefixes, strict=True)]
+
+    def rollout_batch(
+        self,
+        sampled: list[list[int]],
+        sampled_logp: list[list[float]],
+        group_size: int,
+        *,
+        eos_ids: Collection[int],
+        device: torch.device | str,
+    ) -> RolloutBatch:
+        """Each row's sampled tokens (S,), EOS last where one was sampled, and their log-probs as the rollout batch:
+        the run's pre-fill back at the start of its response (log-prob 0: it was not sampled) and the prompt proper
+        as its prompt; truncated where no EOS id ends it."""
+        responses, logprobs = [], []
+        for run, tokens, logp in zip(self.run_of_row, sampled, sampled_logp, strict=True):
+            prefix = self.prefixes[run]
+            responses.append(prefix + tokens)  # EOS is kept: the policy learns to stop
+            logprobs.extend([0.0] * len(prefix) + logp)
+        truncated = truncated_without_eos(responses, eos_ids)
+        prompt_ids = [self.prompt_ids[run] for run in self.run_of_row]  # (S,) a pre-filled prefix is the response's
+        return RolloutBatch.of_responses(prompt_ids, responses, truncated, group_size, device=device,
+                                         rollout_logp=logprobs)  # fmt: skip
 
 
 class RolloutEngine(Protocol):

@@ -149,11 +149,16 @@ class RolloutBatch:
 
 def pack_sequences(sequences: list[list[int]], device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Packed ids (N,) and cu_seqlens (S+1,) of token lists."""
-    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
-    cu = torch.zeros(len(sequences) + 1, dtype=torch.int64)
-    cu[1:] = lengths.cumsum(0)
+    cu = cu_seqlens_of(torch.tensor([len(s) for s in sequences], dtype=torch.int64))
     flat = torch.tensor([t for s in sequences for t in s], dtype=torch.int64)
     return flat.to(device), cu.to(device)
+
+
+def cu_seqlens_of(lengths: torch.Tensor) -> torch.Tensor:
+    """(S+1,) int64 on the lengths' device: the boundaries of sequences of ``lengths`` (S,) packed back to back."""
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int64, device=lengths.device)
+    cu[1:] = lengths.cumsum(0)
+    return cu
 
 
 def eos_ids_of(tokenizer, model: torch.nn.Module | str | os.PathLike | None = None) -> frozenset[int]:

@@ -16,7 +16,7 @@ from transformers import DynamicCache
 from .. import distributed
 from ..data import Prompt, think_end_token_id
 from .base import ENGINES, EngineSettings, Requests
-from .batch import RolloutBatch, eos_ids_of, truncated_without_eos
+from .batch import RolloutBatch, eos_ids_of
 from .sampler import row_seeds, seeded_sample
 
 # compact once this share of the decode batch has finished: a compaction copies the KV cache once, and rows left in
@@ -65,7 +65,7 @@ class HFEngine:
         self.model, self.tokenizer = model, tokenizer
         self.max_new_tokens = settings.max_new_tokens
         self.temperature, self.top_p = settings.temperature, settings.top_p
-        self.bf16_autocast = settings.dtype == "bfloat16"  # as the training forwards (setup.bf16_autocast)
+        self.bf16_autocast = settings.dtype == "bfloat16"  # as the training forwards (run_setup.bf16_autocast)
         self.zero3_engine = settings.zero3_engine
         self.eos_ids = eos_ids_of(tokenizer, model)  # a row stops at any of them
         # fed to finished rows and as the prompts' (masked) left padding, so any id does: without a pad token, an
@@ -95,10 +95,8 @@ class HFEngine:
 
     def _generate(self, requests: Requests, group_size: int, seed: int, first_row: int) -> RolloutBatch:
         device = next(self.model.parameters()).device
-        run_prompt_ids, prefixes = requests.tokenized_runs(self.tokenizer)  # the prompt proper, the pre-fill apart
-        encoded = [ids + prefix for ids, prefix in zip(run_prompt_ids, prefixes, strict=True)]  # what is prefilled
+        runs = requests.tokenized_runs(self.tokenizer)  # the prompt proper, the pre-fill apart
         counts = [n for _, n in requests.runs]
-        run_of_row = [r for r, n in enumerate(counts) for _ in range(n)]  # (S,)
         seeds = row_seeds(seed, first_row, len(requests.rows)).to(device)  # (S,)
         forbid = torch.tensor([p.forbid_think_end_first for p in requests.rows], device=device)  # (S,)
         was_training = self.model.training
@@ -107,18 +105,10 @@ class HFEngine:
         autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16_autocast)
         try:
             with autocast:
-                sampled, sampled_logp = self._decode(encoded, counts, seeds, forbid)
+                sampled, sampled_logp = self._decode(runs.inputs, counts, seeds, forbid)
         finally:
             self.model.train(was_training)
-        responses, logprobs = [], []
-        for i, (tokens, logp) in enumerate(zip(sampled, sampled_logp, strict=True)):
-            prefix = prefixes[run_of_row[i]]
-            responses.append(prefix + tokens)  # EOS is kept: the policy learns to stop
-            logprobs.extend([0.0] * len(prefix) + logp)
-        truncated = truncated_without_eos(responses, self.eos_ids)
-        prompt_ids = [run_prompt_ids[r] for r in run_of_row]  # (S,) a pre-filled prefix belongs to the response
-        return RolloutBatch.of_responses(prompt_ids, responses, truncated, group_size, device=device,
-                                         rollout_logp=logprobs)  # fmt: skip
+        return runs.rollout_batch(sampled, sampled_logp, group_size, eos_ids=self.eos_ids, device=device)
 
     def _decode(
         self, encoded: list[list[int]], counts: list[int], seeds: torch.Tensor, forbid: torch.Tensor

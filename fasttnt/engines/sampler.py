@@ -17,10 +17,16 @@ _MIX = (-7046029254386353131, -4658895280553007687, -7723592293110705685)  # spl
 
 
 def _splitmix(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser on int64 (arithmetic wraps, as hashes want; the shifts are logical)."""
+    """splitmix64's finaliser on int64 (arithmetic wraps, as hashes want), the one hash of this module: a row's seed
+    (``row_seeds``) and its uniform at each position (``row_uniforms``) are this finaliser of their own input mix."""
     for shift, mult in ((30, _MIX[1]), (27, _MIX[2]), (31, 1)):
-        x = (x ^ ((x >> shift) & ((1 << (64 - shift)) - 1))) * mult
+        x = (x ^ _shift_right_logical(x, shift)) * mult
     return x
+
+
+def _shift_right_logical(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """``x >> shift`` on int64 as unsigned (torch's ``>>`` is arithmetic: it copies the sign bit in)."""
+    return (x >> shift) & ((1 << (64 - shift)) - 1)
 
 
 def row_uniforms(row_seeds: torch.Tensor, position: int) -> torch.Tensor:
@@ -29,7 +35,7 @@ def row_uniforms(row_seeds: torch.Tensor, position: int) -> torch.Tensor:
     pos = torch.full((), position + 1, dtype=torch.int64, device=row_seeds.device)
     x = _splitmix(row_seeds * _MIX[0] + pos * _MIX[1])
     # 52 random bits and a half: strictly inside (0, 1), since 2^52 - 0.5 is exact in float64
-    return (((x >> 12) & ((1 << 52) - 1)).double() + 0.5) / float(1 << 52)
+    return (_shift_right_logical(x, 12).double() + 0.5) / float(1 << 52)
 
 
 def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,6 +92,17 @@ def seeded_sample(
     # log p(chosen) = z_chosen - max - log(the kept mass)
     logp = z.gather(-1, chosen[:, None])[:, 0] - top[:, 0] - mass.log().float()
     return chosen, logp
+
+
+SEED_STRIDE = 1_000_003
+"""How far apart the call seeds of runs with consecutive seeds start (``step_seed``): more calls than a run makes."""
+
+
+def step_seed(run_seed: int, step: int) -> int:
+    """The seed of one ``generate`` call of a run seeded ``run_seed``, ``step`` telling its calls apart (a training
+    step's number, an evaluation batch's first problem): runs with different seeds never share a call's seed while
+    ``step`` stays below ``SEED_STRIDE``. Each call's rows get their own seeds from it (``row_seeds``)."""
+    return run_seed * SEED_STRIDE + step
 
 
 def row_seeds(seed: int, first_row: int, rows: int) -> torch.Tensor:

@@ -45,7 +45,7 @@ import torch
 from .. import distributed
 from ..data import Prompt, think_end_token_id
 from .base import ENGINES, EngineSettings, Requests
-from .batch import RolloutBatch, eos_ids_of, truncated_without_eos
+from .batch import RolloutBatch, eos_ids_of
 from .sampler import row_seeds
 
 VLLM_VERSION = "0.31"  # the release read and tested: reload_weights(weights_iterator=) and the V1 logits processors
@@ -148,8 +148,7 @@ class VLLMEngine:
             self.sync_weights(self.model)
         self._wake("kv_cache")
         runs = [(requests.rows[start], start, n) for start, n in requests.runs]
-        run_prompt_ids, prefixes = requests.tokenized_runs(self.tokenizer)  # the prompt proper, the pre-fill apart
-        prompt_ids = [ids + prefix for ids, prefix in zip(run_prompt_ids, prefixes, strict=True)]
+        tokenized = requests.tokenized_runs(self.tokenizer)  # the prompt proper, the pre-fill apart
         params = [
             self._sampling_params(
                 n=n,
@@ -165,21 +164,18 @@ class VLLMEngine:
             )
             for p, start, n in runs
         ]
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
-        responses, logprobs, row_prompts = [], [], []
-        for i, out in enumerate(outputs):
+        inputs = [{"prompt_token_ids": ids} for ids in tokenized.inputs]
+        outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        sampled, sampled_logp = [], []  # (S,): a run's n completions are its rows, in order
+        for out in outputs:
             for completion in out.outputs:
                 tokens = list(completion.token_ids)  # EOS included when sampled, as the hf engine's
-                responses.append(prefixes[i] + tokens)
+                sampled.append(tokens)
                 # each position's dict holds the sampled token (and, were logprobs > 0, the top ones: look it up)
-                token_lp = [lp[t].logprob for t, lp in zip(tokens, completion.logprobs, strict=True)]
-                logprobs.extend([0.0] * len(prefixes[i]) + token_lp)
-                row_prompts.append(run_prompt_ids[i])  # a pre-filled prefix belongs to the response
-        # by the EOS ids, as the hf engine's: finish_reason "length" where the ids are vLLM's stops, which it tests
-        # before the length (vllm/v1/core/sched/utils.py check_stop: an EOS sampled last ended its response)
-        truncated = truncated_without_eos(responses, self.eos_ids)
-        return RolloutBatch.of_responses(row_prompts, responses, truncated, group_size, device=self.device,
-                                         rollout_logp=logprobs)  # fmt: skip
+                sampled_logp.append([lp[t].logprob for t, lp in zip(tokens, completion.logprobs, strict=True)])
+        # truncated by the EOS ids, as the hf engine's: finish_reason "length" where the ids are vLLM's stops, which
+        # it tests before the length (vllm/v1/core/sched/utils.py check_stop: an EOS sampled last ended its response)
+        return tokenized.rollout_batch(sampled, sampled_logp, group_size, eos_ids=self.eos_ids, device=self.device)
 
     def end_rollout(self) -> None:
         """Asleep for the update (its memory back to the trainer), once per step after all its draws: a level-2

@@ -58,7 +58,7 @@ from fasttnt_kernels import linear_policy_loss, linear_token_logprobs
 
 from .. import scoring
 from ..data import think_end_token_id
-from ..engines.batch import eos_ids_of
+from ..engines.batch import cu_seqlens_of, eos_ids_of
 from ..rewards import RewardConfig
 
 # the TRL release whose GRPOTrainer._compute_loss and _get_per_token_logps_and_entropies this module replaces and
@@ -153,9 +153,7 @@ def packed_completions(completion_ids: torch.Tensor, completion_mask: torch.Tens
     valid = positions[None, :] < lengths[:, None]  # (B, C)
     if not torch.equal(valid, completion_mask.bool()):
         raise ValueError("a completion mask with gaps inside a completion (tool masks) is not supported by fasttnt")
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int64, device=lengths.device)
-    cu[1:] = lengths.cumsum(0)
-    return valid, completion_ids[valid], cu
+    return valid, completion_ids[valid], cu_seqlens_of(lengths)
 
 
 class FastTNTGRPOTrainer(GRPOTrainer):

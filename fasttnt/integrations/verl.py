@@ -16,23 +16,27 @@ advantages that vary within a response (GAE) are refused. ``grpo_advantages`` is
 (unbiased std, epsilon, ``norm_adv_by_std_in_grpo``) from ``group_advantages``, grouping by verl's ``uid``; every
 group must have the same size, and a group of one gets 0 (verl's gives the score itself: no baseline exists).
 ``TNTRewardManager`` (registered as ``fasttnt`` among verl's reward managers) scores a whole batch, each response
-against the thinking responses sharing its ``uid``; ``tnt_token_scores`` is its core on plain tensors.
+against the thinking responses sharing its ``uid``; ``tnt_token_scores`` is its core on plain tensors, the configured
+reward scheme's (``fasttnt.rewards.compute_rewards``: a scheme registered in ``REWARD_SCHEMES`` reaches verl too).
+``compute_score`` is verl's per-response reward function, each answer verified under the trainer's timeout.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Collection, Sequence
 
 import numpy as np
 import torch
 
-from fasttnt_kernels import clipped_policy_loss, group_advantages, tnt_rewards
+from fasttnt_kernels import clipped_policy_loss, group_advantages
 
 from .. import scoring
 from ..data import think_end_token_id
-from ..engines.batch import eos_ids_of
-from ..rewards import RewardConfig, overlong_shaping
-from ..verify import extract_answer, is_equivalent
+from ..engines.batch import cu_seqlens_of, eos_ids_of
+from ..rewards import PackedResponses, RewardConfig, compute_rewards
+from ..verify import VerifierPool, verify_batch
+from ..verify.answers import DEFAULT_TIMEOUT
 
 NAME = "fasttnt"
 
@@ -53,9 +57,7 @@ def _packed(response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's (B, T) mask as packed sequences: the valid tokens row by row (a mask need not be a prefix: every valid
     token is its sequence's), and cu_seqlens (B+1,)."""
     mask = response_mask.bool()
-    cu = torch.zeros(mask.shape[0] + 1, dtype=torch.int64, device=mask.device)
-    cu[1:] = mask.sum(1).cumsum(0)
-    return mask, cu
+    return mask, cu_seqlens_of(mask.sum(1))
 
 
 def _sequence_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -185,27 +187,22 @@ def tnt_token_scores(
     *,
     config: RewardConfig | None = None,
 ) -> torch.Tensor:
-    """The TNT reward over a verl batch, as verl's reward managers lay a score out: (B, T), each response's reward
-    at its last valid token. ``responses`` (B, T) token ids, ``response_mask`` (B, T), ``index`` the uids (the
-    group of a response: all sharing its uid, groups of one size), ``correct`` (B,) the verifier's verdicts (a
-    truncated response must be marked wrong by the caller). ``config``: the scheme (tnt or a baseline) and values;
-    its overlong shaping counts back from T, verl's response length budget (its batches are padded to it).
+    """The configured reward over a verl batch, as verl's reward managers lay a score out: (B, T), each response's
+    reward at its last valid token. ``responses`` (B, T) token ids, ``response_mask`` (B, T), ``index`` the uids
+    (the group of a response: all sharing its uid, groups of one size), ``correct`` (B,) the verifier's verdicts (a
+    truncated response must be marked wrong by the caller). ``config``: the scheme (tnt, a baseline or one
+    registered in ``fasttnt.rewards.REWARD_SCHEMES``) and values, through ``compute_rewards`` as in the trainer; its
+    overlong shaping counts back from T, verl's response length budget (its batches are padded to it).
     """
     cfg = config or RewardConfig()
     order, group_size = _group_order(index)
     order = order.to(responses.device)
     mask, cu_seqlens = _packed(response_mask[order])  # the rows in group order, so that each group is adjacent
     correct = torch.as_tensor(correct, dtype=torch.bool, device=responses.device)
-    out = tnt_rewards(
-        responses[order][mask], cu_seqlens, correct[order], group_size, think_end_id, omega=cfg.omega,
-        fallback_limit=cfg.fallback_limit, scheme=cfg.scheme, uniform_limit=cfg.uniform_limit, values=cfg.values,
-    )  # fmt: skip
-    shaped = out.rewards
-    if cfg.overlong_buffer > 0:
-        lengths = response_mask[order].sum(1)  # (B,) in group order
-        shaped = shaped + overlong_shaping(lengths, responses.shape[1], cfg.overlong_buffer, cfg.overlong_penalty)
+    packed = PackedResponses(responses[order][mask], cu_seqlens, group_size)
+    out = compute_rewards(packed, correct[order], think_end_id, cfg, max_new_tokens=responses.shape[1])
     rewards = torch.empty(len(order), dtype=torch.float32, device=responses.device)
-    rewards[order] = shaped
+    rewards[order] = out.rewards
     valid = response_mask.bool()
     last = valid.shape[1] - 1 - valid.flip(1).int().argmax(1)  # (B,) each response's last valid token
     scores = torch.zeros(valid.shape, dtype=torch.float32, device=responses.device)
@@ -217,9 +214,26 @@ def compute_score(data_source: str, solution_str: str, ground_truth, extra_info=
     """verl's custom reward function interface (``reward.custom_reward_function``): 1.0 when the response's final
     answer is the gold answer, else 0.0, by fasttnt's verifier. For verl's per-response reward loop (validation
     reports it) next to the ``fasttnt`` trainer's TNT reward. verl decodes without special tokens, which may drop
-    ``</think>``: the answer is searched after it when it is there, in the whole text otherwise."""
+    ``</think>``: the answer is searched after it when it is there, in the whole text otherwise.
+
+    Strings and numbers are decided here; a symbolic comparison runs in a verifier worker under the trainer's
+    default timeout (``verify_timeout``, 5 s), as the trainer's do, and one that passes it, or kills its worker,
+    is wrong: one pathological answer (a power tower) cannot hang verl's loop."""
     del data_source, extra_info
-    return float(is_equivalent(extract_answer(solution_str), str(ground_truth)))
+    return float(verify_batch([solution_str], [str(ground_truth)], pool=_score_pool())[0])
+
+
+_score_pools = threading.local()
+
+
+def _score_pool() -> VerifierPool:
+    """This thread's verifier pool for ``compute_score``, made at its first call and reused: verl calls the function
+    once per response, from its reward loop's executor threads (``run_in_executor``), and a pool serves one caller
+    at a time. One worker, started at the first answer that needs it."""
+    pool = getattr(_score_pools, "pool", None)
+    if pool is None:
+        pool = _score_pools.pool = VerifierPool(workers=1, timeout=DEFAULT_TIMEOUT)
+    return pool
 
 
 class TNTRewardManager:

@@ -14,9 +14,10 @@ rollout dumps all see the TNT reward. verl's padding rows (tag ``is_padding``, t
         reward.custom_reward_function.name=compute_score  +reward.fasttnt.omega=2.0 ...
 
 The per-response reward loop still runs during rollout (validation reports its scores): ``compute_score`` gives it
-the verifier's verdict. ``+reward.fasttnt.<field>`` sets the TNT reward (``fasttnt.rewards.RewardConfig``: scheme,
-omega, the reward values; ``overlong_buffer`` counts back from ``data.max_response_length``). Not with
-``algorithm.filter_groups`` (DAPO): verl filters on the per-response scores, before this trainer re-scores them.
+the verifier's verdict, under the trainer's timeout. ``+reward.fasttnt.<field>`` sets the reward
+(``fasttnt.rewards.RewardConfig``: the scheme, any registered one, omega, the reward values; ``overlong_buffer``
+counts back from ``data.max_response_length``). Not with ``algorithm.filter_groups`` (DAPO): verl filters on the
+per-response scores, before this trainer re-scores them.
 The sync trainer only.
 
 Importing this module imports verl's V1 trainer (it needs TransferQueue: the ``verl`` extra installs it) and

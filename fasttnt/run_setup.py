@@ -1,16 +1,17 @@
-"""A run built from its config, in the order that matters (``build``): ranks, the data, the resume checks, the
-model, the optimizer, the rollout engine, then the training state.
+"""A run set up from its config, in the order that matters (``build``): ranks, the data, the resume checks, the
+model, the optimizer, the rollout engine, then the training state. (Named for what it does: ``setup.py`` is the
+packaging file's name.)
 
 The order rules, each for a reason:
 
 * the data is read and checked before any model is loaded (a bad row costs seconds, not a model download);
 * a resume is checked (same config, same ranks) before anything is written;
 * rank 0 builds the model first: the tiny model's warm-up cache is written once, then read by the others;
-* the checkpoint's weights go into the model before DeepSpeed shards it (single process; DeepSpeed loads its own);
 * the engine is built before any RNG state is set: vLLM reseeds Python's, NumPy's and torch's RNGs when it starts;
-  it generates from the trainer's current weights (a resumed run's included: the vllm engine pushes them before its
-  first rollout);
-* the RNG states last: the checkpoint's (a resume), or the config's seed.
+  it generates from the trainer's current weights (a resumed run's included: the hf engine samples from the model
+  itself, the vllm engine pushes them before its first rollout);
+* the training state last: a resume's checkpoint (``checkpoint.restore``: weights, optimizer, RNG states, step and
+  data position), or the config's seed.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from . import checkpoint, distributed
 from .checkpoint import TrainerState
 from .config import ConfigError, TrainConfig, dump_config
-from .data import MATH_INSTRUCTION, Problem, PromptMode, build_prompt, loading_model, think_end_token_id
+from .data import Problem, PromptMode, build_prompt, dataset_style, loading_model, think_end_token_id
 from .engines import EngineSettings, RolloutEngine, build_engine
-from .metrics import MARKER_SETS, HackMarkers
+from .metrics import HackMarkers
 from .policy import PolicyHead
 from .runlog import truncate_metrics
 from .stream import ProblemStream
@@ -38,14 +39,14 @@ from .tiny import warmed_up_model
 
 
 @dataclass
-class Parts:
+class RunParts:
     """Everything a run is made of, built by ``build``."""
 
     cfg: TrainConfig
     out: Path
     dist: distributed.DistContext | None
     device: torch.device
-    autocast: bool  # bf16 autocast (setup.bf16_autocast)
+    autocast: bool  # bf16 autocast (bf16_autocast)
     model: torch.nn.Module
     tokenizer: object
     model_path: Path | str
@@ -85,11 +86,9 @@ def bf16_autocast(cfg: TrainConfig, device: torch.device) -> bool:
 
 
 def training_prompt(cfg: TrainConfig, tokenizer, problem: Problem):
-    """The prompt a run gives ``problem``: free mode, ``data.instruction`` (by default none for the synthetic task,
-    the math instruction otherwise), ``data.prompt_style``."""
-    instruction = cfg.data.instruction
-    if instruction is None:
-        instruction = "" if cfg.data.train == "synthetic" else MATH_INSTRUCTION
+    """The prompt a run gives ``problem``: free mode, ``data.instruction`` (by default ``data.dataset_style``'s),
+    ``data.prompt_style``."""
+    instruction = dataset_style(cfg.data.train, instruction=cfg.data.instruction).instruction
     return build_prompt(tokenizer, problem.problem, PromptMode.FREE, instruction=instruction,
                         style=cfg.data.prompt_style)  # fmt: skip
 
@@ -117,7 +116,7 @@ def engine_settings(cfg: TrainConfig, model_path, device: torch.device, prompt_b
     )
 
 
-def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: bool = False) -> Parts:
+def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: bool = False) -> RunParts:
     device_type = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
     dist = distributed.init(device_type) if distributed.launched_distributed() else None
     world, is_main = (dist.world, dist.rank == 0) if dist else (1, True)
@@ -149,14 +148,12 @@ def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: b
             tqdm.write(f"--resume: no checkpoint under {ckpt_root}; starting from step 0")
         dump_config(cfg, out / "config.yaml")
 
-    # -- the model: rank 0 first (the warm-up cache), the checkpoint's weights, the reference --
+    # -- the model: rank 0 first (the warm-up cache), the reference --
     if not is_main:
         distributed.barrier()
     model, tokenizer, model_path = load_policy(cfg, device)
     if is_main and dist:
         distributed.barrier()
-    if resume_from is not None and dist is None:
-        checkpoint.load_weights(model, resume_from)  # the checkpoint's weights into the model as configured
     if is_main:  # saved once, fresh (a leftover file would be copied into every checkpoint), and copied from here
         shutil.rmtree(out / "tokenizer", ignore_errors=True)
         tokenizer.save_pretrained(out / "tokenizer")
@@ -192,30 +189,21 @@ def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: b
     settings = engine_settings(cfg, model_path, device, prompt_budget, zero3_engine=zero3)
     engine = build_engine(r.engine, model, tokenizer, settings)
 
-    # -- the training state: the checkpoint's (optimizer, RNG states, step, data position) or a fresh start --
-    state = TrainerState(step=0, data_position=0, world=world)
+    # -- the training state: the checkpoint's (weights, optimizer, RNG states, step, data position) or a fresh start --
     if resume_from is not None:
-        if ds_engine is not None:
-            if not (resume_from / "deepspeed").is_dir():
-                raise FileExistsError(
-                    f"{resume_from} was written by a single-process run: resume it the same way (no launcher)"
-                )
-            ds_engine.load_checkpoint(str(resume_from), tag="deepspeed")
-        rank = dist.rank if dist else 0
-        state = checkpoint.load_training_state(resume_from, None if ds_engine else optimizer, rank=rank)
+        state = checkpoint.restore(resume_from, model, optimizer, ds_engine, rank=dist.rank if dist else 0)
         stream.seek(state.data_position)
     else:
+        state = TrainerState(step=0, data_position=0, world=world)
         checkpoint.seed_rngs(cfg.seed)
     if is_main:
         truncate_metrics(out / "metrics.jsonl", state.step)
 
-    # -- the prompts' hack markers --
-    markers = cfg.data.hack_markers
-    if markers == "auto":
-        markers = "synthetic" if cfg.data.train == "synthetic" else "math"
-    parts = Parts(
+    # -- the responses' hack markers --
+    markers = dataset_style(cfg.data.train, markers=cfg.data.hack_markers).markers
+    parts = RunParts(
         cfg, out, dist, device, autocast, model, tokenizer, model_path, ref_model, head, optimizer, ds_engine,
-        engine, stream, state, think_end_id, MARKER_SETS[markers],
+        engine, stream, state, think_end_id, markers,
     )  # fmt: skip
     if prompt_budget is not None:
         dropped = stream.drop_long_prompts(
