@@ -15,6 +15,9 @@ excluded): s/step, generated and trained tokens/s, the update's peak resident se
 update's first forward to the end of its optimizer step: fasttnt's ``Actor.update``, TRL's ``compute_loss`` to
 ``on_step_end``), how far that peak rose above the resident set at the update's start, and the process's peak
 resident set over the run. The peaks are the kernel's (``VmHWM`` in /proc, reset through ``clear_refs``): Linux.
+A model with random weights (the stand-in) earns no reward, so every advantage is 0 and fasttnt's update leaves
+every sequence out (``loss.skip_zero_advantage``); TRL's computes them all: for an update of equal work there, pass
+``--override loss.skip_zero_advantage=false``.
 Needs ``pip install trl``; without it, fasttnt runs alone.
 """
 
@@ -92,7 +95,7 @@ def _problems(args) -> list:
         from fasttnt.data import load_problems
 
         return list(itertools.islice(itertools.cycle(load_problems(args.prompt_file)), n))
-    from fasttnt.synthetic import problems
+    from fasttnt.embedded.synthetic import problems
 
     return list(itertools.islice(problems("train", seed=0), n))
 
@@ -100,7 +103,7 @@ def _problems(args) -> list:
 def _model_folder(args, cfg) -> str:
     if args.model:
         return args.model
-    from fasttnt.tiny import warmed_up_model
+    from fasttnt.embedded.tiny import warmed_up_model
 
     return str(warmed_up_model(Path(cfg.cache_dir), cfg.model.tiny, cfg.warmup)[2])  # fasttnt's start, cached
 
@@ -364,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         names = ["trl"] if args.trl_only else ["trl", "fasttnt"]
     if not args.model:  # the warm-up once, in this process, before the trainers load it from the cache
-        from fasttnt.tiny import warmed_up_model
+        from fasttnt.embedded.tiny import warmed_up_model
 
         cfg = resolved_config(args)
         warmed_up_model(Path(cfg.cache_dir), cfg.model.tiny, cfg.warmup)

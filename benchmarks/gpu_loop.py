@@ -39,7 +39,7 @@ def real_vocab_standin(folder: Path, *, vocab: int = REAL_VOCAB, shape: dict = R
     """A random-weight Qwen2 of ``shape`` with a ``vocab``-token character tokenizer, saved as a model folder."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from fasttnt.char_tokenizer import build_char_tokenizer
+    from fasttnt.embedded.char_tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer(vocab_size=vocab)
     config = Qwen2Config(vocab_size=vocab, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,

@@ -16,15 +16,14 @@ from typing import NamedTuple
 
 import torch
 
-from fasttnt_kernels import rollout_correction_weights
+from fasttnt_kernels import PolicyLossConfig, rollout_correction_weights
 
 from . import distributed
 from .config import TrainConfig
 from .engines.batch import RolloutBatch
 from .policy import (
-    LossSettings,
     MicroBatch,
-    MicroBatchLoss,
+    MicroBatchLossInputs,
     micro_batch_loss,
     plan_micro_batches,
     response_logprobs,
@@ -54,7 +53,7 @@ class Actor:
         self.device = parts.device
         self.autocast_on = parts.autocast
         self.correction = correction
-        self.settings = LossSettings.of(cfg.loss)
+        self.settings = PolicyLossConfig.of(cfg.loss)
         # the stale-weight guard (fasttnt.trainer): an engine with its own copy of the weights, sampling the whole
         # distribution (under top-p both engines report log-probs renormalised over the nucleus, the trainer of the
         # whole: they differ by design, which the rollout correction weighs)
@@ -248,7 +247,7 @@ class Actor:
         in its forward), and its named sums (the rollout diagnostics only when on-policy)."""
         lo, hi = part.bounds[mb.first], part.bounds[mb.last]
         cu = part.cu_seqlens[mb.first : mb.last + 1] - lo  # (s+1,)
-        loss_inputs = MicroBatchLoss(
+        loss_inputs = MicroBatchLossInputs(
             advantages=advantages[mb.first : mb.last],
             first_advantages=first[mb.first : mb.last] if first is not None else None,
             cu_seqlens=cu,

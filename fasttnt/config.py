@@ -18,9 +18,9 @@ import yaml
 from fasttnt_kernels import ROLLOUT_CORRECTIONS, PolicyLossConfig, SettingError, check_reward_limits
 
 from .data import DATASETS, names_a_path
+from .embedded.tiny import TinyModelConfig, WarmupConfig
 from .metrics import MARKER_SETS
 from .rewards import REWARD_SCHEMES, RewardConfig
-from .tiny import TinyModelConfig, WarmupConfig
 from .typed_yaml import ConfigError, apply_overrides, build, read_yaml_mapping
 
 __all__ = [  # with the loader's error and YAML reader, which every caller of the config uses

@@ -11,9 +11,11 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .char_tokenizer import THINK_END, THINK_START
 from .metrics import MARKER_SETS, HackMarkers
 from .registry import Registry
+from .verify.answers import THINK_END
+
+THINK_START = "<think>"  # opens the think block; THINK_END (verify.answers) closes it
 
 
 class DataError(ValueError):
@@ -192,7 +194,8 @@ def load_problems(
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 """The instruction DeepSeek recommends for R1-series models on math (their model card's usage notes)."""
 SYNTHETIC = "synthetic"
-"""The embedded arithmetic task (``fasttnt.synthetic``), as ``data.train`` and ``fasttnt eval --benchmarks`` name it."""
+"""The embedded arithmetic task (``fasttnt.embedded.synthetic``), as ``data.train`` and ``fasttnt eval --benchmarks``
+name it."""
 
 
 class DatasetStyle(NamedTuple):

@@ -29,12 +29,12 @@ from .data import (
     think_end_token_id,
 )
 from .distributed import local_device
+from .embedded.synthetic import held_out
 from .engines import EngineSettings, build_engine
 from .engines.sampler import step_seed
 from .eval_settings import BENCHMARK_ORDER, MATH_MAX_NEW_TOKENS, EvalSettings
 from .metrics import rollout_metrics, to_floats, token_efficiency
 from .rewards import RewardConfig
-from .synthetic import held_out
 from .verify import VerifierPool
 
 PAPER_MEAN = ("aime24", "aime25", "amc23", "minerva", "olympiad")

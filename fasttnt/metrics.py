@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .synthetic import STEP_PATTERN
+from .embedded.synthetic import STEP_PATTERN
 from .verify import THINK_END
 
 

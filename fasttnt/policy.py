@@ -101,14 +101,8 @@ def pack_micro_batch(prompts: list[list[int]], responses: list[list[int]], first
     )
 
 
-LossSettings = PolicyLossConfig
-"""The loss's settings (``loss.*``), the entropy bonus included, are the kernel's own ``PolicyLossConfig``:
-``fasttnt.actor`` builds the one object once per run as ``LossSettings.of(cfg.loss)`` and every micro-batch hands
-it to the kernel (``MicroBatchLoss.settings``); no second type mirrors its fields."""
-
-
 @dataclass(frozen=True)
-class MicroBatchLoss(PolicyLossInputs):
+class MicroBatchLossInputs(PolicyLossInputs):
     """``linear_policy_loss``'s inputs for one micro-batch: its slices of the per-sequence and per-token tensors and
     the normalisers of its whole mini-batch (over all ranks), which are the kernel's own ``PolicyLossInputs``, and
     the run's settings."""
@@ -153,7 +147,7 @@ class PolicyHead(torch.nn.Module):
         hidden = out.last_hidden_state[0].index_select(0, hidden_index)  # (n, H)
         weight = self.model.get_output_embeddings().weight  # (V, H)
         hidden = hidden.to(weight.dtype)  # under autocast the states are 16-bit; the op casts per autocast itself
-        if loss is not None:  # a MicroBatchLoss: (loss, stats, logp)
+        if loss is not None:  # a MicroBatchLossInputs: (loss, stats, logp)
             return loss(hidden, weight, targets, temperature)
         result = linear_token_logprobs(hidden, weight, targets, temperature=temperature, with_entropy=with_entropy)
         return result if with_entropy else (result, None)
@@ -173,7 +167,9 @@ def run_dummy(head, device: torch.device, *, temperature: float, with_loss: bool
     mb = pack_micro_batch([[0]], [[0]], 0)
     loss = None
     if with_loss:
-        loss = MicroBatchLoss(advantages=torch.zeros(1, device=device), cu_seqlens=torch.tensor([0, 1], device=device))
+        loss = MicroBatchLossInputs(
+            advantages=torch.zeros(1, device=device), cu_seqlens=torch.tensor([0, 1], device=device)
+        )
     return _forward(head, mb, mb.input_ids[0, 1:].to(device), temperature, False, loss)
 
 
@@ -185,7 +181,7 @@ def micro_batch_logprobs(
     return _forward(head, mb, batch.response_ids[lo:hi], temperature, with_entropy)
 
 
-def micro_batch_loss(head, batch: RolloutBatch, mb: MicroBatch, *, temperature: float, loss: MicroBatchLoss):
+def micro_batch_loss(head, batch: RolloutBatch, mb: MicroBatch, *, temperature: float, loss: MicroBatchLossInputs):
     """``linear_policy_loss`` of one micro-batch of ``batch``: ``(loss, stats, logp)``; ``loss`` holds its inputs,
     sliced to the micro-batch's sequences."""
     lo, hi = batch.bounds[mb.first], batch.bounds[mb.last]

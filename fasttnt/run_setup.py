@@ -30,12 +30,12 @@ from . import checkpoint, distributed
 from .checkpoint import TrainerState
 from .config import ConfigError, TrainConfig, dump_config
 from .data import Problem, PromptMode, build_prompt, dataset_style, loading_model, think_end_token_id
+from .embedded.tiny import warmed_up_model
 from .engines import EngineSettings, RolloutEngine, build_engine
 from .metrics import HackMarkers
 from .policy import PolicyHead
 from .runlog import truncate_metrics
 from .stream import ProblemStream
-from .tiny import warmed_up_model
 
 
 @dataclass

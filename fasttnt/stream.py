@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .config import TrainConfig
 from .data import DataError, Problem, load_problems
-from .synthetic import problems as synthetic_problems
+from .embedded.synthetic import problems as synthetic_problems
 
 
 class ProblemStream:

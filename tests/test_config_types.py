@@ -9,14 +9,14 @@ import torch
 
 from fasttnt import policy, rewards
 from fasttnt.config import ConfigError, TrainConfig, load_config, with_overrides
-from fasttnt.policy import LossSettings, MicroBatchLoss
+from fasttnt.policy import MicroBatchLossInputs
 from fasttnt.rewards import PackedResponses, RewardConfig, compute_rewards
 from fasttnt_kernels import PolicyLossConfig, PolicyLossInputs, RewardValues, SettingError
 
 
 def test_the_loss_section_builds_the_kernels_config():
     cfg = load_config(None, ["loss.clip_high=0.3", "loss.entropy_coef=0.01", "loss.dual_clip=3"])
-    settings = LossSettings.of(cfg.loss)  # how the actor builds it, once per run
+    settings = PolicyLossConfig.of(cfg.loss)  # how the actor builds it, once per run (fasttnt.actor)
     assert type(settings) is PolicyLossConfig
     assert (settings.clip_high, settings.entropy_coef, settings.dual_clip) == (0.3, 0.01, 3.0)
     assert settings.clip_low == cfg.loss.clip_low and settings.agg == cfg.loss.agg
@@ -32,7 +32,7 @@ def test_the_kernel_receives_that_very_object(monkeypatch):
         return real(hidden, weight, ids, inputs, **kw)
 
     monkeypatch.setattr(policy, "linear_policy_loss", spy)
-    loss_inputs = MicroBatchLoss(advantages=torch.ones(2), cu_seqlens=torch.tensor([0, 1, 3]), settings=settings)
+    loss_inputs = MicroBatchLossInputs(advantages=torch.ones(2), cu_seqlens=torch.tensor([0, 1, 3]), settings=settings)
     loss, stats, logp = loss_inputs(torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 4, 2]), 1.0)
     assert seen["config"] is settings and seen["inputs"] is loss_inputs
     assert isinstance(loss_inputs, PolicyLossInputs)  # the micro-batch's tensors are the kernel's inputs type

@@ -9,9 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from fasttnt.char_tokenizer import THINK_END, build_char_tokenizer
 from fasttnt.data import DATASETS, DataError, Problem, PromptMode, build_prompt, load_problems
-from fasttnt.synthetic import SyntheticProblem, held_out, problems, split_of, trace
+from fasttnt.embedded.char_tokenizer import THINK_END, build_char_tokenizer
+from fasttnt.embedded.synthetic import SyntheticProblem, held_out, problems, split_of, trace
 from fasttnt.verify import extract_answer, verify_batch
 
 ROWS = [

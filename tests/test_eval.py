@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 import fasttnt.evaluate as evaluate
-from fasttnt.char_tokenizer import THINK_END, build_char_tokenizer
 from fasttnt.cli import main as cli_main
+from fasttnt.embedded.char_tokenizer import THINK_END, build_char_tokenizer
+from fasttnt.embedded.tiny import TinyModelConfig, WarmupConfig, build_tiny_model, warmup
 from fasttnt.evaluate import EvalSettings, run_eval, summarize
-from fasttnt.tiny import TinyModelConfig, WarmupConfig, build_tiny_model, warmup
 
 SETTINGS = EvalSettings(samples=2, max_new_tokens=24, synthetic_per_level=3, temperature=1.0)
 

@@ -26,15 +26,15 @@ from transformers import (
     LogitsProcessor,
 )
 
-from fasttnt.char_tokenizer import THINK_END, USER, build_char_tokenizer
 from fasttnt.data import Prompt, PromptMode, build_prompt
+from fasttnt.embedded.char_tokenizer import THINK_END, USER, build_char_tokenizer
+from fasttnt.embedded.synthetic import held_out
+from fasttnt.embedded.tiny import TinyModelConfig, build_tiny_model
 from fasttnt.engines import EngineSettings, RolloutBatch, decode_responses, pack_sequences
 from fasttnt.engines.batch import eos_ids_of
 from fasttnt.engines.hf import _COMPACT_SHARE, HFEngine
 from fasttnt.engines.sampler import row_seeds, seeded_sample
 from fasttnt.policy import PolicyHead
-from fasttnt.synthetic import held_out
-from fasttnt.tiny import TinyModelConfig, build_tiny_model
 
 # -- the reference: transformers generate, sampling by the engine's rule through a logits processor ---------------
 

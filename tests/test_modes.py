@@ -16,14 +16,14 @@ from safetensors.torch import load_file
 from small import SMALL, deterministic, metric_rows
 
 from fasttnt.actor import Actor
-from fasttnt.char_tokenizer import build_char_tokenizer
 from fasttnt.config import ConfigError, load_config
 from fasttnt.data import PromptMode, build_prompt, think_end_token_id
+from fasttnt.embedded.char_tokenizer import build_char_tokenizer
+from fasttnt.embedded.synthetic import held_out
+from fasttnt.embedded.tiny import TinyModelConfig, build_tiny_model
 from fasttnt.engines import EngineSettings, RolloutBatch, pack_sequences
 from fasttnt.engines.hf import HFEngine
 from fasttnt.modes import ModeMix
-from fasttnt.synthetic import held_out
-from fasttnt.tiny import TinyModelConfig, build_tiny_model
 from fasttnt.trainer import PhaseClock, Trainer
 from fasttnt_kernels import clipped_policy_loss, tnt_rewards
 
@@ -398,7 +398,7 @@ def test_a_warm_up_whose_direct_examples_do_not_teach_the_choice():
     # so the loss teaches answering after it, never writing it first; the default recipe keeps it a response token
     import itertools
 
-    from fasttnt.tiny import WarmupConfig, _examples
+    from fasttnt.embedded.tiny import WarmupConfig, _examples
 
     for choose in (True, False):
         cfg = WarmupConfig(direct_share=0.5, choose_direct=choose)

@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from fasttnt.attention import Packing, varlen_attention
-from fasttnt.char_tokenizer import build_char_tokenizer
 from fasttnt.data import build_prompt
+from fasttnt.embedded.char_tokenizer import build_char_tokenizer
+from fasttnt.embedded.synthetic import held_out
+from fasttnt.embedded.tiny import TinyModelConfig, build_tiny_model
 from fasttnt.engines import EngineSettings, RolloutBatch, pack_sequences
 from fasttnt.engines.hf import HFEngine
 from fasttnt.policy import PolicyHead, plan_micro_batches, response_logprobs
-from fasttnt.synthetic import held_out
-from fasttnt.tiny import TinyModelConfig, build_tiny_model
 
 TEMPERATURE = 0.7
 # grouped-query attention (4 query heads share 2 key/value heads), as the Qwen2 models

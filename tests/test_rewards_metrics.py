@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from fasttnt import scoring
-from fasttnt.char_tokenizer import THINK_END, build_char_tokenizer
+from fasttnt.embedded.char_tokenizer import THINK_END, build_char_tokenizer
+from fasttnt.embedded.synthetic import make_problem
 from fasttnt.engines import RolloutBatch, pack_sequences
 from fasttnt.metrics import (
     MATH_MARKERS,
@@ -22,7 +23,6 @@ from fasttnt.metrics import (
     token_efficiency,
 )
 from fasttnt.rewards import REWARD_SCHEMES, PackedResponses, RewardConfig, compute_rewards
-from fasttnt.synthetic import make_problem
 
 TOK = build_char_tokenizer()
 END_ID = TOK.convert_tokens_to_ids(THINK_END)

@@ -23,10 +23,10 @@ from fasttnt.checkpoint import list_checkpoints
 from fasttnt.cli import main as cli_main
 from fasttnt.config import TrainConfig, load_config
 from fasttnt.data import build_prompt
+from fasttnt.embedded.synthetic import held_out
+from fasttnt.embedded.tiny import TinyModelConfig
 from fasttnt.policy import plan_micro_batches
 from fasttnt.step_metrics import TOKEN_METRICS
-from fasttnt.synthetic import held_out
-from fasttnt.tiny import TinyModelConfig
 from fasttnt.trainer import Trainer, stale_weights
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -448,7 +448,7 @@ def test_rollout_correction_metrics_are_logged(tmp_path):
 def test_the_warm_up_leaves_no_gradients_behind(tmp_path):
     # a model that carries the warm-up's last gradients adds them to DeepSpeed's first step (it accumulates into
     # .grad): a 2-rank run whose rank 0 had just warmed up logged a grad norm of 0.50 instead of 0.00024
-    from fasttnt.tiny import WarmupConfig, warmed_up_model
+    from fasttnt.embedded.tiny import WarmupConfig, warmed_up_model
 
     model, _, _ = warmed_up_model(
         tmp_path,
@@ -546,8 +546,8 @@ def test_restore_puts_back_what_save_wrote(tmp_path):
     # while the RNGs moved on: the saved weights, AdamW state, RNG states and trainer state, the weights copied into
     # the model's own parameters (the ones the optimizer steps and the hf engine samples from)
     from fasttnt import checkpoint
-    from fasttnt.char_tokenizer import build_char_tokenizer
-    from fasttnt.tiny import build_tiny_model
+    from fasttnt.embedded.char_tokenizer import build_char_tokenizer
+    from fasttnt.embedded.tiny import build_tiny_model
 
     tok = build_char_tokenizer()
     shape = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1)

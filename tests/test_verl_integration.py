@@ -157,7 +157,7 @@ def test_the_reward_manager_scores_a_dataproto_by_uid():
     from verl import DataProto
     from verl.workers.reward_manager import get_reward_manager_cls
 
-    from fasttnt.char_tokenizer import build_char_tokenizer
+    from fasttnt.embedded.char_tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
     texts = [
@@ -239,7 +239,7 @@ def test_the_trainer_rescores_a_step_by_uid_before_verls_advantages(transfer_que
     from transfer_queue import KVBatchMeta
     from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
-    from fasttnt.char_tokenizer import build_char_tokenizer
+    from fasttnt.embedded.char_tokenizer import build_char_tokenizer
     from fasttnt.integrations.verl_trainer import TNTTrainer
 
     tq = transfer_queue
@@ -299,7 +299,7 @@ def test_the_trainers_overlong_shaping_counts_back_from_verls_response_budget():
     # length instead of data.max_response_length. Rows as the step's batch holds them, scored directly
     from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
-    from fasttnt.char_tokenizer import build_char_tokenizer
+    from fasttnt.embedded.char_tokenizer import build_char_tokenizer
     from fasttnt.integrations.verl_trainer import tnt_rm_scores
     from fasttnt.rewards import RewardConfig, overlong_shaping
 

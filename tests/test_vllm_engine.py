@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from fasttnt.checkpoint import list_checkpoints
 from fasttnt.config import load_config
+from fasttnt.embedded.synthetic import held_out
 from fasttnt.evaluate import EvalSettings, run_eval
-from fasttnt.synthetic import held_out
 from fasttnt.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,8 +104,8 @@ def test_the_standin_catches_the_old_call_order(standin, tmp_path):
 
 
 def test_evaluation_builds_one_engine_per_model_and_frees_it(tmp_path, standin):
-    from fasttnt.char_tokenizer import build_char_tokenizer
-    from fasttnt.tiny import TinyModelConfig, build_tiny_model
+    from fasttnt.embedded.char_tokenizer import build_char_tokenizer
+    from fasttnt.embedded.tiny import TinyModelConfig, build_tiny_model
 
     tok = build_char_tokenizer()
     models = []
@@ -195,8 +195,8 @@ def test_the_guard_is_off_and_says_so_under_top_p(tmp_path, standin, capsys):
 
 
 def _engine_folder(tmp_path: Path):
-    from fasttnt.char_tokenizer import build_char_tokenizer
-    from fasttnt.tiny import TinyModelConfig, build_tiny_model
+    from fasttnt.embedded.char_tokenizer import build_char_tokenizer
+    from fasttnt.embedded.tiny import TinyModelConfig, build_tiny_model
 
     tok = build_char_tokenizer()
     shape = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1)

@@ -20,15 +20,15 @@ vllm = pytest.importorskip("vllm")
 import varied  # noqa: E402
 from small import LAUNCHER_ENV, deterministic, launch_command, metric_rows  # noqa: E402
 
-from fasttnt.char_tokenizer import build_char_tokenizer  # noqa: E402
 from fasttnt.cli import main as cli_main  # noqa: E402
 from fasttnt.config import load_config  # noqa: E402
 from fasttnt.data import PromptMode, build_prompt, think_end_token_id  # noqa: E402
+from fasttnt.embedded.char_tokenizer import build_char_tokenizer  # noqa: E402
+from fasttnt.embedded.synthetic import held_out  # noqa: E402
+from fasttnt.embedded.tiny import TinyModelConfig, WarmupConfig, build_tiny_model, warmup  # noqa: E402
 from fasttnt.engines import EngineSettings, build_engine  # noqa: E402
 from fasttnt.engines.vllm import VLLMEngine  # noqa: E402
 from fasttnt.evaluate import EvalSettings, run_eval  # noqa: E402
-from fasttnt.synthetic import held_out  # noqa: E402
-from fasttnt.tiny import TinyModelConfig, WarmupConfig, build_tiny_model, warmup  # noqa: E402
 from fasttnt.trainer import Trainer  # noqa: E402
 
 # vLLM's CPU attention takes head sizes 32, 64, ... (vllm/v1/attention/backends/cpu_attn.py): width 64 over 2 heads.

@@ -24,7 +24,7 @@ def warmup_model(cfg: TrainConfig) -> str:
     """The warm-up a run starts from, built (and cached) if needed; its folder, or the model name for hub models."""
     if cfg.model.name != "tiny":
         return cfg.model.name
-    from ..tiny import warmed_up_model
+    from ..embedded.tiny import warmed_up_model
 
     _, _, path = warmed_up_model(Path(cfg.cache_dir).expanduser(), cfg.model.tiny, cfg.warmup)
     return str(path)

@@ -96,7 +96,7 @@ def trained_before(run: Run) -> bool:
 
 def warmup_path(cfg: TrainConfig) -> Path | None:
     """Where a run's warm-up is cached; None for a hub model, which has none."""
-    from ..tiny import warmup_cache_path
+    from ..embedded.tiny import warmup_cache_path
 
     if cfg.model.name != "tiny":
         return None

@@ -20,7 +20,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .verify import THINK_END
+from ..verify import THINK_END
 
 TEST_SHARE = 10  # one problem in TEST_SHARE goes to the test split
 STEP_PATTERN = re.compile(r"\d\+\d(?:\+\d)?=\d+:\d+")

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from ..data import THINK_END, build_prompt
 from .char_tokenizer import build_char_tokenizer
-from .data import THINK_END, build_prompt
 from .synthetic import problems
 
 

@@ -8,8 +8,9 @@ import string
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from ..data import THINK_END, THINK_START
+
 PAD, EOS, USER, ASSISTANT = "<pad>", "<eos>", "<|user|>", "<|assistant|>"
-THINK_START, THINK_END = "<think>", "</think>"
 UNK = "<unk>"
 SPECIAL_TOKENS = (PAD, EOS, UNK, USER, ASSISTANT, THINK_START, THINK_END)
 ALPHABET = string.digits + string.ascii_letters + string.punctuation + " \n"
