@@ -1,6 +1,8 @@
-"""The test seed; config overrides for a run of seconds (a 1-layer width-32 tiny model, a short warm-up, 4 prompts x
-4 samples, seeded from the test seed); a run's logged metrics (all, and the deterministic ones); and a free port for
-the launchers."""
+"""The test seed; the tiny model shapes the tests build; config overrides for a run of seconds (a 1-layer width-32
+tiny model, a short warm-up, 4 prompts x 4 samples, seeded from the test seed) and a run under them; a run's logged
+metrics (all, and the deterministic ones); and a free port for the launchers."""
+
+from __future__ import annotations
 
 import json
 import os
@@ -8,6 +10,11 @@ import random
 import shutil
 import socket
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fasttnt.trainer import Trainer
 
 # Fresh random inputs every run; FASTTNT_TEST_SEED=N replays a run (conftest prints the seed at the start and the
 # end of every run, and beside every failure). Set here so that the tests and the runs they launch share it.
@@ -15,14 +22,21 @@ SEED = int(os.environ.get("FASTTNT_TEST_SEED") or random.SystemRandom().randrang
 RUN_SEED = SEED % 1000
 """The seed of the runs the tests make (the trainer's and the warm-up's): the tests that train vary with it too."""
 
+TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "num_key_value_heads": 1}  # fmt: skip
+"""The tiny model of the runs of seconds (``TinyModelConfig(**TINY)``; SMALL's ``model.tiny`` overrides): width 32,
+one layer, 2 query heads of 16 dims sharing 1 key/value head."""
+TINY_4_HEADS = {**TINY, "num_attention_heads": 4, "num_key_value_heads": 2}
+"""TINY's width and layer over TinyModelConfig's default heads (4 query heads of 8 dims sharing 2 key/value heads)."""
+TINY_GQA = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2}  # fmt: skip
+"""Grouped-query attention as the Qwen2 models have it (4 query heads of 16 dims share 2 key/value heads), 2 layers:
+the model of tests/test_attention.py and tests/test_hf_engine.py."""
+
 SMALL = [
     f"seed={RUN_SEED}",
     f"warmup.seed={RUN_SEED}",
-    "model.tiny.hidden_size=32",
-    "model.tiny.intermediate_size=64",
-    "model.tiny.num_hidden_layers=1",
-    "model.tiny.num_attention_heads=2",
-    "model.tiny.num_key_value_heads=1",
+    *(f"model.tiny.{name}={value}" for name, value in TINY.items()),
     "warmup.steps=20",
     "warmup.batch_size=16",
     "rollout.prompts_per_step=4",
@@ -30,6 +44,29 @@ SMALL = [
     "rollout.max_new_tokens=24",
     "verify_workers=1",
 ]
+
+
+def short_run(*extra: str, steps: int = 4) -> list[str]:
+    """SMALL with 3 warm-up steps of 8, responses of up to 16 tokens, ``steps`` steps and a checkpoint every 2,
+    then ``extra``."""
+    return [*SMALL, "warmup.steps=3", "warmup.batch_size=8", "rollout.max_new_tokens=16", f"steps={steps}",
+            "save_every=2", *extra]  # fmt: skip
+
+
+def run_overrides(tmp_path: Path, *extra: str, steps: int = 4) -> list[str]:
+    """short_run's overrides with the test's own cache (``tmp_path / "cache"``)."""
+    return [f"cache_dir={tmp_path / 'cache'}", *short_run(*extra, steps=steps)]
+
+
+def train(tmp_path: Path, out: str, *overrides: str, resume: bool = False) -> tuple[Trainer, list[dict]]:
+    """Train under ``overrides`` into ``tmp_path / out`` (the cache in ``tmp_path / "cache"``, shared by a test's
+    runs): ``(trainer, rows)``, the trainer after its run and the metrics rows it logged."""
+    from fasttnt.config import load_config  # here, not at the top: conftest imports this module
+    from fasttnt.trainer import Trainer
+
+    trainer = Trainer(load_config(None, [f"cache_dir={tmp_path / 'cache'}", *overrides]), tmp_path / out, resume=resume)
+    trainer.run()
+    return trainer, metric_rows(tmp_path / out)
 
 
 LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -1,12 +1,14 @@
 """DAPO's dynamic sampling and overlong reward shaping, Dr. GRPO, and the named variants that combine them with a
-reward scheme: the pieces against their definitions, and real training steps of a very small model."""
+reward scheme: the pieces against their definitions, and real training steps of a very small model. A theme file,
+named after the algorithms: each one's pieces live in several modules (dynamic_sampling, rewards, variants, the verl
+scorer) and are tested together, no one module dominating."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import varied
-from small import SMALL, deterministic, metric_rows
+from small import deterministic, metric_rows, run_overrides
 
 from fasttnt.actor import Actor
 from fasttnt.cli import main as cli_main
@@ -18,12 +20,6 @@ from fasttnt.scoring import ScoredBatch
 from fasttnt.trainer import Trainer
 from fasttnt.variants import VariantError, check_variant, read_variants_file, split_variants, variant_overrides
 from fasttnt_kernels import TntRewards
-
-
-def _small(tmp_path, *extra: str) -> list[str]:
-    return [f"cache_dir={tmp_path / 'cache'}", *SMALL, "warmup.steps=3", "warmup.batch_size=8",
-            "rollout.max_new_tokens=16", "steps=2", "save_every=2", *extra]  # fmt: skip
-
 
 # -- overlong reward shaping --------------------------------------------------------------------------------------
 
@@ -139,7 +135,7 @@ def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tmp_path, m
     # construction. With 4 draws allowed each step takes exactly 2 draws and trains on their 4 varied groups; with
     # 1, the step reaches the cap and fills its batch with the 2 equal-reward groups (zero advantage)
     extra = ("rollout.dynamic_sampling=true", f"rollout.max_draws={max_draws}", "steps=3", varied.OVERRIDE)
-    cfg = load_config(None, _small(tmp_path, *extra))
+    cfg = load_config(None, run_overrides(tmp_path, *extra, steps=2))
     trainer = Trainer(cfg, tmp_path / "run")
     seen = []
     real_update, real_draw = Actor.update, Trainer._draw
@@ -183,7 +179,7 @@ def test_dynamic_sampling_with_one_draw_changes_nothing(tmp_path):
     # one draw and no more: the varied groups and the fills are the whole draw, in order, so the run is the plain
     # run's to the bit (weights and every deterministic metric)
     def run(name, *extra):
-        cfg = load_config(None, _small(tmp_path, varied.OVERRIDE, *extra))
+        cfg = load_config(None, run_overrides(tmp_path, varied.OVERRIDE, *extra, steps=2))
         rows = Trainer(cfg, tmp_path / name).run()
         from safetensors.torch import load_file
 
@@ -204,7 +200,9 @@ def test_resume_reproduces_a_dynamically_sampled_run(tmp_path):
     extra = ("rollout.dynamic_sampling=true", "rollout.max_draws=3", "steps=4", varied.OVERRIDE)
 
     def run(name, *more, resume=False):
-        Trainer(load_config(None, _small(tmp_path, *extra, *more)), tmp_path / name, resume=resume).run()
+        Trainer(
+            load_config(None, run_overrides(tmp_path, *extra, *more, steps=2)), tmp_path / name, resume=resume
+        ).run()
         return [deterministic(r) for r in metric_rows(tmp_path / name)]
 
     straight = run("straight")
@@ -218,7 +216,7 @@ def test_overlong_shaping_in_a_run(tmp_path):
     # costs penalty / budget, so the logged reward is the scheme's mean minus penalty * mean length / budget
     shaping = ("reward.overlong_buffer=16", "reward.overlong_penalty=0.5")
     rows = [
-        Trainer(load_config(None, _small(tmp_path, "steps=1", *extra)), tmp_path / name).run()
+        Trainer(load_config(None, run_overrides(tmp_path, "steps=1", *extra, steps=2)), tmp_path / name).run()
         for name, extra in (("plain", ()), ("shaped", shaping))
     ]
     for plain, shaped in zip(*rows, strict=True):
@@ -280,7 +278,14 @@ def test_variants_from_a_yaml_file(tmp_path):
 
 def test_train_takes_a_variant_and_the_overrides_win(tmp_path, capsys):
     out = tmp_path / "run"
-    args = ["train", "--variant", "tnt+dapo", "--output-dir", str(out), *_small(tmp_path, "rollout.max_draws=2")]
+    args = [
+        "train",
+        "--variant",
+        "tnt+dapo",
+        "--output-dir",
+        str(out),
+        *run_overrides(tmp_path, "rollout.max_draws=2", steps=2),
+    ]
     assert cli_main(args) == 0
     assert "dynamic sampling: " in capsys.readouterr().out  # the end-of-run summary says how many draws it took
     cfg = load_config(out / "config.yaml")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import varied
 from small import SMALL as SMALL_BASE
-from small import free_port, launch_command
+from small import free_port, launch_command, metric_rows
 
 pytest.importorskip("deepspeed")
 
@@ -32,10 +32,6 @@ def _launch(launcher: str, out: Path, cache: Path, *extra: str, resume: bool = F
     args = ["train", "--output-dir", str(out), *(["--resume"] if resume else []), f"cache_dir={cache}", *SMALL, *extra]
     return subprocess.run(launch_command(launcher, varied.MODULE, *args), capture_output=True, text=True, env=ENV,
                           timeout=HANG_S)  # fmt: skip
-
-
-def _metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 KEYS = ("loss", "grad_norm", "reward", "acc", "len", "non_thinking_ratio", "entropy", "kl", "clip_frac")
@@ -56,7 +52,7 @@ def single(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
     result = _launch("single", root / "single", root / "cache")
     assert result.returncode == 0, result.stderr[-3000:]
-    return root, _metrics(root / "single")
+    return root, metric_rows(root / "single")
 
 
 @pytest.mark.parametrize(("launcher", "stage"), [("deepspeed", 2), ("deepspeed", 3), ("torchrun", 2), ("torchrun", 3)])
@@ -66,7 +62,7 @@ def test_two_ranks_match_one_process(single, launcher, stage):
     result = _launch(launcher, out, root / "cache", f"distributed.zero_stage={stage}")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert all(r["grad_norm"] > 0 for r in expected), "a step without a gradient: the comparison would be vacuous"
-    _assert_same_run(_metrics(out), expected)
+    _assert_same_run(metric_rows(out), expected)
     _assert_same_weights(out / "final", root / "single" / "final", root / "cache")
 
 
@@ -96,7 +92,7 @@ def test_resume_with_the_same_ranks(single):
     assert (out / "checkpoints" / "step-000002" / "deepspeed").is_dir()  # the ranks' optimizer shards
     again = _launch("deepspeed", out, root / "cache", resume=True)
     assert again.returncode == 0, again.stderr[-3000:]
-    _assert_same_run(_metrics(out), expected)
+    _assert_same_run(metric_rows(out), expected)
 
 
 def test_the_rank_helpers_over_a_world_of_one(tmp_path):
@@ -220,7 +216,7 @@ def test_zero3_ranks_with_different_micro_batch_counts_match_one_process(tmp_pat
     assert single.returncode == 0, single.stderr[-3000:]
     ranks = _launch("deepspeed", tmp_path / "ranks", tmp_path / "cache", *extra, "distributed.zero_stage=3")
     assert ranks.returncode == 0, ranks.stdout[-2000:] + ranks.stderr[-4000:]
-    expected, got = _metrics(tmp_path / "single"), _metrics(tmp_path / "ranks")
+    expected, got = metric_rows(tmp_path / "single"), metric_rows(tmp_path / "ranks")
     _assert_same_run(got, expected)
     assert all(r["micro_batches"] == 5 for r in got)  # 1 + 4 per pass over the ranks: the construction holds
 
@@ -233,7 +229,7 @@ def test_dynamic_sampling_keeps_the_ranks_in_step(tmp_path):
     extra = ("rollout.dynamic_sampling=true", "rollout.max_draws=3", "steps=2", "save_every=2")
     result = _launch("torchrun", tmp_path / "ranks", tmp_path / "cache", *extra)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    rows = _metrics(tmp_path / "ranks")
+    rows = metric_rows(tmp_path / "ranks")
     # each rank's share of a draw (2 prompts) holds one group whose rewards differ (tests/varied.py): both need a
     # second draw, and then have enough
     assert [(r["step"], r["draws"], r["filled_groups"]) for r in rows] == [(1, 2, 0), (2, 2, 0)]

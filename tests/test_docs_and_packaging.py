@@ -1,5 +1,6 @@
 """The READMEs' code runs as written, their commands and keys are the CLI's and the config's, the reference pages
-cover every config key and logged metric, the CLI works, and the kernel library installs on its own."""
+cover every config key and logged metric, the CLI works, and the kernel library installs on its own. A theme file:
+what a user reads and installs, checked against every module it describes."""
 
 from __future__ import annotations
 

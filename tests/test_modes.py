@@ -13,7 +13,7 @@ import pytest
 import torch
 import varied
 from safetensors.torch import load_file
-from small import SMALL, deterministic, metric_rows
+from small import TINY, deterministic, metric_rows, run_overrides
 
 from fasttnt.actor import Actor
 from fasttnt.config import ConfigError, load_config
@@ -158,8 +158,7 @@ def test_under_decoupled_the_row_gate_reads_the_advantage_of_the_rows_first_toke
 
 def test_requests_of_all_free_rows_are_the_plain_ones_bit_for_bit():
     # modes of FREE for every row make the same prefill and the same samples as no modes
-    model = build_tiny_model(TOK, TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                                  num_attention_heads=2, num_key_value_heads=1), seed=0)  # fmt: skip
+    model = build_tiny_model(TOK, TinyModelConfig(**TINY), seed=0)
     engine = HFEngine(model, TOK, EngineSettings(max_new_tokens=12))
     prompts = [build_prompt(TOK, p.problem) for p in held_out(2)]
     plain = engine.generate(prompts, 3, seed=5)
@@ -172,11 +171,6 @@ def test_requests_of_all_free_rows_are_the_plain_ones_bit_for_bit():
     assert mixed.forced.tolist() == [1, 2, 0] * len(prompts)
     assert all(r[0] == END for r in mixed.responses[::3]) and all(r[0] != END for r in mixed.responses[1::3])
     assert mixed.responses[2::3] == plain.responses[2::3]  # a free row samples as it would in a free group
-
-
-def _small(tmp_path, *extra: str) -> list[str]:
-    return [f"cache_dir={tmp_path / 'cache'}", *SMALL, "warmup.steps=3", "warmup.batch_size=8",
-            "rollout.max_new_tokens=16", "steps=2", "save_every=2", varied.OVERRIDE, *extra]  # fmt: skip
 
 
 @pytest.mark.parametrize("rule", ["mixture", "half", "policy"])
@@ -199,7 +193,7 @@ def test_a_mode_mixed_run_trains_both_modes_against_their_behaviour(tmp_path, mo
     codes = [1, 0, 0, 0] if rule == "half" else [1, 2, 2, 0]
     extra = ("rollout.forced_non_thinking=0.25", f"rollout.forced_thinking={thinking}", f"loss.mode_token_logp={rule}",
              f"loss.mode_token_floor={floor}", "loss.mode_token_floor_gate=row")  # fmt: skip
-    trainer = Trainer(load_config(None, _small(tmp_path, *extra)), tmp_path / "run")
+    trainer = Trainer(load_config(None, run_overrides(tmp_path, varied.OVERRIDE, *extra, steps=2)), tmp_path / "run")
     rows = trainer.run()
     assert all(r["grad_norm"] > 0 for r in rows)
     for row in rows:  # logged: what the model chooses unforced, and its own probability of answering directly
@@ -252,8 +246,8 @@ def test_a_mode_mixed_run_trains_both_modes_against_their_behaviour(tmp_path, mo
 
 def test_forced_responses_are_scored_as_free_ones(tmp_path):
     # the TNT reward of a mode-mixed draw is the kernel's on the same responses: no special case for forced rows
-    trainer = Trainer(load_config(None, _small(tmp_path, "rollout.forced_non_thinking=0.5", "reward.scheme=tnt")),
-                      tmp_path / "run")  # fmt: skip
+    cfg = run_overrides(tmp_path, varied.OVERRIDE, "rollout.forced_non_thinking=0.5", "reward.scheme=tnt", steps=2)
+    trainer = Trainer(load_config(None, cfg), tmp_path / "run")
     draw = trainer._draw(1, 0, PhaseClock())
     want = tnt_rewards(draw.batch.response_ids, draw.batch.cu_seqlens, draw.correct, 4, END)
     assert draw.batch.forced is not None and (draw.rewards.non_thinking[::4]).all()
@@ -263,7 +257,7 @@ def test_forced_responses_are_scored_as_free_ones(tmp_path):
 
 def test_a_share_of_zero_is_todays_run(tmp_path):
     def run(name, *extra):
-        Trainer(load_config(None, _small(tmp_path, *extra)), tmp_path / name).run()
+        Trainer(load_config(None, run_overrides(tmp_path, varied.OVERRIDE, *extra, steps=2)), tmp_path / name).run()
         return metric_rows(tmp_path / name), load_file(tmp_path / name / "final" / "model.safetensors")
 
     plain, w_plain = run("plain")
@@ -277,8 +271,8 @@ def test_a_share_of_zero_is_todays_run(tmp_path):
 
 def test_a_group_without_free_rows_logs_no_free_choice(tmp_path):
     # half forced direct, half forced thinking: no row chooses, so there is no free share to log (not a 0)
-    cfg = load_config(None, _small(tmp_path, "steps=1", "rollout.forced_non_thinking=0.5",
-                                   "rollout.forced_thinking=0.5"))  # fmt: skip
+    cfg = load_config(None, run_overrides(tmp_path, varied.OVERRIDE, "steps=1", "rollout.forced_non_thinking=0.5",
+                                          "rollout.forced_thinking=0.5", steps=2))  # fmt: skip
     row = Trainer(cfg, tmp_path / "run").run()[0]
     assert row["non_thinking_ratio"] == 0.5 and 0 < row["think_end_prob"] < 1
     assert "free_non_thinking_ratio" not in row
@@ -350,8 +344,8 @@ def test_the_batch_balance_in_a_run(tmp_path, forced):
     mix = [f"rollout.forced_non_thinking={direct}", f"rollout.forced_thinking={think}"] if direct else []
     rows = {}
     for name, extra in (("plain", ()), ("balanced", ("reward.mode_balance=true",))):
-        cfg = load_config(None, [*_small(tmp_path, "steps=1", *mix, *extra), "reward.scheme=tnt",
-                                 "reward.balance_gamma=0.4"])  # fmt: skip
+        cfg = load_config(None, [*run_overrides(tmp_path, varied.OVERRIDE, "steps=1", *mix, *extra, steps=2),
+                                 "reward.scheme=tnt", "reward.balance_gamma=0.4"])  # fmt: skip
         rows[name] = Trainer(cfg, tmp_path / name).run()[0]
     key = "free_non_thinking_ratio" if direct else "non_thinking_ratio"
     nt = rows["plain"][key]
@@ -371,7 +365,10 @@ def test_the_ellipsis_prompt_in_training_and_evaluation(tmp_path, monkeypatch):
     r1_plain, r1_ellipsis = (build_prompt(r1, "1+2", style=s).text for s in ("plain", "ellipsis"))
     assert r1_plain.endswith("<think>\n"), "the construction: a template whose prompt ends in whitespace"
     assert r1_ellipsis == plain.rstrip() + "\n...\n" and not r1_ellipsis.endswith("<think>\n\n...\n")
-    trainer = Trainer(load_config(None, _small(tmp_path, "data.prompt_style=ellipsis")), tmp_path / "run")
+    trainer = Trainer(
+        load_config(None, run_overrides(tmp_path, varied.OVERRIDE, "data.prompt_style=ellipsis", steps=2)),
+        tmp_path / "run",
+    )
     prompt = trainer.parts.prompt(held_out(1)[0])
     assert prompt.text.endswith("<think>\n...\n")
     trainer.verifier.close()
@@ -381,8 +378,7 @@ def test_the_ellipsis_prompt_in_training_and_evaluation(tmp_path, monkeypatch):
     real = evaluate.build_prompt
     monkeypatch.setattr(evaluate, "build_prompt", lambda *a, **kw: styles.append(kw["style"]) or real(*a, **kw))
     model = tmp_path / "model"
-    shape = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                            num_key_value_heads=1)  # fmt: skip
+    shape = TinyModelConfig(**TINY)
     build_tiny_model(TOK, shape).save_pretrained(model)
     TOK.save_pretrained(model)
     from fasttnt.cli import main as cli_main
@@ -472,8 +468,8 @@ def test_a_decoupled_run_gives_the_mode_token_the_modes_gap(tmp_path, monkeypatc
 
     monkeypatch.setattr(Actor, "update", update)
     # a forced thinking row in every group: both modes in each, and acc_thinking logged at every step
-    cfg = load_config(None, _small(tmp_path, "rollout.forced_non_thinking=0.5", "rollout.forced_thinking=0.25",
-                                   "loss.mode_advantage=decoupled"))  # fmt: skip
+    extra = ("rollout.forced_non_thinking=0.5", "rollout.forced_thinking=0.25", "loss.mode_advantage=decoupled")
+    cfg = load_config(None, run_overrides(tmp_path, varied.OVERRIDE, *extra, steps=2))
     rows = Trainer(cfg, tmp_path / "run").run()
     assert all(r["grad_norm"] > 0 for r in rows)
     for row in rows:  # the accuracies by mode, and by level on the synthetic task

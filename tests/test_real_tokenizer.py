@@ -1,7 +1,8 @@
 # ruff: noqa: RUF001  (R1-Distill's token names are spelt with fullwidth bars, on purpose)
 """At the real vocabulary: R1-Distill-Qwen's tokenizer rebuilt from Qwen's BPE ranks, V = 151,936, a narrow model
 (benchmarks/qwen_standin.py, shape "test"): the prompt, </think>, EOS, truncation, the solution length in BPE
-tokens, a run on a local file, its export and an eval of it."""
+tokens, a run on a local file, its export and an eval of it. A theme file: the one vocabulary through data, rewards,
+the hf engine, the trainer and evaluation, which the module files test at the char tokenizer."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Reward schemes on hand-worked packed batches, and the metrics on hand-worked examples."""
+"""Reward schemes on hand-worked packed batches, and the metrics on hand-worked examples. A theme file over
+fasttnt/rewards.py, scoring.py and metrics.py: the same hand-worked batches are scored, rewarded and measured."""
 
 from __future__ import annotations
 

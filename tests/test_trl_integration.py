@@ -11,6 +11,7 @@ import torch
 trl = pytest.importorskip("trl")
 
 from datasets import Dataset  # noqa: E402
+from small import TINY_4_HEADS  # noqa: E402
 
 from fasttnt.data import build_prompt  # noqa: E402
 from fasttnt.embedded.char_tokenizer import build_char_tokenizer  # noqa: E402
@@ -20,8 +21,7 @@ from fasttnt.engines import pack_sequences  # noqa: E402
 from fasttnt.integrations.trl import SUPPORTED_LOSS_TYPES, FastTNTGRPOTrainer, TNTReward  # noqa: E402
 from fasttnt.rewards import PackedResponses, RewardConfig, compute_rewards, overlong_shaping  # noqa: E402
 
-SHAPE = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                        num_key_value_heads=2)  # fmt: skip
+SHAPE = TinyModelConfig(**TINY_4_HEADS)
 K = 4  # completions per prompt
 
 

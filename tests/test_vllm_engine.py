@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import vllm_standin
-from small import LAUNCHER_ENV, SMALL, deterministic, metric_rows
+from small import LAUNCHER_ENV, SMALL, TINY_4_HEADS, deterministic, metric_rows, train
 from transformers import AutoModelForCausalLM
 
 from fasttnt.checkpoint import list_checkpoints
@@ -37,16 +37,8 @@ def standin(monkeypatch):
     return vllm_standin.install(monkeypatch)
 
 
-def _train(tmp_path: Path, out: str, *extra: str, resume: bool = False) -> tuple[Trainer, list[dict]]:
-    cfg = load_config(None, [f"cache_dir={tmp_path / 'cache'}", *OVERRIDES, *extra])
-    trainer = Trainer(cfg, tmp_path / out, resume=resume)
-    trainer.run()
-    rows = metric_rows(tmp_path / out)
-    return trainer, rows
-
-
 def test_three_steps_follow_vllms_sleep_rules(tmp_path, standin):
-    trainer, rows = _train(tmp_path, "run")
+    trainer, rows = train(tmp_path, "run", *OVERRIDES)
     built = standin.LLM.built
     assert len(built) == 1
     assert built[0]["distributed_executor_backend"] == "external_launcher" and built[0]["tensor_parallel_size"] == 1
@@ -64,8 +56,8 @@ def test_three_steps_follow_vllms_sleep_rules(tmp_path, standin):
 
 
 def test_resume_pushes_the_checkpoint_and_restores_the_rng(tmp_path, standin):
-    _, straight = _train(tmp_path, "straight")
-    _train(tmp_path, "resumed", "steps=2")
+    _, straight = train(tmp_path, "straight", *OVERRIDES)
+    train(tmp_path, "resumed", *OVERRIDES, "steps=2")
     cfg = load_config(None, [f"cache_dir={tmp_path / 'cache'}", *OVERRIDES])
     trainer = Trainer(cfg, tmp_path / "resumed", resume=True)
     # vLLM reseeds the global RNGs when it starts: the checkpoint's state must be the one in force after it
@@ -111,7 +103,7 @@ def test_evaluation_builds_one_engine_per_model_and_frees_it(tmp_path, standin):
     models = []
     for seed in (0, 1):
         folder = tmp_path / f"model{seed}"
-        build_tiny_model(tok, TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1), seed=seed)\
+        build_tiny_model(tok, TinyModelConfig(**TINY_4_HEADS), seed=seed)\
             .save_pretrained(folder)  # fmt: skip
         tok.save_pretrained(folder)
         models.append(str(folder))
@@ -131,7 +123,7 @@ def test_dynamic_sampling_pushes_the_weights_once_per_step(tmp_path, standin):
     # 0), so no group's rewards differ and every step takes all 3 draws
     extra = ("rollout.dynamic_sampling=true", "rollout.max_draws=3", "steps=2", "reward.scheme=binary",
              "reward.think_correct=0")  # fmt: skip
-    _, rows = _train(tmp_path, "run", *extra)
+    _, rows = train(tmp_path, "run", *OVERRIDES, *extra)
     assert [(r["draws"], r["filled_groups"]) for r in rows] == [(3, 4), (3, 4)]
     log = standin.LLM.logs[0]
     assert "sleep-ignored" not in log
@@ -199,7 +191,7 @@ def _engine_folder(tmp_path: Path):
     from fasttnt.embedded.tiny import TinyModelConfig, build_tiny_model
 
     tok = build_char_tokenizer()
-    shape = TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    shape = TinyModelConfig(**TINY_4_HEADS)
     build_tiny_model(tok, shape).save_pretrained(tmp_path / "model")
     tok.save_pretrained(tmp_path / "model")
     return tok, str(tmp_path / "model")
@@ -305,7 +297,7 @@ def test_a_prefix_cache_that_was_not_reset_stops_the_push(tmp_path, standin, mon
 
 def test_a_second_eos_id_of_the_generation_config_ends_a_response(tmp_path, standin):
     # the generation config lists <|user|> beside the tokenizer's <eos>: the engine asks vLLM to stop at both, and
-    # its truncation flags and the texts count either as the end, as the hf engine's (test_hf_generation.py)
+    # its truncation flags and the texts count either as the end, as the hf engine's (test_hf_engine.py)
     from transformers import GenerationConfig
 
     from fasttnt.data import PromptMode, build_prompt

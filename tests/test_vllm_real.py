@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import subprocess
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,10 +17,9 @@ import torch
 vllm = pytest.importorskip("vllm")
 
 import varied  # noqa: E402
-from small import LAUNCHER_ENV, deterministic, launch_command, metric_rows  # noqa: E402
+from small import LAUNCHER_ENV, deterministic, launch_command, metric_rows, train  # noqa: E402
 
 from fasttnt.cli import main as cli_main  # noqa: E402
-from fasttnt.config import load_config  # noqa: E402
 from fasttnt.data import PromptMode, build_prompt, think_end_token_id  # noqa: E402
 from fasttnt.embedded.char_tokenizer import build_char_tokenizer  # noqa: E402
 from fasttnt.embedded.synthetic import held_out  # noqa: E402
@@ -29,12 +27,13 @@ from fasttnt.embedded.tiny import TinyModelConfig, WarmupConfig, build_tiny_mode
 from fasttnt.engines import EngineSettings, build_engine  # noqa: E402
 from fasttnt.engines.vllm import VLLMEngine  # noqa: E402
 from fasttnt.evaluate import EvalSettings, run_eval  # noqa: E402
-from fasttnt.trainer import Trainer  # noqa: E402
 
-# vLLM's CPU attention takes head sizes 32, 64, ... (vllm/v1/attention/backends/cpu_attn.py): width 64 over 2 heads.
+# vLLM's CPU attention takes head sizes 32, 64, ... (vllm/v1/attention/backends/cpu_attn.py): width 64 over 2 heads,
+# not tests/small.py's TINY (head size 16).
 # Tied embeddings, as the embedded default's; a learning rate and an entropy bonus that move every weight every step
-SHAPE = ["model.tiny.hidden_size=64", "model.tiny.intermediate_size=128", "model.tiny.num_hidden_layers=2",
-         "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=1"]  # fmt: skip
+VLLM_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "num_key_value_heads": 1}  # fmt: skip
+SHAPE = [f"model.tiny.{name}={value}" for name, value in VLLM_TINY.items()]
 RUN = [*SHAPE, "warmup.steps=20", "warmup.batch_size=16", "rollout.prompts_per_step=4", "rollout.group_size=4",
        "rollout.max_new_tokens=16", "verify_workers=1", "rollout.engine=vllm", "optim.lr=1e-2",
        "optim.warmup_steps=0", "loss.entropy_coef=0.01", varied.OVERRIDE, "save_every=1000"]  # fmt: skip
@@ -47,17 +46,11 @@ def _single_process(monkeypatch):
         monkeypatch.delenv(key, raising=False)
 
 
-def _train(tmp_path: Path, out: str, *extra: str, resume: bool = False) -> list[dict]:
-    cfg = load_config(None, [f"cache_dir={tmp_path / 'cache'}", *RUN, *extra])
-    Trainer(cfg, tmp_path / out, resume=resume).run()
-    return metric_rows(tmp_path / out)
-
-
 def test_twenty_steps_sample_from_the_trainers_current_weights(tmp_path):
     # the engine's log-prob of every sampled token equals the trainer's (float32 both): its weights, the tied
     # embedding included, are the trainer's of that step. A stale push shows as ~0.1-2 (the weights move by ~lr)
     with pytest.warns(UserWarning, match="no sleep mode on cpu"):  # sleep_between_rollouts' default, on a CPU
-        rows = _train(tmp_path, "run", "steps=20")
+        _, rows = train(tmp_path, "run", *RUN, "steps=20")
     assert [r["step"] for r in rows] == list(range(1, 21))
     assert all(r["grad_norm"] > 0 for r in rows), "a step without a gradient: the weights would not move"
     for row in rows:
@@ -99,15 +92,15 @@ def test_under_top_p_the_guard_is_off_and_says_so(tmp_path):
     # the engine's log-probs are renormalised over the nucleus, the trainer's are not: they differ by design, so the
     # guard cannot tell stale weights from top-p. The run trains, warns once that nothing checks the weights
     with pytest.warns(UserWarning, match=r"rollout.max_logp_diff: the stale-weight guard is off at rollout.top_p=0.5"):
-        rows = _train(tmp_path, "run", "steps=2", "rollout.top_p=0.5", "loss.mini_batches=2")
+        _, rows = train(tmp_path, "run", *RUN, "steps=2", "rollout.top_p=0.5", "loss.mini_batches=2")
     assert [r["step"] for r in rows] == [1, 2]
     assert max(r["rollout_logp_diff"] for r in rows) > 0.1, "the construction: what the guard would have stopped"
 
 
 def test_resume_after_step_ten_reproduces_the_straight_run(tmp_path):
-    straight = _train(tmp_path, "straight", "steps=12", "save_every=10")
-    _train(tmp_path, "resumed", "steps=10", "save_every=10")
-    resumed = _train(tmp_path, "resumed", "steps=12", "save_every=10", resume=True)
+    _, straight = train(tmp_path, "straight", *RUN, "steps=12", "save_every=10")
+    train(tmp_path, "resumed", *RUN, "steps=10", "save_every=10")
+    _, resumed = train(tmp_path, "resumed", *RUN, "steps=12", "save_every=10", resume=True)
     assert [r["step"] for r in resumed] == list(range(1, 13))
     # the resumed engine loads the warm-up from disk: its first rollout must come from the checkpoint's weights
     assert [deterministic(r) for r in resumed] == [deterministic(r) for r in straight]
@@ -117,7 +110,7 @@ def test_dynamic_sampling_draws_with_one_push_per_step(tmp_path, monkeypatch):
     pushes = []
     real_sync = VLLMEngine.sync_weights
     monkeypatch.setattr(VLLMEngine, "sync_weights", lambda self, m: pushes.append(1) or real_sync(self, m))
-    rows = _train(tmp_path, "run", "steps=3", "rollout.dynamic_sampling=true", "rollout.max_draws=3")
+    _, rows = train(tmp_path, "run", *RUN, "steps=3", "rollout.dynamic_sampling=true", "rollout.max_draws=3")
     # tests/varied.py: 2 of each draw's 4 groups have rewards that differ, so each step takes exactly 2 draws
     assert [(r["draws"], r["filled_groups"]) for r in rows] == [(2, 0)] * 3
     assert len(pushes) == 1 + len(rows)  # before the first rollout, then after each update: not per draw
@@ -158,8 +151,7 @@ def trained(tmp_path_factory) -> str:
     """A tiny model warmed up on 1-digit sums until it answers some right (~65% after 400 steps, 10 s)."""
     torch.manual_seed(0)
     tok = build_char_tokenizer()
-    shape = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                            num_key_value_heads=1)  # fmt: skip
+    shape = TinyModelConfig(**VLLM_TINY)
     model = build_tiny_model(tok, shape, seed=0)
     warmup(model, tok, WarmupConfig(steps=400, batch_size=32, levels=(1,), warmup_steps=20))
     path = tmp_path_factory.mktemp("trained") / "model"
@@ -201,8 +193,7 @@ def test_forced_modes_against_vllm(tmp_path):
     # sample it first, and must report the first token's log-prob under the renormalised distribution
     tok = build_char_tokenizer()
     end = think_end_token_id(tok)
-    model = build_tiny_model(tok, TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                                  num_attention_heads=2, num_key_value_heads=1), seed=0)  # fmt: skip
+    model = build_tiny_model(tok, TinyModelConfig(**VLLM_TINY), seed=0)
     problem = held_out(1)[0].problem
     prompt = build_prompt(tok, problem)
     ids = torch.tensor([tok(prompt.text, add_special_tokens=False)["input_ids"]])
@@ -246,7 +237,9 @@ def test_mode_mixed_rollouts_through_vllm(tmp_path, monkeypatch):
     seen = []
     real_update = Actor.update
     monkeypatch.setattr(Actor, "update", lambda self, batch, *a: seen.append(batch) or real_update(self, batch, *a))
-    rows = _train(tmp_path, "run", "steps=2", "rollout.forced_non_thinking=0.25", "rollout.forced_thinking=0.25")
+    _, rows = train(
+        tmp_path, "run", *RUN, "steps=2", "rollout.forced_non_thinking=0.25", "rollout.forced_thinking=0.25"
+    )
     end = think_end_token_id(build_char_tokenizer())
     for batch in seen:
         first = [r[0] for r in batch.responses]

@@ -1,17 +1,24 @@
-"""One type per concept from the config to the kernel: the loss settings a user writes under ``loss.*`` become the
-kernel's own ``PolicyLossConfig`` (the very object the fused loss receives), the reward table under ``reward.*``
-the kernel's own ``RewardValues``; each is validated once, by the kernel type, its errors named by the config key."""
+"""fasttnt/config.py: loading (the shipped configs, YAML errors), overrides and validation, every error one line
+named by its key; one type per concept from the config to the kernel: the loss settings a user writes under
+``loss.*`` become the kernel's own ``PolicyLossConfig`` (the very object the fused loss receives), the reward table
+under ``reward.*`` the kernel's own ``RewardValues``, each validated once, by the kernel type; what a resume may
+change."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
 from fasttnt import policy, rewards
+from fasttnt.cli import main as cli_main
 from fasttnt.config import ConfigError, TrainConfig, load_config, with_overrides
 from fasttnt.policy import MicroBatchLossInputs
 from fasttnt.rewards import PackedResponses, RewardConfig, compute_rewards
 from fasttnt_kernels import PolicyLossConfig, PolicyLossInputs, RewardValues, SettingError
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_loss_section_builds_the_kernels_config():
@@ -94,3 +101,59 @@ def test_a_bad_reward_limit_is_the_kernels_error_named_by_its_key(overrides, key
     with pytest.raises(ConfigError, match=f"^reward\\.{key}: must be ") as err:
         load_config(None, overrides)
     assert "got" in str(err.value)  # the kernel's reason, with the value
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["rollout.group_size=eight"], "rollout.group_size: expected an int, got 'eight'"),
+        (["rollout.gruop_size=4"], "rollout.gruop_size: unknown key"),
+        (["rollout.group_size=1"], "rollout.group_size: 1 sample per prompt has no group std"),
+        (["loss.mini_batches=3"], "loss.mini_batches: 3 mini-batches do not divide rollout.prompts_per_step=32"),
+        (["data.train=/no/such/file.jsonl"], "data.train: /no/such/file.jsonl does not exist"),
+        (["reward.scheme=adaptive"], "reward.scheme: unknown"),
+        (["--config", "/no/such.yaml"], "--config: /no/such.yaml does not exist"),
+        (["steps"], "steps: overrides are key=value"),
+        (["model.name=/no/such/model"], "model.name: /no/such/model is not a folder"),
+        (["loss.rollout_correction=tokens"], "loss.rollout_correction: 'tokens' is not one of"),
+    ],
+)
+def test_config_errors_name_the_key_and_exit_2(capsys, tmp_path, args, message):
+    assert cli_main(["train", "--output-dir", str(tmp_path / "never"), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "never").exists(), "nothing may start before the config is valid"
+
+
+def test_a_yaml_syntax_error_names_the_file_line_and_column(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("steps: 3\nrollout:\n  group_size: [1, 2\n")
+    assert cli_main(["train", "--config", str(bad), "--output-dir", str(tmp_path / "never")]) == 2
+    err = capsys.readouterr().err
+    assert f"--config: {bad}:4:1: not valid YAML: while parsing a flow sequence" in err and err.count("\n") == 1
+
+
+def test_shipped_configs_load_and_validate():
+    configs = sorted((ROOT / "configs").glob("*.yaml"))
+    assert {p.name for p in configs} >= {
+        "tiny.yaml",
+        "r1-distill-qwen-1.5b.yaml",
+        "deepscaler-1.5b.yaml",
+        "r1-distill-qwen-7b.yaml",
+    }
+    for path in configs:
+        load_config(path)
+    assert load_config(ROOT / "configs" / "tiny.yaml") == TrainConfig(), "tiny.yaml must be the embedded default"
+    real = load_config(ROOT / "configs" / "r1-distill-qwen-1.5b.yaml")
+    assert real.rollout.prompts_per_step == 128 and real.optim.lr == 1e-6 and real.loss.kl_coef == 0.0
+
+
+def test_changed_keys_names_what_differs_and_what_only_one_config_has():
+    from fasttnt.config import TrainConfig, changed_keys, to_dict
+
+    old, new = to_dict(TrainConfig()), to_dict(TrainConfig())
+    assert changed_keys(old, new) == []
+    old["rollout"]["group_size"] = 16
+    old["steps"] = 7  # safe on resume
+    del old["loss"]["rollout_correction_cap"]  # a key the checkpoint's config does not have
+    assert changed_keys(old, new) == ["loss.rollout_correction_cap", "rollout.group_size"]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from small import TINY_4_HEADS, TINY_GQA
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -128,8 +129,7 @@ def _model(arch: str, *, think_end_bias: float = 0.0, seed: int = 3):
     biases on EOS (responses of very different lengths) and on ``</think>``."""
     tok = build_char_tokenizer()
     if arch == "qwen2":
-        cfg = TinyModelConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                              num_key_value_heads=2)  # fmt: skip
+        cfg = TinyModelConfig(**TINY_GQA)
         model = build_tiny_model(tok, cfg, seed=seed)
     else:
         torch.manual_seed(seed)
@@ -304,7 +304,7 @@ def _saved_model(folder, eos_token_id, *, generation_config: bool = True):
     """A tiny model over the char tokenizer, both saved in ``folder``, whose config (and generation config, unless
     left out: a folder without generation_config.json) names ``eos_token_id`` (an int or a list)."""
     tok = build_char_tokenizer()
-    model = build_tiny_model(tok, TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1))
+    model = build_tiny_model(tok, TinyModelConfig(**TINY_4_HEADS))
     model.config.eos_token_id = model.generation_config.eos_token_id = eos_token_id
     model.save_pretrained(folder)
     tok.save_pretrained(folder)

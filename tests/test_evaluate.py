@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from small import TINY
 
 import fasttnt.evaluate as evaluate
 from fasttnt.cli import main as cli_main
@@ -21,9 +22,7 @@ def _tiny(tmp_path: Path, name: str, seed: int) -> str:
     tok = build_char_tokenizer()
     model = build_tiny_model(
         tok,
-        TinyModelConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
-        ),
+        TinyModelConfig(**TINY),
         seed=seed,
     )
     warmup(model, tok, WarmupConfig(steps=5, batch_size=16, seed=seed))

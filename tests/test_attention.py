@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from small import TINY_GQA
 
 from fasttnt.attention import Packing, varlen_attention
 from fasttnt.data import build_prompt
@@ -23,8 +24,7 @@ from fasttnt.policy import PolicyHead, plan_micro_batches, response_logprobs
 
 TEMPERATURE = 0.7
 # grouped-query attention (4 query heads share 2 key/value heads), as the Qwen2 models
-GQA = TinyModelConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2)  # fmt: skip
+GQA = TinyModelConfig(**TINY_GQA)
 
 
 def _model(seed: int = 1):

@@ -1,0 +1,212 @@
+"""fasttnt/actor.py: the update on one batch (it lowers the loss; micro-batched equals one forward; skipping
+zero-advantage sequences changes nothing, keeps the ones the entropy or KL term still pulls on, and an all-skipped
+step still steps); the old log-probs the mini-batches train against; the engine guard's per-token mean. Real tiny
+models, seconds each."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import varied
+from small import run_overrides, short_run, train
+
+from fasttnt.actor import Actor
+from fasttnt.config import load_config
+from fasttnt.data import build_prompt
+from fasttnt.embedded.synthetic import held_out
+from fasttnt.policy import plan_micro_batches
+from fasttnt.trainer import Trainer
+
+
+def test_one_update_lowers_the_loss_on_its_batch(tmp_path):
+    # a small step (AdamW moves each weight by ~lr): the first-order decrease dominates on any machine
+    cfg = load_config(None, run_overrides(tmp_path, "optim.lr=1e-3", "optim.warmup_steps=0"))
+    trainer = Trainer(cfg, tmp_path / "run")
+    batch = trainer.engine.generate([build_prompt(trainer.tokenizer, p.problem) for p in held_out(2)], 4, seed=0)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5]).repeat(batch.lengths.numel() // 4)  # (S,)
+    old = trainer.actor.logprobs(trainer.model, batch, zero3_collectives=False)
+
+    def loss_now():
+        from fasttnt_kernels import clipped_policy_loss
+
+        logp = trainer.actor.logprobs(trainer.model, batch, zero3_collectives=False)
+        return clipped_policy_loss(logp, old, advantages, batch.cu_seqlens)[0].item()
+
+    before = loss_now()
+    trainer.actor.update(batch, advantages, old, None)
+    after = loss_now()
+    assert after < before, f"loss {before:.5f} -> {after:.5f}"
+    trainer.verifier.close()
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batched_update_equals_the_one_forward_update(tmp_path, agg):
+    # the same mini-batch through one forward and through micro-batches of <= 40 tokens (several per mini-batch,
+    # some holding one sequence): loss, gradient norm and the weights after the step agree. AdamW's first step moves
+    # a weight by lr g / (|g| + eps): at eps = 1e-8 a gradient element that cancels to ~1e-9 turns the summation
+    # order's rounding into a visible step (seeds 2 and 3 moved one weight by 1e-4 relative); at eps = 1 the step is
+    # ~lr g, linear in the gradient, so the weights compare the gradients themselves
+    results = []
+    for budget in (100_000, 64):
+        cfg = load_config(
+            None, run_overrides(tmp_path, f"micro_batch_tokens={budget}", f"loss.agg={agg}", "optim.warmup_steps=0",
+                                "loss.entropy_coef=0.01", "loss.rollout_correction=token-truncate", "optim.eps=1.0",
+                                "optim.lr=1.0"),
+        )  # fmt: skip
+        trainer = Trainer(cfg, tmp_path / f"run-{budget}")
+        prompts = [build_prompt(trainer.tokenizer, p.problem) for p in held_out(2)]
+        batch = trainer.engine.generate(prompts, 4, seed=3)
+        advantages = torch.linspace(-1.5, 1.5, batch.lengths.numel())  # (S,) all different: every token moves
+        n_micro = len(plan_micro_batches(batch, budget))
+        # the rollout correction needs the old log-probs
+        old_logp = trainer.actor.logprobs(trainer.actor.policy, batch, zero3_collectives=False)
+        before = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+        metrics = trainer.actor.update(batch, advantages, old_logp, None)
+        after = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+        results.append((n_micro, {k: float(v) for k, v in metrics.items()}, before, after))
+        trainer.verifier.close()
+    (n_one, one, w0, w_one), (n_many, many, _, w_many) = results
+    assert n_one == 1 and n_many >= 3
+    assert one["grad_norm"] > 0 and one["clip_frac"] == 0  # a gradient to compare; on-policy, nothing clipped
+    for name in ("loss", "grad_norm", "entropy", "clip_frac", "rollout_logp_diff", "rollout_is_mean"):
+        assert one[name] == pytest.approx(many[name], rel=1e-5, abs=1e-7), name
+    # the gradients' float32 sums in another order: ~1e-6 of the largest step; each weight's own float32 rounding
+    # after the step: half an ulp of it in each run
+    step = (w_one - w0).abs().max()
+    assert step > 0
+    tolerance = 1e-5 * step + 2 * 2**-24 * w_one.abs()
+    assert ((w_many - w_one).abs() <= tolerance).all(), ((w_many - w_one).abs() / tolerance).max()
+
+
+@pytest.mark.parametrize(
+    "agg, extra",
+    [
+        ("token-mean", ()),
+        ("seq-mean-token-mean", ("loss.rollout_correction=token-truncate",)),
+        ("seq-mean-token-sum-norm", ("loss.norm_length=64", "loss.ppo_epochs=2", "loss.dual_clip=3")),
+    ],
+)
+def test_skipping_zero_advantage_sequences_leaves_the_update_unchanged(tmp_path, agg, extra):
+    # the same batch through the update with and without the skip: half the sequences (whole groups and single
+    # ones) have an advantage of exactly 0; the normalisers count them either way, so the loss, the gradient and
+    # the weights after the step agree. AdamW at eps = 1, where its step is linear in the gradient: with two epochs
+    # the second gradient is taken at the weights the first step left (test_micro_batched_update_equals_...)
+    results = []
+    for skip in (False, True):
+        cfg = load_config(
+            None, run_overrides(tmp_path, f"loss.agg={agg}", "optim.warmup_steps=0", "micro_batch_tokens=64",
+                                f"loss.skip_zero_advantage={skip}", "optim.eps=1.0", *extra),
+        )  # fmt: skip
+        trainer = Trainer(cfg, tmp_path / f"run-{skip}")
+        prompts = [build_prompt(trainer.tokenizer, p.problem) for p in held_out(3)]
+        batch = trainer.engine.generate(prompts, 4, seed=3)
+        advantages = torch.linspace(-1.5, 1.5, batch.lengths.numel())  # (S,)
+        advantages[4:8] = 0.0  # a whole group
+        advantages[[0, 9, 11]] = 0.0  # single sequences
+        old_logp = None
+        if trainer.correction != "none" or cfg.loss.ppo_epochs > 1:
+            old_logp = trainer.actor.logprobs(trainer.actor.policy, batch, zero3_collectives=False)
+        metrics = {k: float(v) for k, v in trainer.actor.update(batch, advantages, old_logp, None).items()}
+        grads = torch.cat([p.grad.flatten() for p in trainer.model.parameters()])  # the last optimizer step's
+        results.append((metrics, grads))
+        trainer.verifier.close()
+    (straight, g_straight), (skipped, g_skipped) = results
+    assert straight["skipped_seq_frac"] == 0.0
+    assert skipped["skipped_seq_frac"] == pytest.approx(7 / batch.lengths.numel())
+    assert skipped["micro_batches"] < straight["micro_batches"]
+    for name in ("loss", "grad_norm"):
+        assert skipped[name] == pytest.approx(straight[name], rel=1e-5, abs=1e-7), name
+    if old_logp is not None:  # the rollout diagnostics then cover every token, skipped or not
+        for name in ("rollout_logp_diff", "rollout_is_mean", "rollout_is_clipped_frac"):
+            assert skipped[name] == pytest.approx(straight[name], rel=1e-5, abs=1e-9), name
+    # the same sums in another order (fewer, differently packed micro-batches): float32 rounding apart
+    torch.testing.assert_close(g_skipped, g_straight, rtol=1e-6, atol=1e-6 * float(g_straight.abs().max()))
+
+
+@pytest.mark.parametrize("term", ["entropy", "kl"])
+def test_the_skip_keeps_zero_advantage_sequences_that_still_have_a_gradient(tmp_path, term):
+    # with the entropy bonus or the KL term on, a sequence whose advantage is 0 still pulls on the weights: the skip
+    # must leave it in, and the update equals the unskipped one
+    extra = ("loss.entropy_coef=0.01",) if term == "entropy" else ("loss.kl_coef=0.1",)
+    results = []
+    for skip in (False, True):
+        cfg = load_config(
+            None, run_overrides(tmp_path, "optim.warmup_steps=0", f"loss.skip_zero_advantage={skip}", *extra),
+        )  # fmt: skip
+        trainer = Trainer(cfg, tmp_path / f"run-{skip}")
+        prompts = [build_prompt(trainer.tokenizer, p.problem) for p in held_out(3)]
+        batch = trainer.engine.generate(prompts, 4, seed=3)
+        ref_logp = None
+        if term == "kl":  # a reference the policy has moved away from: the k3 term has a gradient on every token
+            logp = trainer.actor.logprobs(trainer.model, batch, zero3_collectives=False)
+            ref_logp = logp + 0.3 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(0))
+        zeros = torch.zeros(batch.lengths.numel())
+        only_the_term = trainer.actor.update(batch, zeros, None, ref_logp)  # every advantage 0: the term alone
+        if not skip:
+            assert float(only_the_term["grad_norm"]) > 0, "the term must have a gradient of its own"
+        advantages = torch.linspace(-1.5, 1.5, batch.lengths.numel())  # (S,)
+        advantages[4:8] = 0.0  # a whole group
+        advantages[[0, 9, 11]] = 0.0  # single sequences
+        metrics = {k: float(v) for k, v in trainer.actor.update(batch, advantages, None, ref_logp).items()}
+        grads = torch.cat([p.grad.flatten() for p in trainer.model.parameters()])
+        results.append((metrics, grads))
+        trainer.verifier.close()
+    (straight, g_straight), (skipped, g_skipped) = results
+    assert skipped["skipped_seq_frac"] == straight["skipped_seq_frac"] == 0.0
+    for name in ("loss", "grad_norm"):
+        assert skipped[name] == pytest.approx(straight[name], rel=1e-5, abs=1e-7), name
+    torch.testing.assert_close(g_skipped, g_straight, rtol=1e-6, atol=1e-6 * float(g_straight.abs().max()))
+
+
+def test_a_step_with_every_sequence_skipped_still_steps(tmp_path):
+    # all advantages 0: nothing runs but one dummy forward, and the optimizer steps on zero gradients exactly as
+    # the unskipped update does (AdamW's weight decay still applies)
+    results = []
+    for skip in (False, True):
+        cfg = load_config(None, run_overrides(tmp_path, f"loss.skip_zero_advantage={skip}", "optim.weight_decay=0.1"))
+        trainer = Trainer(cfg, tmp_path / f"run-{skip}")
+        batch = trainer.engine.generate([build_prompt(trainer.tokenizer, p.problem) for p in held_out(2)], 4, seed=1)
+        metrics = trainer.actor.update(batch, torch.zeros(batch.lengths.numel()), None, None)
+        results.append((metrics, torch.cat([p.detach().flatten() for p in trainer.model.parameters()])))
+        trainer.verifier.close()
+    (straight, w_straight), (skipped, w_skipped) = results
+    assert float(skipped["skipped_seq_frac"]) == 1.0 and float(skipped["micro_batches"]) == 0
+    assert float(skipped["grad_norm"]) == float(straight["grad_norm"]) == 0.0
+    assert torch.isnan(skipped["entropy"])  # measured on no token
+    torch.testing.assert_close(w_skipped, w_straight, rtol=0, atol=0)
+
+
+def test_the_real_configs_mini_batches_train_against_the_old_log_probs(tmp_path, monkeypatch):
+    # configs/r1-distill-qwen-*.yaml: 4 mini-batches, one epoch. After the first mini-batch's optimizer step the
+    # policy has moved, so the later mini-batches are off-policy: their ratio against the old log-probs (computed
+    # once, before the update) must move off 1. Were the old log-probs not computed, each mini-batch would take its
+    # own detached log-probs as old: ratio exactly 1, no clipping, approx_kl exactly 0
+    passes = []
+    real_logprobs = Actor.logprobs
+
+    def logprobs(self, model, batch, **kw):
+        passes.append(batch.lengths.numel())
+        return real_logprobs(self, model, batch, **kw)
+
+    monkeypatch.setattr(Actor, "logprobs", logprobs)
+    _, rows = train(
+        tmp_path, "run", *short_run(varied.OVERRIDE, "loss.mini_batches=2", "loss.ppo_epochs=1", "optim.lr=0.05",
+        "optim.warmup_steps=0", "steps=2"),
+    )  # fmt: skip
+    assert all(r["grad_norm"] > 0 for r in rows), "a step without a gradient"
+    assert passes == [16, 16], "the old log-probs of each step's whole batch (4 prompts x 4 samples)"
+    for row in rows:
+        assert row["kl"] > 0 and row["clip_frac"] > 0, row
+
+
+def test_the_guards_number_is_a_mean_over_tokens(tmp_path):
+    # two sequences of 1 and 3 tokens, the first off by 4 and the others by 0: (4 + 0 + 0 + 0) / 4 = 1 per token,
+    # where a mean per sequence would give (4 + 0) / 2 = 2, and a mean of signed differences (4 - 0 - 0 - 0) / 4 the
+    # same 1 only by accident of signs: the third token is off by -2 and the fourth by +2 in the second case
+    from fasttnt.engines import RolloutBatch
+
+    trainer = Trainer(load_config(None, run_overrides(tmp_path)), tmp_path / "run")
+    trainer.verifier.close()
+    batch = RolloutBatch.of_responses([[1], [1]], [[5], [6, 7, 8]], [False, False], 2, rollout_logp=[-1.0] * 4)
+    assert trainer.actor.engine_logp_diff(batch, torch.tensor([-5.0, -1.0, -1.0, -1.0])) == 1.0
+    assert trainer.actor.engine_logp_diff(batch, torch.tensor([-1.0, -1.0, -3.0, 1.0])) == 1.0
