@@ -102,3 +102,18 @@ def launch_command(launcher: str, module: str, *args: str) -> list[str]:
                 *args]  # fmt: skip
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     return [*torchrun, "--master-port", str(free_port()), "-m", module, *args]
+
+
+def biased_lm_head(model, token_id: int, bias: float = 50.0):
+    """Replace ``model``'s lm_head by a copy with a bias of ``bias`` on ``token_id`` (0 elsewhere) and return it: at
+    +50 every sampled token is that one, at -50 none is, so an engine's stop or truncation is certain, not drawn.
+    Change the bias later through ``head.bias`` (under ``torch.no_grad``)."""
+    import torch
+
+    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size)
+    with torch.no_grad():
+        head.weight.copy_(model.lm_head.weight)
+        head.bias.zero_()
+        head.bias[token_id] = bias
+    model.lm_head = head
+    return head

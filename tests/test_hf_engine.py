@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from small import TINY_4_HEADS, TINY_GQA
+from small import TINY_4_HEADS, TINY_GQA, biased_lm_head
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -324,13 +324,7 @@ def test_a_second_eos_id_of_the_generation_config_ends_a_response(tmp_path):
     assert tok.eos_token_id == eos  # the tokenizer names one of them
     # the model, its folder, or the folder its tokenizer was loaded from: the same ids
     assert eos_ids_of(tok, model) == eos_ids_of(tok, folder) == eos_ids_of(tok) == {eos, second}
-    # an lm_head with a bias of +50 on the second id: every sampled token is it (the outcome is certain, not drawn)
-    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size)
-    with torch.no_grad():
-        head.weight.copy_(model.lm_head.weight)
-        head.bias.zero_()
-        head.bias[second] = 50.0
-    model.lm_head = head
+    biased_lm_head(model, second)  # every sampled token is the second id (the outcome is certain, not drawn)
     # forced non-thinking: the pre-filled </think> is the response's first token, text for the decoding to keep
     prompts = [build_prompt(tok, p.problem, PromptMode.NON_THINKING) for p in held_out(1)]
     engine = HFEngine(model, tok, EngineSettings(max_new_tokens=6))

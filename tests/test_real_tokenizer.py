@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from small import RUN_SEED, metric_rows
+from small import RUN_SEED, biased_lm_head, metric_rows
 from transformers import AutoTokenizer
 
 from fasttnt import scoring
@@ -84,11 +84,7 @@ def test_generation_stops_at_eos_and_flags_the_budget(tok, folder):
     model = AutoModelForCausalLM.from_pretrained(folder)
     prompts = [build_prompt(tok, p, instruction="") for p in ("1+2", "30+4")]
     # an lm_head with a bias on EOS: +50 ends every response at its first token, -50 never ends one
-    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size)
-    with torch.no_grad():
-        head.weight.copy_(model.lm_head.weight)
-        head.bias.zero_()
-    model.lm_head = head
+    head = biased_lm_head(model, EOS, 0.0)
     for bias, want in ((50.0, [EOS]), (-50.0, None)):
         with torch.no_grad():
             head.bias[EOS] = bias

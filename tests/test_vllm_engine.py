@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import vllm_standin
-from small import LAUNCHER_ENV, SMALL, TINY_4_HEADS, deterministic, metric_rows, train
+from small import LAUNCHER_ENV, SMALL, TINY_4_HEADS, biased_lm_head, deterministic, metric_rows, train
 from transformers import AutoModelForCausalLM
 
 from fasttnt.checkpoint import list_checkpoints
@@ -310,13 +310,7 @@ def test_a_second_eos_id_of_the_generation_config_ends_a_response(tmp_path, stan
     GenerationConfig(eos_token_id=[eos, second]).save_pretrained(folder)
     engine = VLLMEngine(None, tok, EngineSettings(max_new_tokens=4, model_path=folder))
     assert engine.eos_ids == {eos, second}
-    hf = engine.llm.model.hf  # an lm_head with a bias of +50 on the second id: every sampled token is it
-    head = torch.nn.Linear(hf.config.hidden_size, hf.config.vocab_size)
-    with torch.no_grad():
-        head.weight.copy_(hf.lm_head.weight)
-        head.bias.zero_()
-        head.bias[second] = 50.0
-    hf.lm_head = head
+    biased_lm_head(engine.llm.model.hf, second)  # every sampled token is the second id
     prompts = [build_prompt(tok, p.problem, PromptMode.NON_THINKING) for p in held_out(1)[:2]]
     batch = engine.generate(prompts, 2, seed=0)
     think_end = tok.convert_tokens_to_ids("</think>")
