@@ -131,6 +131,7 @@ def fasttnt_worker(args, workdir: Path, conn) -> None:
         row = trainer.step()
         row["wall"] = time.perf_counter() - start
         row["trained_tokens"] = row["trained_tokens_per_s"] * row["time_update"]
+        row["generated_tokens"] = row["len"] * args.prompts * args.samples  # len: the mean response length
         conn.send({**row, **update_peaks[-1]})
     trainer.verifier.close()
     conn.send({"peak_rss_mib": peaks.run_peak()})
@@ -264,8 +265,6 @@ def run_turns(args, names: list[str]) -> dict[str, dict]:
 
 def summarise(args, rows: list[dict], final: dict) -> dict:
     timed = rows[args.warmup_steps :]
-    for r in rows:  # fasttnt logs the mean response length
-        r.setdefault("generated_tokens", r.get("len", 0.0) * args.prompts * args.samples)
 
     def med(key: str) -> float:
         return statistics.median(r[key] for r in timed)
@@ -366,11 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         names = ["fasttnt"]
     else:
         names = ["trl"] if args.trl_only else ["trl", "fasttnt"]
-    if not args.model:  # the warm-up once, in this process, before the trainers load it from the cache
-        from fasttnt.embedded.tiny import warmed_up_model
-
-        cfg = resolved_config(args)
-        warmed_up_model(Path(cfg.cache_dir), cfg.model.tiny, cfg.warmup)
+    _model_folder(args, resolved_config(args))  # the tiny model's warm-up once, here, before both trainers load it
 
     results = run_turns(args, names)
     report(args, results)
