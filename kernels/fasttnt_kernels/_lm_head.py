@@ -2,7 +2,7 @@
 checks, the loop over row chunks, and the gradients its matmuls form.
 
 Both run ``hidden @ weight.T`` a chunk of rows at a time, so that one chunk of logits (C x V) exists at once:
-matmul 1 makes a chunk's logits, ``token_logprobs``' kernels (or its references) turn them into log-probs and, in
+matmul 1 makes a chunk's logits, ``token_logprobs``' kernels (or its PyTorch path) turn them into log-probs and, in
 place, into dloss/dlogits, and matmuls 2 and 3 add the chunk's share to the gradients of the hidden states and of
 the weight. Under ``torch.autocast`` the matmuls run in the autocast dtype.
 """
@@ -14,17 +14,22 @@ from dataclasses import dataclass
 
 import torch
 
-from .token_logprobs import (
-    check_logprob_inputs,
-    token_logprobs_backward,
-    token_logprobs_backward_reference,
-    token_logprobs_forward,
-    token_logprobs_forward_reference,
-)
+from .token_logprobs import check_logprob_inputs, launchers
 
 DEFAULT_CHUNK_BYTES = 512 * 2**20
-"""Logits bytes per chunk: 512 MiB is ~1,700 rows of a bf16 152K vocabulary, enough rows to keep the matmul
-efficient while the logits stay a small fraction of a GPU's memory."""
+"""Logits bytes per chunk on a GPU: 512 MiB is ~1,700 rows of a bf16 152K vocabulary, enough rows to keep the
+matmul efficient while the logits stay a small fraction of a GPU's memory."""
+
+DEFAULT_CPU_CHUNK_BYTES = 256 * 2**20
+"""Logits bytes per chunk elsewhere: 384 rows of a float32 152K vocabulary. On a 2-core CPU the update of
+``linear_policy_loss`` at 2,556 x 896 took the same time at 128, 256 and 512 MiB (within the runs' spread, about
+16-19 s) while its memory rose with the chunk (``benchmarks/RESULTS.md``)."""
+
+
+def default_chunk_bytes(device: torch.device) -> int:
+    """The lm_head ops' chunk when the caller gives none: ``DEFAULT_CHUNK_BYTES`` on CUDA, else the CPU's."""
+    return DEFAULT_CHUNK_BYTES if device.type == "cuda" else DEFAULT_CPU_CHUNK_BYTES
+
 
 # torch.addmm(..., out_dtype=torch.float32) with 16-bit operands: CUDA only, from PyTorch 2.8
 _MM_OUT_DTYPE = torch.__version__ >= "2.8"
@@ -47,8 +52,9 @@ def matmul_dtype(t: torch.Tensor) -> torch.dtype:
     return t.dtype
 
 
-def check_lm_head_inputs(hidden, weight, ids, temperature: float, chunk_bytes: int) -> int:
-    """Check the inputs of an op over ``hidden @ weight.T``; returns the rows per chunk for ``chunk_bytes``."""
+def check_lm_head_inputs(hidden, weight, ids, temperature: float, chunk_bytes: int | None) -> int:
+    """Check the inputs of an op over ``hidden @ weight.T``; returns the rows per chunk for ``chunk_bytes`` (None:
+    the device's default, ``default_chunk_bytes``)."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
             f"hidden must be (N, H) and weight (V, H) with one H; got {tuple(hidden.shape)} and {tuple(weight.shape)}"
@@ -56,6 +62,8 @@ def check_lm_head_inputs(hidden, weight, ids, temperature: float, chunk_bytes: i
     if hidden.dtype != weight.dtype:
         raise TypeError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
     check_logprob_inputs(hidden, ids, temperature, name="hidden")
+    if chunk_bytes is None:
+        chunk_bytes = default_chunk_bytes(hidden.device)
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
     itemsize = torch.empty((), dtype=matmul_dtype(hidden)).element_size()
@@ -65,7 +73,7 @@ def check_lm_head_inputs(hidden, weight, ids, temperature: float, chunk_bytes: i
 @dataclass(frozen=True)
 class LmHeadPlan:
     """How an lm_head op runs: ``chunk_rows`` rows of logits at a time, each chunk through ``token_logprobs``'
-    Triton kernels (``use_triton``) or its references, at ``temperature``."""
+    Triton kernels (``use_triton``) or its PyTorch path, at ``temperature``."""
 
     chunk_rows: int
     use_triton: bool
@@ -73,11 +81,11 @@ class LmHeadPlan:
 
     @property
     def logprobs_forward(self) -> Callable[..., None]:
-        return token_logprobs_forward if self.use_triton else token_logprobs_forward_reference
+        return launchers(self.use_triton)[0]
 
     @property
     def logprobs_backward(self) -> Callable[..., None]:
-        return token_logprobs_backward if self.use_triton else token_logprobs_backward_reference
+        return launchers(self.use_triton)[1]
 
 
 def mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

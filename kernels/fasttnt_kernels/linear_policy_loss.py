@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from . import _common
-from ._lm_head import DEFAULT_CHUNK_BYTES, LmHeadGrads, LmHeadPlan, check_lm_head_inputs, chunks, matmul_dtype
+from ._lm_head import LmHeadGrads, LmHeadPlan, check_lm_head_inputs, chunks, matmul_dtype
 from ._policy_loss import PolicyLossConfig, PolicyLossInputs, resolve
 from .clipped_policy_loss import STAT_NAMES, TokenTerms, clipped_policy_loss_reference
 from .linear_token_logprobs import linear_token_logprobs_reference
@@ -139,7 +139,7 @@ def linear_policy_loss(
     *,
     config: PolicyLossConfig | None = None,
     temperature: float = 1.0,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int | None = None,
     return_logp: bool = False,
     **fields: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
@@ -152,9 +152,9 @@ def linear_policy_loss(
     cu_seqlens=..., clip_high=0.28``), ``clipped_policy_loss``'s keyword form. The loss is a float32 scalar,
     differentiable w.r.t. ``hidden`` and ``weight``; ``stats`` maps ``LINEAR_STAT_NAMES`` to float32 scalars on the
     device (no host sync). ``return_logp``: also return the tokens' log-probs (N,) float32, detached (for
-    diagnostics such as the rollout engine's mismatch). At most ``chunk_bytes`` of logits exist at once. On CUDA
-    (or ``FASTTNT_KERNELS=triton``) each chunk runs the Triton kernels; elsewhere the references, with the same
-    chunking.
+    diagnostics such as the rollout engine's mismatch). At most ``chunk_bytes`` of logits exist at once (None: 512
+    MiB on CUDA, 256 MiB elsewhere). On CUDA (or ``FASTTNT_KERNELS=triton``) each chunk runs the Triton kernels;
+    elsewhere ``token_logprobs``' PyTorch path, with the same chunking.
     """
     inputs, config = resolve("linear_policy_loss", inputs, config, fields)
     chunk_rows = check_lm_head_inputs(hidden, weight, ids, temperature, chunk_bytes)

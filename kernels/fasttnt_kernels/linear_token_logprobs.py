@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import _common
-from ._lm_head import DEFAULT_CHUNK_BYTES, LmHeadGrads, LmHeadPlan, check_lm_head_inputs, chunks, matmul_dtype
+from ._lm_head import LmHeadGrads, LmHeadPlan, check_lm_head_inputs, chunks, matmul_dtype
 from .token_logprobs import token_logprobs_reference
 
 
@@ -91,14 +91,15 @@ def linear_token_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Token log-probs (and entropy) of ``hidden @ weight.T`` with the logits never materialised in full.
 
     hidden: (N, H), weight: (V, H) of one float dtype; ids: (N,) int32/int64. Returns float32 ``logp`` (N,) or
     ``(logp, entropy)``, differentiable w.r.t. ``hidden`` and ``weight``. At most ``chunk_bytes`` of logits
-    exist at once. On CUDA (or ``FASTTNT_KERNELS=triton``) each chunk runs the Triton kernels; elsewhere it runs
-    the reference, with the same chunking, so the memory bound holds on the CPU too.
+    exist at once (None: 512 MiB on CUDA, 256 MiB elsewhere). On CUDA (or ``FASTTNT_KERNELS=triton``) each chunk
+    runs the Triton kernels; elsewhere ``token_logprobs``' PyTorch path, with the same chunking, so the memory bound
+    holds on the CPU too.
     """
     _common.check_same_device(hidden=hidden, weight=weight, ids=ids)
     chunk_rows = check_lm_head_inputs(hidden, weight, ids, temperature, chunk_bytes)

@@ -10,6 +10,7 @@ the gradient, optionally over the logits buffer itself, so no second N x V tenso
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import triton
@@ -218,47 +219,95 @@ def token_logprobs_backward(
     )
 
 
-def token_logprobs_forward_reference(logits, ids, *, inv_temperature, logp, lse, entropy):
-    """Same contract as ``token_logprobs_forward``, through the reference (the CPU path of the lm_head ops)."""
-    z = logits.to(_common.compute_dtype(logits.dtype)) * inv_temperature
-    lse.copy_(torch.logsumexp(z, dim=-1))
-    out = token_logprobs_reference(z, ids, with_entropy=entropy is not None)
-    if entropy is None:
-        logp.copy_(out)
-    else:
-        logp.copy_(out[0])
-        entropy.copy_(out[1])
+# The PyTorch path works through a chunk of logits this many rows at a time, so its (rows, V) temporaries stay a few
+# tens of MiB whatever the chunk (32 rows of a 152K vocabulary: 19 MiB in float32)
+_TORCH_BLOCK_ROWS = 32
 
 
-def token_logprobs_backward_reference(
-    logits, ids, *, inv_temperature, lse, entropy, grad_logp, grad_entropy, grad_logits
-):
-    """Same contract as ``token_logprobs_backward``: autograd through the reference, written into grad_logits."""
-    del lse, entropy  # recomputed by the reference
-    with torch.enable_grad():
-        x = logits.detach().to(_common.compute_dtype(logits.dtype)).requires_grad_()
-        out = token_logprobs_reference(x * inv_temperature, ids, with_entropy=grad_entropy is not None)
-        outputs, grads = [], []
-        logp, ent = (out, None) if grad_entropy is None else out
-        if grad_logp is not None:
-            outputs.append(logp)
-            grads.append(grad_logp)
+def token_logprobs_forward_torch(logits, ids, *, inv_temperature, logp, lse, entropy):
+    """Same contract as ``token_logprobs_forward``, in PyTorch ops: the path without Triton (the CPU's) of the
+    lm_head ops. The kernels' closed forms, ``_TORCH_BLOCK_ROWS`` rows at a time and no autograd graph: going
+    through ``token_logprobs_reference``'s autograd held about seven temporaries the size of the whole chunk and
+    took as long as the chunk's three matmuls at a 152K vocabulary."""
+    dtype = _common.compute_dtype(logits.dtype)
+    for start in range(0, logits.shape[0], _TORCH_BLOCK_ROWS):
+        rows = slice(start, start + _TORCH_BLOCK_ROWS)
+        log_p = logits[rows].to(dtype) * inv_temperature  # (B, V), a new tensor
+        row_lse = torch.logsumexp(log_p, dim=-1, keepdim=True)  # (B, 1)
+        log_p -= row_lse  # log p
+        lse[rows] = row_lse.squeeze(1)
+        logp[rows] = log_p.gather(1, ids[rows].long().unsqueeze(1)).squeeze(1)
+        if entropy is not None:
+            _clamp_log_p(log_p)
+            entropy[rows] = _neg_sum_p_log_p(log_p.exp(), log_p).clamp_(min=0.0)
+
+
+def token_logprobs_backward_torch(logits, ids, *, inv_temperature, lse, entropy, grad_logp, grad_entropy, grad_logits):
+    """Same contract as ``token_logprobs_backward`` (``grad_logits`` may be ``logits`` itself), in PyTorch ops,
+    ``_TORCH_BLOCK_ROWS`` rows at a time: ``inv_temperature * (g_logp * (onehot - p) - g_ent * p * (log p + H))``."""
+    dtype = _common.compute_dtype(logits.dtype)
+    for start in range(0, logits.shape[0], _TORCH_BLOCK_ROWS):
+        rows = slice(start, start + _TORCH_BLOCK_ROWS)
+        out = grad_logits[rows]
+        in_place = out.dtype == dtype and out.data_ptr() == logits[rows].data_ptr()
+        d = out if in_place else logits[rows].to(dtype, copy=True)  # (B, V)
+        d *= inv_temperature
+        # float64 (the tests' truth) recomputes its log-sum-exp and entropy rather than use the float32 ones the
+        # forward stored
+        row_lse = torch.logsumexp(d, -1, keepdim=True) if dtype == torch.float64 else lse[rows, None].to(dtype)
+        d -= row_lse  # log p
+        _clamp_log_p(d)
+        p = d.exp()  # (B, V)
+        # d <- g_ent * (p log p + p H) + g_logp * p, then negated; every product has p as a factor, so a -inf logit
+        # (p = 0, log p clamped finite) contributes 0 rather than 0 * -inf
         if grad_entropy is not None:
-            outputs.append(ent)
-            grads.append(grad_entropy)
-        (grad,) = torch.autograd.grad(outputs, x, grads)
-    grad_logits.copy_(grad)
+            row_h = _neg_sum_p_log_p(p, d)[:, None] if dtype == torch.float64 else entropy[rows, None].to(dtype)
+            d *= p
+            d.addcmul_(p, row_h)
+            d *= grad_entropy[rows, None].to(dtype)
+        else:
+            d.zero_()
+        if grad_logp is not None:
+            g = grad_logp[rows, None].to(dtype)  # (B, 1)
+            d.addcmul_(p, g)
+            d.neg_()
+            d.scatter_add_(1, ids[rows].long().unsqueeze(1), g)  # + g_logp at the chosen id: the one-hot term
+        else:
+            d.neg_()
+        d *= inv_temperature
+        if not in_place:
+            out.copy_(d)
+
+
+def _clamp_log_p(log_p: torch.Tensor) -> None:
+    """A -inf logit's log p to the dtype's lowest finite value, in place: p = exp(it) is still exactly 0, and
+    0 times it is 0 where 0 * -inf would be NaN (the kernels' ``tl.where(p > 0, ...)``)."""
+    log_p.clamp_(min=torch.finfo(log_p.dtype).min)
+
+
+def _neg_sum_p_log_p(p: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
+    """-sum_v p log p per row (B,): ``sum``'s cascade summation, whose error does not grow with V as a running
+    dot product's does (one (B, V) temporary, small at ``_TORCH_BLOCK_ROWS`` rows)."""
+    return (p * log_p).sum(-1).neg_()
+
+
+def launchers(use_triton: bool) -> tuple[Callable[..., None], Callable[..., None]]:
+    """The (forward, backward) pair of one path: the Triton kernels' launchers, or the PyTorch path's."""
+    if use_triton:
+        return token_logprobs_forward, token_logprobs_backward
+    return token_logprobs_forward_torch, token_logprobs_backward_torch
 
 
 class TokenLogprobsFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, ids, temperature, with_entropy, inplace_backward):
+    def forward(ctx, logits, ids, temperature, with_entropy, inplace_backward, use_triton):
         N = logits.shape[0]
         device = logits.device
         logp = _common.new_empty(N, dtype=torch.float32, device=device)
         lse = _common.new_empty(N, dtype=torch.float32, device=device)
         entropy = _common.new_empty(N, dtype=torch.float32, device=device) if with_entropy else None
-        token_logprobs_forward(logits, ids, inv_temperature=1.0 / temperature, logp=logp, lse=lse, entropy=entropy)
+        forward, ctx.launch_backward = launchers(use_triton)
+        forward(logits, ids, inv_temperature=1.0 / temperature, logp=logp, lse=lse, entropy=entropy)
         ctx.save_for_backward(logits, ids, lse, entropy)
         ctx.inv_temperature = 1.0 / temperature
         ctx.inplace_backward = inplace_backward
@@ -269,9 +318,9 @@ class TokenLogprobsFunction(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy=None):
         logits, ids, lse, entropy = ctx.saved_tensors
         if grad_logp is None and grad_entropy is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         grad_logits = logits if ctx.inplace_backward else torch.empty_like(logits)
-        token_logprobs_backward(
+        ctx.launch_backward(
             logits,
             ids,
             inv_temperature=ctx.inv_temperature,
@@ -281,7 +330,7 @@ class TokenLogprobsFunction(torch.autograd.Function):
             grad_entropy=grad_entropy.contiguous() if grad_entropy is not None else None,
             grad_logits=grad_logits,
         )
-        return grad_logits, None, None, None, None
+        return grad_logits, None, None, None, None, None
 
 
 def check_logprob_inputs(logits: torch.Tensor, ids: torch.Tensor, temperature: float, name: str = "logits") -> None:
@@ -304,16 +353,17 @@ def token_logprobs(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``log_softmax(logits / temperature)[ids]`` per row, and the softmax entropy when ``with_entropy``.
 
-    logits: (N, V) float16/bfloat16/float32, any row stride; ids: (N,) int32/int64 in [0, V).
-    Returns float32 ``logp`` (N,), or ``(logp, entropy)``. Differentiable w.r.t. ``logits`` through both.
-    ``inplace_backward=True`` writes the gradient over ``logits`` (Triton path only): use it when nothing else
-    needs the logits after this op's backward, which then also cannot run twice (no ``retain_graph``).
+    logits: (N, V) float16/bfloat16/float32/float64, any row stride; ids: (N,) int32/int64 in [0, V) (an id
+    outside gives NaN on the Triton path, an error on the PyTorch path). Returns float32 ``logp`` (N,), or
+    ``(logp, entropy)``. Differentiable w.r.t. ``logits`` through both. ``inplace_backward=True`` writes the
+    gradient over ``logits``: use it when nothing else needs the logits after this op's backward, which then also
+    cannot run twice (no ``retain_graph``).
     """
     check_logprob_inputs(logits, ids, temperature)
     _common.check_same_device(logits=logits, ids=ids)
-    if not _common.use_triton(logits, ids):
-        out = token_logprobs_reference(logits, ids, temperature=temperature, with_entropy=with_entropy)
-        return tuple(o.float() for o in out) if with_entropy else out.float()
-    if logits.stride(-1) != 1:
+    use_triton = _common.use_triton(logits, ids)
+    if use_triton and logits.stride(-1) != 1:
         logits = logits.contiguous()
-    return TokenLogprobsFunction.apply(logits, ids.contiguous(), temperature, with_entropy, inplace_backward)
+    return TokenLogprobsFunction.apply(
+        logits, ids.contiguous(), temperature, with_entropy, inplace_backward, use_triton
+    )

@@ -1,4 +1,5 @@
-"""token_logprobs: the Triton kernels against the reference in float64, forward and backward."""
+"""token_logprobs: both paths (the Triton kernels, and the PyTorch path the CPU and the lm_head ops take there)
+against the reference in float64, forward and backward."""
 
 from __future__ import annotations
 
@@ -13,6 +14,13 @@ from checks import DEVICE, assert_close
 # block, so the last block holds a single live column; 3 x 151936 the Qwen2 vocabulary (37 blocks, the last
 # partial); 2 x 262144 the largest vocabulary the op promises (Gemma 3's).
 SHAPES = [(1, 1), (1, 151936), (37, 1000), (5, 4097), (3, 151936), (2, 262144)]
+
+
+@pytest.fixture(params=["triton", "torch"])
+def path(request, monkeypatch):
+    """Each test on both paths: the Triton kernels (under the interpreter here) and the PyTorch path."""
+    monkeypatch.setenv("FASTTNT_KERNELS", request.param)
+    return request.param
 
 
 def _inputs(n, v, dtype, *, scale=4.0, ids_dtype=torch.int64):
@@ -66,31 +74,31 @@ def _check(logits, ids, *, temperature=1.0, with_entropy=True, inplace=False):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matches_float64_reference(triton_path, shape, dtype):
+def test_matches_float64_reference(path, shape, dtype):
     logits, ids = _inputs(*shape, dtype)
     _check(logits, ids, temperature=1.0)
 
 
 @pytest.mark.parametrize("temperature", [0.6, 1.7])
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
-def test_temperature_and_id_dtypes(triton_path, temperature, ids_dtype):
+def test_temperature_and_id_dtypes(path, temperature, ids_dtype):
     logits, ids = _inputs(11, 5003, torch.float32, ids_dtype=ids_dtype)
     _check(logits, ids, temperature=temperature)
 
 
-def test_float16(triton_path):
+def test_float16(path):
     logits, ids = _inputs(9, 3001, torch.float16)
     _check(logits, ids, temperature=0.8)
 
 
-def test_without_entropy(triton_path):
+def test_without_entropy(path):
     logits, ids = _inputs(7, 6000, torch.float32)
     _check(logits, ids, with_entropy=False)
     out = token_logprobs(logits, ids)
     assert isinstance(out, torch.Tensor) and out.shape == (7,)
 
 
-def test_any_row_stride(triton_path):
+def test_any_row_stride(path):
     # logits as a view into a wider buffer (rows 1000 + 24 apart), as a slice of a (B, T, V_padded) output is
     wide = torch.randn(13, 1024, device=DEVICE) * 3
     logits = wide[:, :1000]
@@ -99,7 +107,7 @@ def test_any_row_stride(triton_path):
     _check(logits, ids, temperature=0.9)
 
 
-def test_negative_infinity_logits(triton_path):
+def test_negative_infinity_logits(path):
     # masked vocabularies put -inf in the logits: whole blocks of them, scattered ones, and the chosen id itself
     logits, ids = _inputs(6, 9000, torch.float32)
     logits[0, :4096] = -float("inf")  # a whole first block: the running max starts at -inf
@@ -123,7 +131,7 @@ def test_negative_infinity_logits(triton_path):
 
 
 @pytest.mark.parametrize("which", ["logp", "entropy"])
-def test_backward_through_one_output(triton_path, which):
+def test_backward_through_one_output(path, which):
     logits, ids = _inputs(8, 4500, torch.float32)
     g = torch.randn(8, device=DEVICE)
     x = logits.clone().requires_grad_()
@@ -135,7 +143,7 @@ def test_backward_through_one_output(triton_path, which):
     assert_close(x.grad, xr.grad, name=f"grad through {which} only")
 
 
-def test_inplace_backward_reuses_the_logits_buffer(triton_path):
+def test_inplace_backward_reuses_the_logits_buffer(path):
     logits, ids = _inputs(10, 5000, torch.bfloat16)
     g = torch.randn(10, device=DEVICE)
     _, _, expected = _run(logits, ids, temperature=1.0, with_entropy=False, grad_logp=g, grad_entropy=g)
@@ -150,14 +158,14 @@ def test_inplace_backward_reuses_the_logits_buffer(triton_path):
     _check(logits, ids, with_entropy=True, inplace=True)
 
 
-def test_no_grad_forward(triton_path):
+def test_no_grad_forward(path):
     logits, ids = _inputs(4, 3000, torch.float32)
     with torch.no_grad():
         logp = token_logprobs(logits, ids, temperature=0.6)
     assert_close(logp, token_logprobs_reference(logits.double(), ids, temperature=0.6), name="logp")
 
 
-def test_empty_batch(triton_path):
+def test_empty_batch(path):
     logits = torch.randn(0, 100, device=DEVICE, requires_grad=True)
     logp, entropy = token_logprobs(logits, torch.zeros(0, dtype=torch.long, device=DEVICE), with_entropy=True)
     assert logp.shape == (0,) and entropy.shape == (0,)
@@ -170,6 +178,13 @@ def test_out_of_range_id_is_nan_not_a_stray_read(triton_path):
     ids = torch.tensor([0, 500, -1], device=DEVICE)
     logp = token_logprobs(logits, ids)
     assert torch.isfinite(logp[0]) and torch.isnan(logp[1:]).all()
+
+
+def test_out_of_range_id_is_an_error_on_the_pytorch_path(monkeypatch):
+    monkeypatch.setenv("FASTTNT_KERNELS", "torch")
+    logits, _ = _inputs(3, 500, torch.float32)
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        token_logprobs(logits, torch.tensor([0, 500, 1], device=DEVICE))
 
 
 @pytest.mark.parametrize(
@@ -185,3 +200,29 @@ def test_out_of_range_id_is_nan_not_a_stray_read(triton_path):
 def test_bad_input_names_the_problem(logits, ids, temperature, match):
     with pytest.raises((ValueError, TypeError), match=match):
         token_logprobs(logits, ids, temperature=temperature)
+
+
+def test_pytorch_path_works_a_few_rows_at_a_time():
+    # The lm_head ops' CPU path: no temporary the size of the whole (N, V) logits, forward or backward (the
+    # gradient written over the logits, as the lm_head ops ask). torch's profiler counts allocator bytes on the
+    # CPU; the largest single allocation inside the launchers proxies their peak.
+    from torch.profiler import ProfilerActivity, profile
+
+    from fasttnt_kernels.token_logprobs import (
+        _TORCH_BLOCK_ROWS,
+        token_logprobs_backward_torch,
+        token_logprobs_forward_torch,
+    )
+
+    n, v = 8 * _TORCH_BLOCK_ROWS, 32768
+    logits, ids = _inputs(n, v, torch.float32)
+    logp, lse, entropy = (torch.full((n,), float("nan")) for _ in range(3))
+    g_logp, g_entropy = torch.randn(n), torch.randn(n)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        token_logprobs_forward_torch(logits, ids, inv_temperature=1.1, logp=logp, lse=lse, entropy=entropy)
+        token_logprobs_backward_torch(logits, ids, inv_temperature=1.1, lse=lse, entropy=entropy, grad_logp=g_logp,
+                                      grad_entropy=g_entropy, grad_logits=logits)  # fmt: skip
+    largest = max((e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0), default=0)
+    assert torch.isfinite(logits).all() and logits.abs().sum() > 0 and not entropy.isnan().any()
+    assert largest >= _TORCH_BLOCK_ROWS * v * 4, "the profiler saw no row block: the measurement is broken"
+    assert largest <= n * v * 4 // 4, f"largest allocation {largest} bytes against {n * v * 4} for the logits"
