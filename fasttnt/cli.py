@@ -158,6 +158,14 @@ def _train(args) -> int:
     if problem:
         print(f"fasttnt train: {problem}", file=sys.stderr)
         return 2
+    if cfg.logging.wandb:  # before any work: a run that cannot log where it was asked to does not start
+        from .wandb_log import WandbMissing, import_wandb
+
+        try:
+            import_wandb()
+        except WandbMissing as err:
+            print(f"fasttnt train: {err}", file=sys.stderr)
+            return 2
     hf_logging.disable_progress_bar()  # our bars say what is happening; its per-file bars only add noise
 
     def run() -> int:
@@ -280,6 +288,7 @@ def _eval(args) -> int:
 
     from .data import DataError
     from .evaluate import default_max_new_tokens, run_eval
+    from .wandb_log import WandbMissing, log_eval
 
     benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
     problems = [] if benchmarks else ["--benchmarks is empty"]
@@ -319,6 +328,11 @@ def _eval(args) -> int:
         return 2
     print((Path(args.output_dir) / "eval.md").read_text())
     print(f"eval.json, eval.md, eval.png in {args.output_dir}")
+    try:  # a model trained with logging.wandb: the table in its run too
+        for run_dir in log_eval(report):
+            print(f"the eval table logged to the W&B run of {run_dir}")
+    except WandbMissing as err:  # the results are written: say what was not logged, keep the exit status
+        print(f"fasttnt eval: not logged to W&B: {err}", file=sys.stderr)
     return 0 if report["results"] else 1
 
 

@@ -172,6 +172,21 @@ class DistributedConfig:
 
 
 @dataclass(frozen=True)
+class LoggingConfig:
+    """Where a run can be watched besides metrics.jsonl, TensorBoard and curves.png (fasttnt.wandb_log)."""
+
+    # Weights & Biases, from the main rank: every metrics.jsonl row, the resolved config, curves.png, and the eval
+    # table of ``fasttnt eval`` on this run's final/ or checkpoints. Needs the wandb extra; WANDB_MODE=offline
+    # writes the run under <output dir>/wandb for ``wandb sync`` later
+    wandb: bool = False
+    project: str = "fasttnt"
+    name: str | None = None  # None: the output directory's name
+    group: str | None = None
+    tags: tuple[str, ...] = ()
+    entity: str | None = None  # None: wandb's default entity of the logged-in user
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     seed: int = 0
     steps: int = 100
@@ -197,6 +212,7 @@ class TrainConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 # -- loading ----------------------------------------------------------------------------------------------------
@@ -343,6 +359,7 @@ def validate(cfg: TrainConfig) -> None:
         "data.train",
         f"{train} does not exist",
     )
+    need(bool(cfg.logging.project.strip()), "logging.project", "must name a W&B project")
     need(bool(cfg.model.name.strip()), "model.name", "must name a model: tiny, a hub id or a local folder")
     name = cfg.model.name
     need(not names_a_path(name) or Path(name).expanduser().is_dir(), "model.name", f"{name} is not a folder")
@@ -380,6 +397,13 @@ SAFE_ON_RESUME = frozenset(
         "rollout.sleep_between_rollouts",
         "rollout.weight_sync_bucket_mb",
         "distributed.bucket_size",
+        # where the run is watched, not what it computes
+        "logging.wandb",
+        "logging.project",
+        "logging.name",
+        "logging.group",
+        "logging.tags",
+        "logging.entity",
     }
 )
 

@@ -1,5 +1,5 @@
 """What a run writes as it goes: ``metrics.jsonl`` (one row per step, flushed), TensorBoard events when
-tensorboard is installed, and the progress bar."""
+tensorboard is installed, the W&B run when ``logging.wandb`` is on, and the progress bar."""
 
 from __future__ import annotations
 
@@ -30,14 +30,15 @@ def truncate_metrics(path: Path, step: int) -> None:
 
 class RunLog:
     """Rank 0's record of a run (other ranks get one that writes nothing): the history so far, the JSONL file,
-    TensorBoard, the step bar."""
+    TensorBoard, the W&B run (``wandb``: a ``fasttnt.wandb_log.WandbRun``, or None), the step bar."""
 
-    def __init__(self, out: Path, *, steps: int, done: int, active: bool, progress: bool) -> None:
+    def __init__(self, out: Path, *, steps: int, done: int, active: bool, progress: bool, wandb=None) -> None:
         self.active = active
         path = out / "metrics.jsonl"
         self.history = read_jsonl(path) if active and path.exists() else []
         self._file = path.open("a") if active else None
         self._tb = _tensorboard(out) if active else None
+        self.wandb = wandb if active else None
         self._bar = tqdm(total=steps, initial=done, desc="GRPO", unit="step", disable=not (active and progress))
 
     def write(self, values: dict[str, float]) -> None:
@@ -48,6 +49,8 @@ class RunLog:
         if self._tb is not None:
             for name, value in values.items():
                 self._tb.add_scalar(name, value, values["step"])
+        if self.wandb is not None:
+            self.wandb.log_row(values)
         self._bar.set_postfix(
             reward=f"{values['reward']:.2f}",
             acc=f"{values['acc']:.2f}",
@@ -70,6 +73,9 @@ class RunLog:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
 
 
 def _tensorboard(out: Path):

@@ -38,6 +38,7 @@ from .runlog import RunLog
 from .scoring import ScoredBatch
 from .step_metrics import TOKEN_METRICS
 from .verify import VerifierPool
+from .wandb_log import WandbRun
 
 
 class VerificationError(RuntimeError):
@@ -85,7 +86,7 @@ class Trainer:
         progress: bool = True,
     ) -> None:  # fmt: skip
         """``progress``: show the step bar (off where several runs share one terminal, ``fasttnt compare --jobs``)."""
-        self.cfg, self.out, self.progress = cfg, Path(output_dir), progress
+        self.cfg, self.out, self.progress, self.resumed = cfg, Path(output_dir), progress, resume
         self.parts = parts = run_setup.build(cfg, self.out, resume=resume, new_config_ok=new_config_ok)
         self.dist, self.rank, self.world, self.is_main = parts.dist, parts.rank, parts.world, parts.is_main
         self.device, self.model, self.tokenizer = parts.device, parts.model, parts.tokenizer
@@ -288,7 +289,9 @@ class Trainer:
     def run(self) -> list[dict[str, float]]:
         """Train to ``steps``; raises ``Preempted`` when a signal stopped the run (after a checkpoint)."""
         cfg = self.cfg
-        log = RunLog(self.out, steps=cfg.steps, done=self.state.step, active=self.is_main, progress=self.progress)
+        wandb = WandbRun.start(cfg, self.out, resume=self.resumed) if self.is_main and cfg.logging.wandb else None
+        log = RunLog(self.out, steps=cfg.steps, done=self.state.step, active=self.is_main, progress=self.progress,
+                     wandb=wandb)  # fmt: skip
         last_save = time.monotonic()
         try:
             with StopSignals() as signals:
@@ -311,6 +314,8 @@ class Trainer:
         checkpoint.export_final(self.out, self.model, self.out / "tokenizer", rank=self.rank)
         if self.is_main and log.history:
             plot_curves(log.history, self.out / "curves.png")
+            if log.wandb is not None:
+                log.wandb.log_image("curves", self.out / "curves.png", step=self.state.step)
         self._close(log)
         return log.history
 
