@@ -153,6 +153,60 @@ class PolicyHead(torch.nn.Module):
         return result if with_entropy else (result, None)
 
 
+class _RowsIntoGrad(torch.autograd.Function):
+    """A tied embedding's lookup whose backward adds its gradient rows into ``weight.grad`` in place (index_add_).
+
+    forward(rows, ids, embedding, anchor) returns ``rows``, the embedding's looked-up rows, detached. The weight is
+    reached through the module, not passed as a tensor, and ``anchor`` (a leaf that requires grad) puts the lookup
+    in the backward graph: there is no edge to the weight, so its AccumulateGrad does not wait for the lookup's
+    backward. The lm_head side's gradient becomes ``weight.grad`` as it comes (stolen, no copy) and the rows are
+    added into it when they come; in the other order the sum is the same."""
+
+    @staticmethod
+    def forward(ctx, rows, ids, embedding, anchor):
+        ctx.save_for_backward(ids)
+        ctx.embedding = embedding
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        (ids,) = ctx.saved_tensors
+        weight, padding_idx = ctx.embedding.weight, ctx.embedding.padding_idx
+        ids = ids.reshape(-1)  # (N,)
+        grad = grad_rows.reshape(-1, weight.shape[1]).to(weight.dtype)  # (N, H)
+        if padding_idx is not None:  # the padding row gets no gradient, as in nn.Embedding's own backward
+            grad = grad.masked_fill((ids == padding_idx)[:, None], 0.0)
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        weight.grad.index_add_(0, ids, grad)
+        return None, None, None, None
+
+
+def tied_rows_into_grad(model):
+    """Route a tied embedding's input-side gradient into ``weight.grad`` row by row (``_RowsIntoGrad``) instead of
+    through autograd's sum with the lm_head side; returns the hook's handle, or None where the model is not tied
+    (or its input embedding is not a plain ``torch.nn.Embedding``: left as it is).
+
+    The update's loss forms the lm_head side's gradient as one dense (V, H) tensor. Autograd sums the two sides of a
+    tied weight into a new (V, H) tensor (it adds in place only into a tensor made in C++, not one a Python
+    ``autograd.Function`` returned), so every backward ended with a third (V, H): 519 MiB at V = 151,936 x 896 in
+    float32, the update's peak on the CPU (``benchmarks/RESULTS.md``). Not under DeepSpeed, whose ZeRO stages take
+    gradients from autograd's hooks. Under no_grad (rollouts, old log-probs) the lookup is the embedding's own."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is None or embedding.weight is not head.weight:
+        return None
+    if type(embedding) is not torch.nn.Embedding or embedding.max_norm is not None or embedding.scale_grad_by_freq:
+        return None  # a lookup of its own (scaled, renormed): its backward is not index_add_ of the rows
+    anchor = torch.zeros((), device=embedding.weight.device, requires_grad=True)
+
+    def lookup(module, args, rows):
+        if not (torch.is_grad_enabled() and module.weight.requires_grad):
+            return rows
+        return _RowsIntoGrad.apply(rows.detach(), args[0], module, anchor)
+
+    return embedding.register_forward_hook(lookup)
+
+
 def as_head(model):
     """A PolicyHead, DeepSpeed's engine around one (it has .module), or a bare causal LM wrapped in one."""
     return model if isinstance(model, PolicyHead) or hasattr(model, "module") else PolicyHead(model)

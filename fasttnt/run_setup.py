@@ -26,14 +26,14 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from . import checkpoint, distributed
+from . import checkpoint, distributed, host_memory
 from .checkpoint import TrainerState
 from .config import ConfigError, TrainConfig, dump_config
 from .data import Problem, PromptMode, build_prompt, dataset_style, loading_model, think_end_token_id
 from .embedded.tiny import warmed_up_model
 from .engines import EngineSettings, RolloutEngine, build_engine
 from .metrics import HackMarkers
-from .policy import PolicyHead
+from .policy import PolicyHead, tied_rows_into_grad
 from .runlog import truncate_metrics
 from .stream import ProblemStream
 
@@ -157,11 +157,15 @@ def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: b
     if is_main:  # saved once, fresh (a leftover file would be copied into every checkpoint), and copied from here
         shutil.rmtree(out / "tokenizer", ignore_errors=True)
         tokenizer.save_pretrained(out / "tokenizer")
+    if device.type == "cpu":
+        host_memory.serve_large_blocks_from_mmap()  # freed tensors leave the resident set (fasttnt.host_memory)
     model.to(device)
     model.zero_grad(set_to_none=True)  # whatever made the model (a warm-up) leaves no gradient behind
     if cfg.model.gradient_checkpointing:
         # transformers 5 renamed it; 4.x has only the old name
         getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+    if not dist:
+        tied_rows_into_grad(model)
     ref_model = None
     if cfg.loss.kl_coef > 0:  # the starting policy, also when resuming
         ref_model = from_pretrained(cfg, model_path, device).to(device).eval().requires_grad_(False)

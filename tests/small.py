@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import sys
@@ -117,3 +118,9 @@ def biased_lm_head(model, token_id: int, bias: float = 50.0):
         head.bias[token_id] = bias
     model.lm_head = head
     return head
+
+
+def resident_mib() -> float:
+    """This process's resident set now (``VmRSS``), in MiB: Linux."""
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.M).group(1)) / 1024

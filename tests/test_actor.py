@@ -14,8 +14,9 @@ from fasttnt.actor import Actor
 from fasttnt.config import load_config
 from fasttnt.data import build_prompt
 from fasttnt.embedded.synthetic import held_out
-from fasttnt.policy import plan_micro_batches
+from fasttnt.policy import _RowsIntoGrad, plan_micro_batches, tied_rows_into_grad
 from fasttnt.trainer import Trainer
+from fasttnt_kernels import linear_policy_loss
 
 
 def test_one_update_lowers_the_loss_on_its_batch(tmp_path):
@@ -174,6 +175,75 @@ def test_a_step_with_every_sequence_skipped_still_steps(tmp_path):
     assert float(skipped["grad_norm"]) == float(straight["grad_norm"]) == 0.0
     assert torch.isnan(skipped["entropy"])  # measured on no token
     torch.testing.assert_close(w_skipped, w_straight, rtol=0, atol=0)
+
+
+def _tiny_qwen2(*, tied: bool):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    shape = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    config = Qwen2Config(vocab_size=64, num_key_value_heads=1, tie_word_embeddings=tied, pad_token_id=3, **shape)
+    return Qwen2ForCausalLM(config).double()
+
+
+def _count_rows_calls(monkeypatch) -> list[int]:
+    """The number of rows of each call of ``_RowsIntoGrad``'s backward, from now on."""
+    calls = []
+    real = _RowsIntoGrad.backward
+
+    def backward(ctx, grad_rows):
+        calls.append(grad_rows.shape[0])
+        return real(ctx, grad_rows)
+
+    monkeypatch.setattr(_RowsIntoGrad, "backward", staticmethod(backward))
+    return calls
+
+
+def test_a_tied_embeddings_rows_go_into_the_gradient_as_autograd_would_sum_them(monkeypatch):
+    # policy.tied_rows_into_grad, in float64 against autograd's own sum: two micro-batches accumulated, a repeated
+    # token, the padding token (no gradient for its row), and a lookup under no_grad left alone
+    ids = [torch.tensor([[1, 3, 5, 5, 7, 3, 9, 11]]), torch.tensor([[5, 2, 3, 13, 1, 1]])]  # (1, T) each
+    grads, calls = [], _count_rows_calls(monkeypatch)
+    for route in (False, True):
+        torch.manual_seed(0)
+        model = _tiny_qwen2(tied=True)
+        handle = tied_rows_into_grad(model) if route else None
+        assert (handle is not None) == route
+        for row in ids:
+            hidden = model.model(input_ids=row).last_hidden_state[0]  # (T, H)
+            targets = torch.roll(row[0], -1)
+            loss, _ = linear_policy_loss(hidden, model.lm_head.weight, targets, advantages=torch.tensor([1.0]),
+                                         cu_seqlens=torch.tensor([0, len(targets)]))  # fmt: skip
+            loss.backward()
+        assert len(calls) == (2 if route else 0), "one call per backward, when routed"
+        with torch.no_grad():
+            assert not model.get_input_embeddings()(ids[0]).requires_grad
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+    plain, routed = grads
+    assert plain["model.embed_tokens.weight"][3].abs().sum() > 0, "the padding row has the lm_head side's gradient"
+    for name, grad in plain.items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(routed[name], grad, rtol=1e-12, atol=1e-15, msg=name)
+
+
+def test_an_untied_or_own_lookup_embedding_is_left_alone():
+    assert tied_rows_into_grad(_tiny_qwen2(tied=False)) is None
+    model = _tiny_qwen2(tied=True)
+    model.get_input_embeddings().scale_grad_by_freq = True
+    assert tied_rows_into_grad(model) is None
+
+
+def test_the_update_routes_a_tied_embeddings_rows(tmp_path, monkeypatch):
+    # run_setup installs the routing for a tied model outside DeepSpeed; the update's gradient passes through it
+    calls = _count_rows_calls(monkeypatch)
+    trainer = Trainer(load_config(None, run_overrides(tmp_path, "micro_batch_tokens=64")), tmp_path / "run")
+    model = trainer.model
+    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight, "the tiny model is tied"
+    batch = trainer.engine.generate([build_prompt(trainer.tokenizer, p.problem) for p in held_out(3)], 4, seed=3)
+    assert not calls, "no gradient rows from a rollout"
+    metrics = trainer.actor.update(batch, torch.linspace(-1.5, 1.5, batch.lengths.numel()), None, None)
+    trainer.verifier.close()
+    assert len(calls) == float(metrics["micro_batches"]) > 1, "one call per micro-batch"
+    assert torch.isfinite(model.get_input_embeddings().weight.grad).all() and float(metrics["grad_norm"]) > 0
 
 
 def test_the_real_configs_mini_batches_train_against_the_old_log_probs(tmp_path, monkeypatch):

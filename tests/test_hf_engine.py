@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
-from small import TINY_4_HEADS, TINY_GQA, biased_lm_head
+from small import TINY_4_HEADS, TINY_GQA, biased_lm_head, resident_mib
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -27,6 +28,7 @@ from transformers import (
     LogitsProcessor,
 )
 
+from fasttnt import host_memory
 from fasttnt.data import Prompt, PromptMode, build_prompt
 from fasttnt.embedded.char_tokenizer import THINK_END, USER, build_char_tokenizer
 from fasttnt.embedded.synthetic import held_out
@@ -295,6 +297,19 @@ def test_training_mode_is_restored_when_generation_fails():
     with pytest.raises(RuntimeError, match="simulated"):
         engine.generate([build_prompt(tok, p.problem) for p in held_out(1)], 2, seed=0)
     assert model.training
+
+
+@pytest.mark.skipif(host_memory._libc() is None or not Path("/proc/self/status").exists(), reason="glibc on Linux")
+def test_the_end_of_a_rollout_gives_the_freed_heap_back():
+    # what a rollout leaves: many small freed blocks (KV caches and logits) in glibc's free lists, still resident.
+    # 64 KiB blocks are under glibc's mmap threshold (at least 128 KiB): they come from the heap, not from mmap
+    tok, model = _model("qwen2")
+    engine = HFEngine(model, tok, EngineSettings(max_new_tokens=8, temperature=1.0, top_p=1.0))
+    blocks = [torch.ones(16 * 1024) for _ in range(3200)]  # 3200 x 64 KiB = 200 MiB, touched
+    held = resident_mib()
+    del blocks
+    engine.end_rollout()
+    assert resident_mib() < held - 100, "the 200 MiB freed were not given back"
 
 
 # -- the EOS ids: the tokenizer's and every one of the model's generation config ----------------------------------

@@ -15,6 +15,7 @@ from transformers import DynamicCache
 
 from .. import distributed
 from ..data import Prompt, think_end_token_id
+from ..host_memory import give_back_freed_heap
 from .base import ENGINES, EngineSettings, Requests
 from .batch import RolloutBatch, eos_ids_of
 from .sampler import row_seeds, seeded_sample
@@ -199,7 +200,10 @@ class HFEngine:
         return out.logits[:, -1].float()  # (B, V)
 
     def end_rollout(self) -> None:
-        pass  # holds no memory of its own between rollouts
+        """Holds no memory of its own between rollouts; on the CPU, the heap the decode loop freed goes back to the
+        system (``host_memory.give_back_freed_heap``) before the update allocates."""
+        if next(self.model.parameters()).device.type == "cpu":
+            give_back_freed_heap()
 
     def sync_weights(self, model) -> None:
         pass  # generates with the trained model itself
