@@ -156,17 +156,17 @@ class PolicyHead(torch.nn.Module):
 class _RowsIntoGrad(torch.autograd.Function):
     """A tied embedding's lookup whose backward adds its gradient rows into ``weight.grad`` in place (index_add_).
 
-    forward(rows, ids, embedding, anchor) returns ``rows``, the embedding's looked-up rows, detached. The weight is
-    reached through the module, not passed as a tensor, and ``anchor`` (a leaf that requires grad) puts the lookup
-    in the backward graph: there is no edge to the weight, so its AccumulateGrad does not wait for the lookup's
-    backward. The lm_head side's gradient becomes ``weight.grad`` as it comes (stolen, no copy) and the rows are
-    added into it when they come; in the other order the sum is the same."""
+    forward(ids, embedding, anchor) looks the rows up. The weight is reached through the module, not passed as a
+    tensor, and ``anchor`` (a leaf that requires grad) puts the lookup in the backward graph: there is no edge to
+    the weight, so its AccumulateGrad does not wait for the lookup's backward. The lm_head side's gradient becomes
+    ``weight.grad`` as it comes (stolen, no copy) and the rows are added into it when they come; in the other
+    order the sum is the same."""
 
     @staticmethod
-    def forward(ctx, rows, ids, embedding, anchor):
+    def forward(ctx, ids, embedding, anchor):
         ctx.save_for_backward(ids)
         ctx.embedding = embedding
-        return rows.view_as(rows)
+        return torch.nn.functional.embedding(ids, embedding.weight, embedding.padding_idx)  # (..., H)
 
     @staticmethod
     def backward(ctx, grad_rows):
@@ -179,7 +179,7 @@ class _RowsIntoGrad(torch.autograd.Function):
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
         weight.grad.index_add_(0, ids, grad)
-        return None, None, None, None
+        return None, None, None
 
 
 def tied_rows_into_grad(model):
@@ -199,10 +199,10 @@ def tied_rows_into_grad(model):
         return None  # a lookup of its own (scaled, renormed): its backward is not index_add_ of the rows
     anchor = torch.zeros((), device=embedding.weight.device, requires_grad=True)
 
-    def lookup(module, args, rows):
+    def lookup(module, args, rows):  # the module's own rows (and their graph) are dropped when grad is on
         if not (torch.is_grad_enabled() and module.weight.requires_grad):
             return rows
-        return _RowsIntoGrad.apply(rows.detach(), args[0], module, anchor)
+        return _RowsIntoGrad.apply(args[0], module, anchor)
 
     return embedding.register_forward_hook(lookup)
 

@@ -225,6 +225,18 @@ def test_a_tied_embeddings_rows_go_into_the_gradient_as_autograd_would_sum_them(
         torch.testing.assert_close(routed[name], grad, rtol=1e-12, atol=1e-15, msg=name)
 
 
+def test_the_routed_lookup_may_be_changed_in_place():
+    # a model may scale its embeddings in place; the routed rows are a tensor of their own, not a view
+    model = _tiny_qwen2(tied=True)
+    tied_rows_into_grad(model)
+    ids = torch.tensor([[1, 2, 2]])
+    model.get_input_embeddings()(ids).mul_(2.0).sum().backward()
+    weight = model.get_input_embeddings().weight
+    expected = torch.zeros_like(weight)
+    expected[1], expected[2] = 2.0, 4.0
+    torch.testing.assert_close(weight.grad, expected, rtol=0, atol=0)
+
+
 def test_an_untied_or_own_lookup_embedding_is_left_alone():
     assert tied_rows_into_grad(_tiny_qwen2(tied=False)) is None
     model = _tiny_qwen2(tied=True)

@@ -153,6 +153,15 @@ def test_rollout_engines_smoke(tmp_path):
     assert lines[-1].startswith("hf: forwards ") and "generate / forward" in lines[-1]  # the hf engine's time split
 
 
+def test_lm_head_floor_smoke(tmp_path):
+    shape = ["--vocab", "512", "--hidden", "32", "--decode-steps", "3", "--train-tokens", "100", "--chunk-rows", "40"]
+    out = _run("benchmarks/lm_head_floor.py", *shape, "--repeats", "1", "--json", str(tmp_path / "f.json"))
+    result = json.loads((tmp_path / "f.json").read_text())
+    assert [r["calls"] for r in result["ops"]] == [3, 2.5, 2.5, 2.5]  # per step: 3 decode steps, 100 / 40 chunks
+    assert result["floor_seconds"] == pytest.approx(sum(r["seconds"] for r in result["ops"]))
+    assert out.splitlines()[-1].startswith("the lm_head alone, per step")
+
+
 def test_packed_attention_check_smoke():
     out = _run("benchmarks/packed_attention_check.py", "--smoke")
     assert "packed attention sdpa_padded" in out and out.rstrip().endswith("OK")
