@@ -5,10 +5,11 @@ any trainer's step at equal work in that dtype.
     python benchmarks/lm_head_floor.py --train-tokens 4350 --dtype bfloat16
 
 Generation runs one (rows x H) @ (H x V) product per new token (the decode step's logits), the update three per
-trained token: the logits, the hidden states' gradient (logits grad @ W) and the weight's (logits grad^T @ h), at
-the row chunk fasttnt's CPU path uses. Each is timed alone (median of ``--repeats`` after one warm-up) and scaled
-by how often a step runs it; nothing else of the step (the body's layers, attention, sampling, the optimizer) is
-counted, so a step cannot be faster than the sum. ``--json`` also writes the numbers.
+trained token: the logits, the hidden states' gradient (logits grad @ W) and the weight's (logits grad^T @ h, summed
+in float32 as fasttnt's lm_head ops do), at the row chunk fasttnt's CPU path uses (256 MiB of logits in the dtype).
+Each is timed alone (median of ``--repeats`` after one warm-up) and scaled by how often a step runs it; nothing
+else of the step (the body's layers, attention, sampling, the optimizer) is counted, so a step cannot be faster
+than the sum. ``--json`` also writes the numbers.
 """
 
 from __future__ import annotations
@@ -70,11 +71,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--decode-rows", type=int, default=8, help="rows of the decode batch (prompts x samples)")
     parser.add_argument("--decode-steps", type=int, default=512, help="new tokens per response")
     parser.add_argument("--train-tokens", type=int, default=4350, help="response tokens the update trains on")
-    parser.add_argument("--chunk-rows", type=int, default=384, help="rows per logits chunk (256 MiB at V = 152K)")
+    parser.add_argument("--chunk-rows", type=int, help="rows per logits chunk (default: fasttnt's on the CPU)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    if args.chunk_rows is None:
+        from fasttnt_kernels._lm_head import DEFAULT_CPU_CHUNK_BYTES, chunk_rows_for
+
+        itemsize = 4 if args.dtype == "float32" else 2
+        args.chunk_rows = chunk_rows_for(args.train_tokens, args.vocab, itemsize, DEFAULT_CPU_CHUNK_BYTES)
     for name in ("vocab", "hidden", "decode_rows", "decode_steps", "train_tokens", "chunk_rows", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")

@@ -2,11 +2,12 @@
 
 PyTorch's CPU tensors come from ``malloc``. glibc serves a block from ``mmap`` (and unmaps it when freed) only above
 its mmap threshold, which starts at 128 KiB and rises with every larger block freed, up to 32 MiB; everything below
-stays in the heap's free lists when freed: resident, counted in the process's memory, and of no use to a larger
-allocation. A rollout frees thousands of small and medium blocks (each step's logits, a KV cache grown by
-concatenation) and an update's layers allocate and free activations of tens of MiB. At the 0.5B shape at 512
-tokens, the resident set carried ~470 MiB of freed heap into the update and ~440 MiB more by the end of its
-backward (``benchmarks/RESULTS.md``). Linux with glibc only; elsewhere both calls do nothing and say so.
+can stay in the heap's free lists when freed (glibc trims only the heap's top by itself): resident, counted in the
+process's memory, and reusable only by allocations that fit. A rollout frees thousands of small and medium blocks
+(each step's logits, a KV cache grown by concatenation) and an update's layers allocate and free activations of
+tens of MiB. At the 0.5B shape at 512 tokens the update started 310 MiB lower with both calls than without
+(``benchmarks/RESULTS.md``). Linux with glibc's own malloc only; elsewhere (another C library, or jemalloc or
+tcmalloc preloaded) both calls do nothing and return False.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import functools
 MMAP_THRESHOLD_BYTES = 1 << 20
 """Blocks of 1 MiB and more come from mmap and go back to the system when freed. The costs of the mapping (a system
 call and the first touch of each page) are small beside what a block that size holds: a decode step's logits at V =
-151,936 are 4.6 MiB for 8 rows; measured at the 0.5B shape, the decode step and the update took the same time within
+151,936 are 4.6 MiB for 8 rows; at the 0.5B shape the generation phase took the same time with it as without, within
 the runs' spread."""
 
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
@@ -25,18 +26,28 @@ _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
 @functools.cache
 def _libc():
-    """glibc, or None under another C library (musl, macOS, Windows)."""
+    """glibc, where its malloc is the process's; else None (musl, macOS, Windows, an allocator preloaded)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return None
-    return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
+    if not (hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt")):
+        return None
+    address = ctypes.cast  # the malloc the process calls (a preloaded one comes first) against glibc's own
+    if address(ctypes.CDLL(None).malloc, ctypes.c_void_p).value != address(libc.malloc, ctypes.c_void_p).value:
+        return None
+    return libc
+
+
+def available() -> bool:
+    """Whether the calls below take effect here (glibc's own malloc)."""
+    return _libc() is not None
 
 
 def serve_large_blocks_from_mmap() -> bool:
     """Set glibc's mmap threshold to ``MMAP_THRESHOLD_BYTES`` (fixed: no longer rising), so that freed tensors of
-    that size and more leave the resident set at once; False where there is no glibc. Process-wide: the CPU
-    trainer calls it once, at setup."""
+    that size and more leave the resident set at once; False where there is no glibc. Process-wide and for the
+    process's life: the CPU trainer calls it at setup."""
     libc = _libc()
     return libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
 

@@ -159,8 +159,9 @@ class _RowsIntoGrad(torch.autograd.Function):
     forward(ids, embedding, anchor) looks the rows up. The weight is reached through the module, not passed as a
     tensor, and ``anchor`` (a leaf that requires grad) puts the lookup in the backward graph: there is no edge to
     the weight, so its AccumulateGrad does not wait for the lookup's backward. The lm_head side's gradient becomes
-    ``weight.grad`` as it comes (stolen, no copy) and the rows are added into it when they come; in the other
-    order the sum is the same."""
+    (or, from a second micro-batch on, is added into) ``weight.grad`` as it comes, and the rows are added into it
+    when they come; in the other order the sum is the same. Only for ``loss.backward()`` without ``inputs``: the
+    rows never reach ``torch.autograd.grad``'s results, and a graph of the gradient (``create_graph``) is refused."""
 
     @staticmethod
     def forward(ctx, ids, embedding, anchor):
@@ -170,6 +171,8 @@ class _RowsIntoGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_rows):
+        if torch.is_grad_enabled():
+            raise RuntimeError("a tied embedding routed by tied_rows_into_grad has no differentiable gradient")
         (ids,) = ctx.saved_tensors
         weight, padding_idx = ctx.embedding.weight, ctx.embedding.padding_idx
         ids = ids.reshape(-1)  # (N,)
@@ -184,27 +187,30 @@ class _RowsIntoGrad(torch.autograd.Function):
 
 def tied_rows_into_grad(model):
     """Route a tied embedding's input-side gradient into ``weight.grad`` row by row (``_RowsIntoGrad``) instead of
-    through autograd's sum with the lm_head side; returns the hook's handle, or None where the model is not tied
-    (or its input embedding is not a plain ``torch.nn.Embedding``: left as it is).
+    through the embedding's own backward; returns the hook's handle, or None where the model is not tied (or its
+    input embedding is not a plain dense ``torch.nn.Embedding``: left as it is).
 
-    The update's loss forms the lm_head side's gradient as one dense (V, H) tensor. Autograd sums the two sides of a
-    tied weight into a new (V, H) tensor (it adds in place only into a tensor made in C++, not one a Python
-    ``autograd.Function`` returned), so every backward ended with a third (V, H): 519 MiB at V = 151,936 x 896 in
-    float32, the update's peak on the CPU (``benchmarks/RESULTS.md``). Not under DeepSpeed, whose ZeRO stages take
-    gradients from autograd's hooks. Under no_grad (rollouts, old log-probs) the lookup is the embedding's own."""
+    The embedding's own backward forms a dense (V, H) gradient (zeros, then its rows added), which autograd then
+    adds into the lm_head side's, the dense (V, H) the update's fused loss formed: a second (V, H) at the end of
+    every backward (a third from the second micro-batch on, beside ``weight.grad``), 519 MiB at V = 151,936 x 896 in
+    float32. Here only the looked-up rows are added. The update calls it on the CPU outside DeepSpeed: ZeRO takes
+    gradients from autograd's hooks, and on CUDA ``index_add_`` adds repeated rows with atomics, in an order that
+    differs from run to run. Under no_grad (rollouts, old log-probs) the lookup is the embedding's own."""
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     if head is None or embedding.weight is not head.weight:
         return None
-    if type(embedding) is not torch.nn.Embedding or embedding.max_norm is not None or embedding.scale_grad_by_freq:
-        return None  # a lookup of its own (scaled, renormed): its backward is not index_add_ of the rows
+    if (type(embedding) is not torch.nn.Embedding or embedding.max_norm is not None or embedding.scale_grad_by_freq
+            or embedding.sparse):  # fmt: skip
+        return None  # a lookup of its own (renormed, scaled, sparse): its backward is not index_add_ of the rows
     anchor = torch.zeros((), device=embedding.weight.device, requires_grad=True)
 
-    def lookup(module, args, rows):  # the module's own rows (and their graph) are dropped when grad is on
+    def lookup(module, args, kwargs, rows):  # the module's own rows (and their graph) are dropped when grad is on
         if not (torch.is_grad_enabled() and module.weight.requires_grad):
             return rows
-        return _RowsIntoGrad.apply(args[0], module, anchor)
+        ids = args[0] if args else kwargs["input"]
+        return _RowsIntoGrad.apply(ids, module, anchor)
 
-    return embedding.register_forward_hook(lookup)
+    return embedding.register_forward_hook(lookup, with_kwargs=True)
 
 
 def as_head(model):

@@ -164,8 +164,8 @@ def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: b
     if cfg.model.gradient_checkpointing:
         # transformers 5 renamed it; 4.x has only the old name
         getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
-    if not dist:
-        tied_rows_into_grad(model)
+    if not dist and device.type == "cpu":
+        tied_rows_into_grad(model)  # a tied embedding's rows straight into weight.grad (its docstring says why)
     ref_model = None
     if cfg.loss.kl_coef > 0:  # the starting policy, also when resuming
         ref_model = from_pretrained(cfg, model_path, device).to(device).eval().requires_grad_(False)

@@ -124,3 +124,10 @@ def resident_mib() -> float:
     """This process's resident set now (``VmRSS``), in MiB: Linux."""
     status = Path("/proc/self/status").read_text()
     return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.M).group(1)) / 1024
+
+
+def glibc_on_linux() -> bool:
+    """Whether fasttnt.host_memory's calls take effect here and /proc shows the resident set."""
+    from fasttnt import host_memory
+
+    return host_memory.available() and Path("/proc/self/status").exists()

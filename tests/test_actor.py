@@ -185,16 +185,21 @@ def _tiny_qwen2(*, tied: bool):
     return Qwen2ForCausalLM(config).double()
 
 
-def _count_rows_calls(monkeypatch) -> list[int]:
-    """The number of rows of each call of ``_RowsIntoGrad``'s backward, from now on."""
-    calls = []
-    real = _RowsIntoGrad.backward
+def _count_rows_calls(monkeypatch) -> dict[str, list[int]]:
+    """The rows of each call of ``_RowsIntoGrad``'s forward and backward, from now on."""
+    calls = {"forward": [], "backward": []}
+    forward, backward = _RowsIntoGrad.forward, _RowsIntoGrad.backward
 
-    def backward(ctx, grad_rows):
-        calls.append(grad_rows.shape[0])
-        return real(ctx, grad_rows)
+    def counted_forward(ctx, ids, embedding, anchor):
+        calls["forward"].append(ids.numel())
+        return forward(ctx, ids, embedding, anchor)
 
-    monkeypatch.setattr(_RowsIntoGrad, "backward", staticmethod(backward))
+    def counted_backward(ctx, grad_rows):
+        calls["backward"].append(grad_rows.shape[0])
+        return backward(ctx, grad_rows)
+
+    monkeypatch.setattr(_RowsIntoGrad, "forward", staticmethod(counted_forward))
+    monkeypatch.setattr(_RowsIntoGrad, "backward", staticmethod(counted_backward))
     return calls
 
 
@@ -214,9 +219,10 @@ def test_a_tied_embeddings_rows_go_into_the_gradient_as_autograd_would_sum_them(
             loss, _ = linear_policy_loss(hidden, model.lm_head.weight, targets, advantages=torch.tensor([1.0]),
                                          cu_seqlens=torch.tensor([0, len(targets)]))  # fmt: skip
             loss.backward()
-        assert len(calls) == (2 if route else 0), "one call per backward, when routed"
+        assert len(calls["backward"]) == (2 if route else 0), "one call per backward, when routed"
         with torch.no_grad():
-            assert not model.get_input_embeddings()(ids[0]).requires_grad
+            model.get_input_embeddings()(ids[0])
+        assert len(calls["forward"]) == (2 if route else 0), "the embedding's own lookup under no_grad"
         grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
     plain, routed = grads
     assert plain["model.embed_tokens.weight"][3].abs().sum() > 0, "the padding row has the lm_head side's gradient"
@@ -237,11 +243,21 @@ def test_the_routed_lookup_may_be_changed_in_place():
     torch.testing.assert_close(weight.grad, expected, rtol=0, atol=0)
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")  # torch's note on .grad cycles
+def test_a_graph_of_the_routed_gradient_is_refused():
+    model = _tiny_qwen2(tied=True)
+    tied_rows_into_grad(model)
+    loss = model.get_input_embeddings()(torch.tensor([[1, 2]])).pow(2).sum()
+    with pytest.raises(RuntimeError, match="no differentiable gradient"):
+        loss.backward(create_graph=True)
+
+
 def test_an_untied_or_own_lookup_embedding_is_left_alone():
     assert tied_rows_into_grad(_tiny_qwen2(tied=False)) is None
     model = _tiny_qwen2(tied=True)
     model.get_input_embeddings().scale_grad_by_freq = True
     assert tied_rows_into_grad(model) is None
+    assert tied_rows_into_grad(_tiny_qwen2(tied=True)) is not None  # precondition: the same model, plain, is routed
 
 
 def test_the_update_routes_a_tied_embeddings_rows(tmp_path, monkeypatch):
@@ -251,10 +267,10 @@ def test_the_update_routes_a_tied_embeddings_rows(tmp_path, monkeypatch):
     model = trainer.model
     assert model.get_input_embeddings().weight is model.get_output_embeddings().weight, "the tiny model is tied"
     batch = trainer.engine.generate([build_prompt(trainer.tokenizer, p.problem) for p in held_out(3)], 4, seed=3)
-    assert not calls, "no gradient rows from a rollout"
+    assert not calls["forward"], "a rollout (no_grad) looks up through the embedding's own forward"
     metrics = trainer.actor.update(batch, torch.linspace(-1.5, 1.5, batch.lengths.numel()), None, None)
     trainer.verifier.close()
-    assert len(calls) == float(metrics["micro_batches"]) > 1, "one call per micro-batch"
+    assert len(calls["backward"]) == len(calls["forward"]) == float(metrics["micro_batches"]) > 1, "per micro-batch"
     assert torch.isfinite(model.get_input_embeddings().weight.grad).all() and float(metrics["grad_norm"]) > 0
 
 

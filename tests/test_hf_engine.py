@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
-from small import TINY_4_HEADS, TINY_GQA, biased_lm_head, resident_mib
+from small import TINY_4_HEADS, TINY_GQA, biased_lm_head, glibc_on_linux, resident_mib
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -28,7 +27,6 @@ from transformers import (
     LogitsProcessor,
 )
 
-from fasttnt import host_memory
 from fasttnt.data import Prompt, PromptMode, build_prompt
 from fasttnt.embedded.char_tokenizer import THINK_END, USER, build_char_tokenizer
 from fasttnt.embedded.synthetic import held_out
@@ -299,7 +297,7 @@ def test_training_mode_is_restored_when_generation_fails():
     assert model.training
 
 
-@pytest.mark.skipif(host_memory._libc() is None or not Path("/proc/self/status").exists(), reason="glibc on Linux")
+@pytest.mark.skipif(not glibc_on_linux(), reason="glibc's malloc on Linux")
 def test_the_end_of_a_rollout_gives_the_freed_heap_back():
     # what a rollout leaves: many small freed blocks (KV caches and logits) in glibc's free lists, still resident.
     # 64 KiB blocks are under glibc's mmap threshold (at least 128 KiB): they come from the heap, not from mmap
@@ -308,6 +306,7 @@ def test_the_end_of_a_rollout_gives_the_freed_heap_back():
     blocks = [torch.ones(16 * 1024) for _ in range(3200)]  # 3200 x 64 KiB = 200 MiB, touched
     held = resident_mib()
     del blocks
+    assert resident_mib() > held - 50, "precondition: glibc keeps the freed blocks until asked"
     engine.end_rollout()
     assert resident_mib() < held - 100, "the 200 MiB freed were not given back"
 

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from small import glibc_on_linux
 
-from fasttnt import host_memory
-
-pytestmark = pytest.mark.skipif(
-    host_memory._libc() is None or not Path("/proc/self/status").exists(), reason="glibc on Linux"
-)
+pytestmark = pytest.mark.skipif(not glibc_on_linux(), reason="glibc's malloc on Linux")
 
 # A 16 MiB block freed first raises glibc's dynamic mmap threshold to 16 MiB, as a rollout's and an update's
 # freed blocks do; then 2 MiB blocks, touched, each followed by a small block kept alive (so that the freed ones
@@ -45,3 +44,25 @@ def _freed_mib(set_it: bool) -> float:
 def test_tensors_of_a_mib_and_more_leave_the_resident_set_when_freed():
     assert _freed_mib(False) < 50, "precondition: without the setting, glibc keeps the freed 2 MiB blocks"
     assert _freed_mib(True) > 150, "the 200 MiB freed stayed resident"
+
+
+# a malloc of its own that passes every call to glibc's: what jemalloc or tcmalloc preloaded looks like to the check
+PASSTHROUGH_MALLOC = """
+#include <stddef.h>
+extern void *__libc_malloc(size_t);
+void *malloc(size_t n) { return __libc_malloc(n); }
+"""
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+def test_a_preloaded_malloc_turns_the_calls_off(tmp_path):
+    (tmp_path / "m.c").write_text(PASSTHROUGH_MALLOC)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(tmp_path / "m.so"), str(tmp_path / "m.c")], check=True)
+    check = "from fasttnt import host_memory; print(host_memory.available(), host_memory.give_back_freed_heap())"
+
+    def run(env):
+        out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True, env=env)
+        return out.stdout.split()
+
+    assert run(os.environ) == ["True", "True"]  # precondition
+    assert run({**os.environ, "LD_PRELOAD": str(tmp_path / "m.so")}) == ["False", "False"]
