@@ -59,6 +59,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import proc_memory
 import torch
 
 HERE = Path(__file__).resolve().parent
@@ -837,18 +838,21 @@ def run_case(case: Case, device, args, report: Callable[[dict], None], deadline:
 
 
 _MEMORY_CHILD = """
-import resource, sys, torch
+import sys, torch
 from fasttnt_kernels import PolicyLossInputs, linear_policy_loss, linear_token_logprobs
 sys.path.insert(0, {here!r})
+import proc_memory
 from bench_kernels import TRL_VOCAB_CHUNK, materialised_linear_logprobs
 n, h, v, how, chunk = {n}, {h}, {v}, {how!r}, {chunk}
 torch.manual_seed(0)
 hidden = torch.randn(n, h, requires_grad=True)
 weight = (torch.randn(v, h) / h**0.5).requires_grad_()
 ids = torch.randint(0, v, (n,))
-if how == "trl":  # imported before the baseline reading: the import's own memory is not the op's
+if how == "trl":
     from trl.kernels import ChunkedLogProbFunction
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+# the window opens at the inputs: what was freed before it (randn's temporary, an import) is not the op's
+peaks = proc_memory.Peaks()
+peaks.start_window()
 if how == "fused":
     linear_token_logprobs(hidden, weight, ids, chunk_bytes=chunk).sum().backward()
 elif how == "loss":  # the update's whole loss: 4 sequences, token-mean, gradients formed in the forward
@@ -858,8 +862,7 @@ elif how == "trl":  # TRL 1.16's GRPO log-prob path (its fused lm_head's chunked
     ChunkedLogProbFunction.apply(hidden, weight, None, ids, 1.0, TRL_VOCAB_CHUNK, None, 1.0, ())[0].sum().backward()
 else:
     materialised_linear_logprobs(hidden, weight, ids).sum().backward()
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print((after - before) / 1024)
+print(peaks.end_window()["rise_mib"])
 """
 # the memory rows' processes: what each computes (module docstring's providers) and its planned bytes beyond the
 # float32 inputs and gradients
@@ -872,8 +875,8 @@ _MEMORY_PROVIDERS = {
 
 
 def start_peak_child(n: int, h: int, v: int, how: str, chunk_mib: int) -> subprocess.Popen:
-    """A fresh process that prints the growth of its peak resident set (MiB) over one forward+backward
-    (ru_maxrss, Linux)."""
+    """A fresh process that prints the rise of its peak resident set (MiB) over one forward+backward, above the
+    resident set at its start (benchmarks/proc_memory.py: Linux)."""
     code = _MEMORY_CHILD.format(here=str(HERE), n=n, h=h, v=v, how=how, chunk=chunk_mib * 2**20)
     env = dict(os.environ, FASTTNT_KERNELS="torch")
     return subprocess.Popen(
@@ -892,7 +895,7 @@ def memory_rows(args, report: Callable[[dict], None], deadline: float) -> None:
     h, v = args.memory_hidden, args.vocab
     for n in args.memory_tokens:
         logits_mib = n * v * 4 / 2**20
-        # the fused and the materialised process of one N run side by side: ru_maxrss is per process, so this
+        # the fused and the materialised process of one N run side by side: a high-water mark is per process, so this
         # changes no number and halves the wait (most of which is each process importing torch)
         started, planned = [], 0.0
         for how, provider in _MEMORY_PROVIDERS.items():
@@ -911,6 +914,8 @@ def memory_rows(args, report: Callable[[dict], None], deadline: float) -> None:
             reason = _too_big(planned + need, torch.device("cpu"), args.memory_limit_gib)
             if time.monotonic() >= deadline:
                 report({**row, "status": "not run", "note": "past the --max-seconds deadline"})
+            elif not proc_memory.available():
+                report({**row, "status": "skipped", "note": "the peak is read from /proc's high-water marks: Linux"})
             elif reason:
                 report({**row, "status": "skipped", "note": reason})
             else:

@@ -18,12 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-
-def _status_mib(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
+import proc_memory
 
 
 def one_run(tokens: int, hidden: int, vocab: int, chunk_mib: int, seed: int) -> dict[str, float]:
@@ -39,8 +34,8 @@ def one_run(tokens: int, hidden: int, vocab: int, chunk_mib: int, seed: int) -> 
     ids = torch.randint(0, vocab, (tokens,), generator=gen)  # (N,)
     cu = torch.linspace(0, tokens, seqs + 1).long()  # (S+1,)
     adv = torch.randn(seqs, generator=gen)  # (S,)
-    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark back to the present resident set
-    start_mib = _status_mib("VmRSS")
+    peaks = proc_memory.Peaks()
+    peaks.start_window()
     start = time.perf_counter()
     loss, _ = linear_policy_loss(h, w, ids, advantages=adv, cu_seqlens=cu, total_tokens=tokens, total_seqs=seqs,
                                  entropy_coef=0.01, chunk_bytes=chunk_mib * 2**20)  # fmt: skip
@@ -48,7 +43,7 @@ def one_run(tokens: int, hidden: int, vocab: int, chunk_mib: int, seed: int) -> 
     seconds = time.perf_counter() - start
     if not (torch.isfinite(loss) and torch.isfinite(w.grad).all() and torch.isfinite(h.grad).all()):
         raise RuntimeError("cpu_lm_head.py: a non-finite loss or gradient")
-    return {"seconds": seconds, "rise_mib": _status_mib("VmHWM") - start_mib, "loss": loss.item()}
+    return {"seconds": seconds, "rise_mib": peaks.end_window()["rise_mib"], "loss": loss.item()}
 
 
 def main() -> None:

@@ -27,44 +27,14 @@ import argparse
 import itertools
 import json
 import multiprocessing
-import re
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import proc_memory
 import torch
-
-# -- memory: this process's resident set and its high-water mark (Linux /proc) ------------------------------------
-
-
-def _status_mib(field: str) -> float:
-    """``VmRSS`` (now) or ``VmHWM`` (the high-water mark since the start or the last reset) of this process."""
-    status = Path("/proc/self/status").read_text()
-    return int(re.search(rf"^{field}:\s+(\d+) kB", status, re.M).group(1)) / 1024
-
-
-class Peaks:
-    """The resident set's high-water marks of this process: over the whole run, and over windows (the updates)."""
-
-    def __init__(self) -> None:
-        self.run_mib = _status_mib("VmHWM")
-        self.window_start_mib = 0.0
-
-    def start_window(self) -> None:
-        self.run_mib = max(self.run_mib, _status_mib("VmHWM"))
-        self.window_start_mib = _status_mib("VmRSS")
-        Path("/proc/self/clear_refs").write_text("5")  # the high-water mark back to the present resident set
-
-    def end_window(self) -> dict[str, float]:
-        peak = _status_mib("VmHWM")
-        self.run_mib = max(self.run_mib, peak)
-        return {"update_peak_mib": peak, "update_rise_mib": peak - self.window_start_mib}
-
-    def run_peak(self) -> float:
-        return max(self.run_mib, _status_mib("VmHWM"))
-
 
 # -- the work both trainers do ------------------------------------------------------------------------------------
 
@@ -108,6 +78,11 @@ def _model_folder(args, cfg) -> str:
     return str(warmed_up_model(Path(cfg.cache_dir), cfg.model.tiny, cfg.warmup)[2])  # fasttnt's start, cached
 
 
+def _update_window(peaks: proc_memory.Peaks) -> dict[str, float]:
+    window = peaks.end_window()
+    return {"update_peak_mib": window["peak_mib"], "update_rise_mib": window["rise_mib"]}
+
+
 # -- the trainers, each in its own process, one step per "step" message ----------------------------------------------
 
 
@@ -115,7 +90,7 @@ def fasttnt_worker(args, workdir: Path, conn) -> None:
     from fasttnt.trainer import Trainer
 
     trainer = Trainer(resolved_config(args), workdir / "fasttnt", progress=False)
-    peaks, update_peaks = Peaks(), []
+    peaks, update_peaks = proc_memory.Peaks(), []
     update = trainer.actor.update
 
     def measured_update(*a, **k):  # this instance's update, inside a memory window
@@ -123,7 +98,7 @@ def fasttnt_worker(args, workdir: Path, conn) -> None:
         try:
             return update(*a, **k)
         finally:
-            update_peaks.append(peaks.end_window())
+            update_peaks.append(_update_window(peaks))
 
     trainer.actor.update = measured_update
     while conn.recv() == "step":
@@ -153,7 +128,7 @@ def trl_worker(args, workdir: Path, conn) -> None:
     rows = [{"prompt": training_prompt(cfg, tokenizer, p).text, "answer": p.answer} for p in _problems(args)]
     dataset = Dataset.from_list(rows)
     prompt_tokens = statistics.median(len(tokenizer(r["prompt"])["input_ids"]) for r in rows)
-    peaks, step = Peaks(), {}
+    peaks, step = proc_memory.Peaks(), {}
 
     class Turns(TrainerCallback):
         """Waits for its turn before each step; times the step and its update; reports once the step is logged."""
@@ -166,7 +141,7 @@ def trl_worker(args, workdir: Path, conn) -> None:
 
         def on_step_end(self, *a, **k):
             step["wall"] = time.perf_counter() - step["start"]
-            step.update(peaks.end_window())
+            step.update(_update_window(peaks))
 
         def on_log(self, _args, _state, _control, logs=None, **k):
             if logs and "completions/mean_length" in logs:
@@ -354,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--model and --prompt-file go together (the model's folder and a local JSONL of problems)")
     if args.steps < 1 or args.warmup_steps < 0:
         parser.error("--steps must be >= 1 and --warmup-steps >= 0")
-    if not Path("/proc/self/clear_refs").exists():
+    if not proc_memory.available():
         parser.error("the memory columns read the kernel's high-water marks from /proc: Linux only")
     try:
         import trl  # noqa: F401

@@ -34,11 +34,12 @@ def main() -> None:
     if memory:
         ax = axes[i]
         i += 1
-        for provider in dict.fromkeys(r["provider"] for r in memory):
-            pts = [(int(r["shape"].split()[0][2:]), float(r["peak_mib"])) for r in memory if r["provider"] == provider]
+        latest = {(r["provider"], r["shape"]): r for r in memory}  # the CSV is appended to: each case's newest row
+        for provider in dict.fromkeys(p for p, _ in latest):
+            pts = [(int(s.split()[0][2:]), float(r["peak_mib"])) for (p, s), r in latest.items() if p == provider]
             ax.plot(*zip(*sorted(pts), strict=True), marker="o", label=provider)
         ax.set_xlabel("tokens N (H=1536, V=151936, float32)")
-        ax.set_ylabel("peak memory growth, MiB (fwd+bwd)")
+        ax.set_ylabel("peak rise over the inputs, MiB (fwd+bwd)")
         ax.set_title(f"fused lm_head vs materialised logits ({memory[-1]['device']})")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
