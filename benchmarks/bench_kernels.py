@@ -2,7 +2,7 @@
 
     python benchmarks/bench_kernels.py                      # CUDA: every op at the shapes that matter
     python benchmarks/bench_kernels.py --max-seconds 140    # starts nothing new after 140 s; the rest is listed
-    python benchmarks/bench_kernels.py --memory-only        # any device: peak memory of the fused lm_head path
+    python benchmarks/bench_kernels.py --memory-only        # any Linux machine: peak memory of the fused lm_head path
     python benchmarks/bench_kernels.py --smoke              # tiny shapes, every code path (CPU: interpreter)
 
 What each op is compared with, one CSV row per provider (``--providers`` picks the baselines):
@@ -834,7 +834,7 @@ def run_case(case: Case, device, args, report: Callable[[dict], None], deadline:
         torch.cuda.empty_cache()
 
 
-# -- peak memory of the fused lm_head path, measured in a fresh process (any device) ----------------------------
+# -- peak memory of the fused lm_head path, measured in a fresh process (any Linux machine) ---------------------
 
 
 _MEMORY_CHILD = """
@@ -879,6 +879,9 @@ def start_peak_child(n: int, h: int, v: int, how: str, chunk_mib: int) -> subpro
     resident set at its start (benchmarks/proc_memory.py: Linux)."""
     code = _MEMORY_CHILD.format(here=str(HERE), n=n, h=h, v=v, how=how, chunk=chunk_mib * 2**20)
     env = dict(os.environ, FASTTNT_KERNELS="torch")
+    # glibc's malloc, which returns large freed blocks to the system: a preloaded allocator that keeps them would let
+    # the op reuse memory the window does not see
+    env.pop("LD_PRELOAD", None)
     return subprocess.Popen(
         [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )

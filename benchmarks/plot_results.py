@@ -25,7 +25,9 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    memory = [r for r in rows if r["peak_mib"] and not r["fwd_ms"]]
+    # the memory rows: each case's newest (the CSV is appended to), when it measured
+    newest = {(r["provider"], r["shape"]): r for r in rows if r["logits_mib"]}
+    memory = [r for r in newest.values() if r["status"] == "ok" and r["peak_mib"]]
     speed = [r for r in rows if r["fwd_bwd_ms"] or r["fwd_ms"]]
     panels = (1 if memory else 0) + (1 if speed else 0)
     fig, axes = plt.subplots(1, max(panels, 1), figsize=(6.5 * max(panels, 1), 4.5), constrained_layout=True)
@@ -34,9 +36,8 @@ def main() -> None:
     if memory:
         ax = axes[i]
         i += 1
-        latest = {(r["provider"], r["shape"]): r for r in memory}  # the CSV is appended to: each case's newest row
-        for provider in dict.fromkeys(p for p, _ in latest):
-            pts = [(int(s.split()[0][2:]), float(r["peak_mib"])) for (p, s), r in latest.items() if p == provider]
+        for provider in dict.fromkeys(r["provider"] for r in memory):
+            pts = [(int(r["shape"].split()[0][2:]), float(r["peak_mib"])) for r in memory if r["provider"] == provider]
             ax.plot(*zip(*sorted(pts), strict=True), marker="o", label=provider)
         ax.set_xlabel("tokens N (H=1536, V=151936, float32)")
         ax.set_ylabel("peak rise over the inputs, MiB (fwd+bwd)")
