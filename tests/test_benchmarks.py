@@ -81,7 +81,7 @@ def test_the_memory_rows_count_what_the_op_holds_and_not_what_was_freed_before_i
     # the materialised path holds the logits' gradient (N, V) while it forms the weight's (V, H): a floor on its
     # peak. The inputs' construction freed a (V, H) temporary (randn before the scaling) larger than the op's memory
     # beyond that floor (its logits and log-softmax, 2 N x V), which a peak since the process started would count as
-    # room the op then reuses without a rise (it reported ~45 MiB here)
+    # room the op then reuses without a rise (measured that way, the rise here was 45-50 MiB)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # no per-thread BLAS scratch in the upper bound
     bench, proc_memory = _module("bench_kernels"), _module("proc_memory")
     assert proc_memory.available(), "precondition: /proc's high-water marks (Linux)"
