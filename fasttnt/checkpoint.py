@@ -34,6 +34,9 @@ class TrainerState:
     world: int = 1  # the ranks that wrote it (a distributed checkpoint holds one optimizer shard per rank)
     # under bf16: the stale-weight guard's noise floor, the engine's difference from the trainer at step 1 (Trainer)
     logp_diff_floor: float | None = None
+    # mode-mixed under loss.mode_token_floor=auto: the log of the settled-choice floor, step 1's smallest
+    # log pi_old(</think> | x) (fasttnt.modes)
+    mode_token_floor_logp: float | None = None
 
 
 def seed_rngs(seed: int) -> None:

@@ -93,12 +93,15 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     cmp.add_argument("--variants-file", help="YAML of your own variants: name: {dotted.key: value, ...}")
     cmp.add_argument("--seeds", type=int, default=2, help="training seeds per warm-up")
+    cmp.add_argument("--first-seed", type=int, default=0, help="the first training seed (default: %(default)s)")
     cmp.add_argument("--warmup-seeds", type=int, default=1, help="warm-ups, each from its own seed")
     cmp.add_argument("--steps", type=int, default=80, help="GRPO steps per run")
     cmp.add_argument("--uniform-limit", type=float, default=32.0, help="the uniform-limit scheme's cap, in tokens")
     cmp.add_argument("--samples", type=int, default=4, help="evaluation samples per held-out problem")
     cmp.add_argument("--temperatures", default="0.6", help="comma-separated evaluation temperatures; the first's "
                      "report is compare.md, each other's compare_T<t>.md (0.6,1.0: eval's and training's)")  # fmt: skip
+    cmp.add_argument("--eval-steps", default="", help="comma-separated steps whose models are evaluated, a run's "
+                     "numbers the mean over them, e.g. 50,60,70,80 (default: the final model alone)")  # fmt: skip
     cmp.add_argument("--jobs", type=int, default=None, help="runs at once, one process each (default: one per core, "
                      "at most 8)")  # fmt: skip
     cmp.add_argument("--output-dir", default="runs/compare")
@@ -233,6 +236,16 @@ def _compare(args) -> int:
     ]
     if not args.uniform_limit >= 0:
         problems.append(f"--uniform-limit: must be >= 0, got {args.uniform_limit}")
+    if args.first_seed < 0:
+        problems.append(f"--first-seed: must be >= 0, got {args.first_seed}")
+    try:
+        eval_steps = tuple(sorted({int(t) for t in args.eval_steps.split(",") if t.strip()}))
+    except ValueError:
+        eval_steps = (0,)
+    if not all(1 <= t <= args.steps for t in eval_steps):
+        problems.append(
+            f"--eval-steps: comma-separated steps from 1 to --steps ({args.steps}), got {args.eval_steps!r}"
+        )
     try:
         temperatures = tuple(dict.fromkeys(float(t) for t in args.temperatures.split(",") if t.strip()))
     except ValueError:
@@ -265,12 +278,14 @@ def _compare(args) -> int:
         base,
         variants=variants,
         seeds=args.seeds,
+        first_seed=args.first_seed,
         warmup_seeds=args.warmup_seeds,
         steps=args.steps,
         uniform_limit=args.uniform_limit,
         jobs=args.jobs or default_jobs(),
         eval=replace(base.eval, samples=args.samples, temperature=temperatures[0] if temperatures else 0.6),
         temperatures=temperatures[1:],
+        eval_steps=eval_steps,
     )
     out = Path(args.output_dir)
     summary = run_compare(settings, out, args.overrides, user_variants)

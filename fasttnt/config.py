@@ -123,29 +123,18 @@ class LossConfig:
         "auto", "none", "token-truncate", "token-mask", "sequence-truncate", "sequence-mask"
     ] = "auto"
     rollout_correction_cap: float = 2.0  # TRL's default is 3.0
-    # mode-mixed rollouts: how the first token is weighted against the probability it was drawn with
-    # (fasttnt.modes): "mixture", the exact probability under the group's mix of forced and free sampling (an
-    # unbiased weight for the mode token, token-level as PPO's ratio); "half", AdaptThink's fixed log 0.5 for the
-    # forced first tokens; "policy", none (the old policy's own, as a free sample's). "policy" because only it moves
-    # a thinking-only model's free choice (the two weighted rules scale the mode token's gradient with
-    # pi(</think>) ~ 1e-5: docs/experiments.md)
+    # mode-mixed rollouts (fasttnt.modes, docs/algorithms.md#the-choice): how the first token is weighed against the
+    # probability it was drawn with: "mixture" (unbiased), "half" (AdaptThink's log 0.5) or "policy" (none: every
+    # direct row's </think> trained as if chosen, the one rule whose step on the choice does not shrink with p)
     mode_token_logp: Literal["mixture", "half", "policy"] = "policy"
-    # mode-mixed rollouts: a forced first token with a negative advantage whose mode the old policy gives less than
-    # this probability (pi(</think>) for forced non-thinking, 1 - pi(</think>) for forced thinking) is not pushed
-    # further down: without it, "policy" pushes log pi of a mode the model refuses down without bound, which wrecked
-    # the other mode's first token in the measurement (docs/experiments.md); 0: off
-    mode_token_floor: float = 0.1
-    # what the floor looks at: "mode", the forced mode's group-level advantage (the mean mode-token advantage of
-    # the group's rows in that mode), so below the floor a mode that loses in its group is held, and one that wins
-    # still rises; "row", each row's own sign, which keeps the right answers of a losing mode pushing its token up
-    # and so ratchets a refused mode towards the floor (docs/experiments.md)
-    mode_token_floor_gate: Literal["mode", "row"] = "mode"
-    # "shared": one GRPO advantage per response, for its mode token and every other token alike; "decoupled":
-    # </think> first (the choice) gets the gap between the non-thinking mode's mean reward and the modes' mean,
-    # every other token an advantage against the rows of its own mode (fasttnt_kernels.mode_advantages; HGPO's and
-    # DeGRPO's idea). "shared": decoupled was less accurate and less stable on the thinking-only stand-in
-    # (docs/experiments.md)
-    mode_advantage: Literal["shared", "decoupled"] = "shared"
+    # the choice's advantage: "decoupled", the modes' reward gap on each direct row's </think> and every other token
+    # judged within its mode (its expected step has the gap's sign at every p and temperature); "shared", GRPO's
+    # one advantage per response (the TNT paper's); "auto": decoupled with mode-mixed rollouts, else shared
+    mode_advantage: Literal["auto", "shared", "decoupled"] = "auto"
+    # mode-mixed rollouts: below this pi(</think> first) a choice counts as settled, and its token's term fades as
+    # (p / floor)^4 in either direction (a step size, never a sign); "auto": the smallest pi(</think>) of the first
+    # step's groups, so the refused mode is not pushed below where the starting policy already had it; 0: off
+    mode_token_floor: float | Literal["auto"] = "auto"
     # leave sequences whose advantage is exactly 0 out of the update's forward and backward when they add nothing
     # to the gradient (entropy_coef and KL off); the normalisers still count them, so the gradient is the same
     skip_zero_advantage: bool = True
@@ -323,7 +312,8 @@ def validate(cfg: TrainConfig) -> None:
     with named_by_key("loss"):  # clip_low, clip_high, dual_clip, kl_coef, agg, norm_length, entropy_coef
         PolicyLossConfig.of(loss)
     need(loss.rollout_correction_cap >= 1, "loss.rollout_correction_cap", "must be >= 1 (1 means on-policy)")
-    need(0 <= loss.mode_token_floor < 1, "loss.mode_token_floor", "must be a probability in [0, 1)")
+    floor = loss.mode_token_floor
+    need(floor == "auto" or 0 <= floor < 1, "loss.mode_token_floor", "must be auto or a probability in [0, 1)")
     need(
         loss.mode_token_logp != "half" or forced[1] == 0,
         "loss.mode_token_logp",

@@ -123,6 +123,12 @@ def max_over_ranks(ctx: DistContext | None, n: int) -> int:
     return all_max(n, ctx.device) if ctx else n  # sync: one read
 
 
+def min_over_ranks(ctx: DistContext | None, t: torch.Tensor) -> float:
+    """The smallest element of ``t`` over every rank's (this rank's alone in one process, ``ctx`` None)."""
+    smallest = t.min().reshape(1).double()
+    return float(-all_max_tensor(-smallest) if ctx else smallest)  # sync: one read
+
+
 def any_over_ranks(ctx: DistContext | None, *flags: bool) -> tuple[bool, ...]:
     """Each flag, true where it is true on any rank, so that every rank takes the same branch (a stop at a signal,
     another draw of dynamic sampling): one collective for all the flags; in one process (``ctx`` None), the flags."""

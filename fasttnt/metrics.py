@@ -6,13 +6,17 @@
     limit_mean/min/max   the per-query limits L_x (finite ones; 0 when a scheme has none)
     limit_thinking_mean  TNT: the mean L_x of the queries that had a thinking response to set it (no fallback)
     limit_fallback_frac  TNT: the share of queries without one, whose limit is the fallback
-    free_non_thinking_ratio  mode-mixed rollouts with free rows: the non-thinking share of the free responses
+    free_non_thinking_ratio  mode-mixed rollouts with free rows: the non-thinking share of the free responses (also
+                         per level, free_non_thinking_ratio_l2, ...)
     think_end_prob       mode-mixed rollouts: the policy's mean probability of </think> as its first token
-    mode_floored         mode-mixed rollouts: the share of forced first tokens loss.mode_token_floor left out
-                         (fasttnt.actor; the others here come from the rollout)
+    mode_floored         mode-mixed rollouts: the share of groups below loss.mode_token_floor, whose </think> is faded
+                         (the trainer's update; the others here come from the rollout); per level mode_floored_l2, ...
     acc_thinking         accuracy of the thinking responses; acc_free_direct of the freely chosen non-thinking ones;
                          acc_forced_direct of those answered with </think> pre-filled; each also per level
                          (acc_thinking_l2, ...) where the problems have one; absent where no response is counted
+    reward_thinking      the mean reward of each mode's drawn responses, forced and free alike (the table the
+    reward_direct        kernel pays); prefers_direct 1 where direct earns more, 0 where thinking does: the mode the
+    prefers_direct       table pays more for; think_end_prob also per level (think_end_prob_l2, ...), as these three
     te                   token efficiency A / sqrt(L), A = accuracy in percent, L = mean tokens
     hack_rate            share of non-thinking responses whose solution part contains thinking markers
     truncated_ratio      share of responses cut by the length budget
@@ -102,12 +106,10 @@ def rollout_metrics(
     rewards: torch.Tensor | None = None,
     own_limit: torch.Tensor | None = None,
     free: torch.Tensor | None = None,
-    think_end_logp: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Scalar metric tensors, on the inputs' device, from per-response tensors (S,) and per-query limits (G,);
     ``own_limit`` (G,) marks the queries whose limit came from their own thinking responses (TNT); mode-mixed
-    rollouts add ``free`` (S,), the responses sampled without a forced mode, and ``think_end_logp`` (G,), the
-    policy's log-probability of answering each query directly."""
+    rollouts add ``free`` (S,), the responses sampled without a forced mode."""
     correct, non_thinking, hacked = correct.bool(), non_thinking.bool(), hacked.bool()
     lengths = lengths.float()
     thinking = ~non_thinking
@@ -138,16 +140,32 @@ def rollout_metrics(
         out["limit_fallback_frac"] = (~own).float().mean()
     if free is not None:
         out["free_non_thinking_ratio"] = _masked_mean(non_thinking.float(), free.bool())
-    if think_end_logp is not None and think_end_logp.numel():
-        out["think_end_prob"] = think_end_logp.float().exp().mean()
     return out
 
 
-def mode_accuracies(correct, non_thinking, free=None, forced_direct=None, levels=None) -> dict[str, torch.Tensor]:
+def levels_present(levels: torch.Tensor | None) -> list[int]:
+    """The levels (S,) int that occur, -1 (no level) left out. sync: one read."""
+    return [] if levels is None else [lv for lv in levels.unique().tolist() if lv >= 0]
+
+
+def _by_level(values: torch.Tensor, rows: torch.Tensor, levels, present: list[int], name: str) -> dict:
+    """``name``: the mean of ``values`` over ``rows`` (NaN where none), and ``name_l<level>`` per present level."""
+    nan = torch.full((), float("nan"), device=values.device)
+    out = {name: torch.where(rows.any(), _masked_mean(values, rows), nan)}
+    for level in present:
+        at = rows & (levels == level)
+        out[f"{name}_l{level}"] = torch.where(at.any(), _masked_mean(values, at), nan)
+    return out
+
+
+def mode_accuracies(
+    correct, non_thinking, free=None, forced_direct=None, levels=None, present: list[int] = ()
+) -> dict[str, torch.Tensor]:
     """``acc_thinking``, ``acc_free_direct`` and, with forced rows, ``acc_forced_direct`` (NaN where a mode has no
     response: the caller leaves those out), and each per level (``acc_thinking_l2``, ...) given ``levels`` (S,)
-    int (-1: no level); ``correct``, ``non_thinking`` (S,) bool, ``free`` (S,) the rows sampled without a forced
-    mode (None: all), ``forced_direct`` (S,) those answered with ``</think>`` pre-filled."""
+    int (-1: no level) and the levels ``present`` (``levels_present``); ``correct``, ``non_thinking`` (S,) bool,
+    ``free`` (S,) the rows sampled without a forced mode (None: all), ``forced_direct`` (S,) those answered with
+    ``</think>`` pre-filled."""
     non_thinking = non_thinking.bool()
     right = correct.float()
     free = torch.ones_like(non_thinking) if free is None else free.bool()
@@ -155,14 +173,54 @@ def mode_accuracies(correct, non_thinking, free=None, forced_direct=None, levels
     if forced_direct is not None:
         groups["acc_forced_direct"] = forced_direct.bool()
     out = {}
-    nan = torch.full((), float("nan"), device=right.device)
-    present = [] if levels is None else [lv for lv in levels.unique().tolist() if lv >= 0]  # sync: the levels present
     for name, rows in groups.items():
-        out[name] = torch.where(rows.any(), _masked_mean(right, rows), nan)
-        for level in present:
-            at = rows & (levels == level)
-            out[f"{name}_l{level}"] = torch.where(at.any(), _masked_mean(right, at), nan)
+        out.update(_by_level(right, rows, levels, present, name))
     return out
+
+
+def choice_metrics(
+    rewards: torch.Tensor, non_thinking: torch.Tensor, levels=None, present: list[int] = (),
+    think_end_logp: torch.Tensor | None = None, group_levels: torch.Tensor | None = None,
+    below_floor: torch.Tensor | None = None, free: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """What the hybrid's choice is learning from, overall and per level (``_l2``, ...; ``levels`` (S,) int, -1 for
+    none, and the levels ``present``): each mode's mean reward over its rows, forced and free alike
+    (``reward_thinking``, ``reward_direct``, from the drawn rows' ``rewards`` (S,), pooled over the groups), the
+    mode the table pays more for (``prefers_direct``: 1 where direct earns more, 0 where thinking does; NaN where a
+    mode has no row, as the rewards), and mode-mixed, the policy's mean probability of ``</think>`` first
+    (``think_end_prob``, from ``think_end_logp`` (G,) of groups at ``group_levels`` (G,)); per level only, the
+    share of those groups the settled-choice fade scales down (``mode_floored_l2``, ..., from ``below_floor`` (G,)
+    bool) and the non-thinking share of the ``free`` (S,) rows (``free_non_thinking_ratio_l2``, ...)."""
+    non_thinking = non_thinking.bool()
+    values = rewards.float()
+    out = {
+        **_by_level(values, ~non_thinking, levels, present, "reward_thinking"),
+        **_by_level(values, non_thinking, levels, present, "reward_direct"),
+    }
+    for suffix in ["", *(f"_l{lv}" for lv in present)]:
+        direct, thinking = out[f"reward_direct{suffix}"], out[f"reward_thinking{suffix}"]
+        # NaN + x is NaN: no preference where a mode has no row
+        out[f"prefers_direct{suffix}"] = torch.where(direct.isnan() | thinking.isnan(), direct + thinking,
+                                                     (direct > thinking).float())  # fmt: skip
+    if think_end_logp is not None and think_end_logp.numel():
+        prob = think_end_logp.float().exp()  # (G,)
+        every = torch.ones_like(prob, dtype=torch.bool)
+        group_present = present if group_levels is not None else []
+        out.update(_by_level(prob, every, group_levels, group_present, "think_end_prob"))
+        if below_floor is not None:  # per level only: the overall share is the update's mode_floored
+            floored = _by_level(below_floor.float(), every, group_levels, group_present, "mode_floored")
+            out.update({k: v for k, v in floored.items() if k != "mode_floored"})
+    if free is not None:  # per level only: the overall share is rollout_metrics' free_non_thinking_ratio
+        chosen = _by_level(non_thinking.float(), free.bool(), levels, present, "free_non_thinking_ratio")
+        out.update({k: v for k, v in chosen.items() if k != "free_non_thinking_ratio"})
+    return out
+
+
+CHOICE_PREFIXES = (
+    "acc_", "reward_thinking", "reward_direct", "prefers_direct", "think_end_prob", "mode_floored_l",
+    "free_non_thinking_ratio_l",
+)  # fmt: skip
+"""The metrics of a mode (or level) that a step may have no response of: NaN there, and left out of its row."""
 
 
 def own_limits(non_thinking: torch.Tensor, solution_len: torch.Tensor, group_size: int) -> torch.Tensor:

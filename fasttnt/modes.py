@@ -1,4 +1,5 @@
-"""Mode-mixed rollouts: both modes in every group, from a model that would rarely choose one of them.
+"""Mode-mixed rollouts: both modes in every group, from a model that would rarely choose one of them, and the
+estimator that teaches the choice.
 
 A thinking-only model (DeepSeek-R1-Distill-Qwen, DeepScaleR) practically never writes ``</think>`` first, so with
 free prompts TNT would see almost no non-thinking response. A mode-mixed group answers ``n_N`` of its K samples
@@ -24,37 +25,50 @@ probability it was drawn with by one of three rules (``loss.mode_token_logp``):
   Biased wherever the group is not half and half; the ratio pi / 0.5 of a token the policy gives 1e-5 starts far
   below the clip range, so a negative advantage does not move it and a positive one by pi / 0.5.
 * ``policy`` (the default): no importance weight on the mode token: a forced first token keeps the old policy's own
-  log-prob, as a free sample's. Biased towards the forced modes (they are trained as if the policy had chosen
-  them). What AdaptThink's code amounts to: its ratio is the exponent of the *mean* log-prob difference of a
-  sequence, which dilutes the first token's log 0.5 correction by 1/T.
+  log-prob, as a free sample's: every direct row's ``</think>`` is trained as if chosen. With the decoupled
+  advantage below this is what makes the choice's step independent of p (the weighted rules scale it with p:
+  ~1e-5 for the thinking-only stand-in at T = 1.0, where neither moved its choice in 80 steps, and ~1e-9 at 0.6).
 
-Both weighted rules give the mode token the gradient scaled by the policy's own probability of ``</think>`` (for
-``mixture`` the free policy's true gradient, p (A_N - A_mean) on its logit): from a thinking-only start, p ~ 1e-5,
-neither moved the free choice in 80 steps of the CPU measurement (docs/experiments.md); ``policy`` gives the forced
-rows their full advantage and did. Its flaw: a forced token with a negative advantage is pushed down at full
-strength however improbable it already is, log pi having no floor; at the one position every response shares,
-that drift moved the first token of the other mode and broke the hard levels' thinking (accuracy 2%).
-``loss.mode_token_floor`` (0.1) stops it: where the forced mode pi_old gives less than the floor (p for forced
-non-thinking, 1 - p for forced thinking) and that mode loses in its group, the forced first tokens of that mode
-are left out of the gradient (``ModeMix.floored``). "Loses" is the mode's group-level advantage, the mean
-mode-token advantage of the group's rows in it (``loss.mode_token_floor_gate=mode``): gated on each row's own sign
-instead (``row``), the right answers of a losing mode keep pushing its token up while its wrong ones are left out,
-so below the floor the token rises wherever that mode's accuracy is above zero, and settles near the floor
-(measured in docs/experiments.md). With both shares 0 nothing here runs.
+**The choice** (``loss.mode_advantage``; ``auto`` is ``decoupled`` for mode-mixed rollouts). ``decoupled``
+(``fasttnt_kernels.mode_advantages``): the ``</think>`` that opens each non-thinking response (forced or free)
+gets the gap between the group's mean reward over its non-thinking rows and over its thinking rows,
+A_c = mu_N - mu_T, in reward units; every other token an advantage against the rows of its own mode. A thinking
+response's first token is already part of its answer (the template opens the think block), so it keeps its
+answer advantage; those sum to zero over the mode's rows, which share the first position, so they do not move
+the ``</think>`` logit. Given how many rows each mode has, mu_N - mu_T is an unbiased estimate of the modes'
+expected reward gap R_N - R_T at the sampling temperature (a mode's rows are draws of its reward however the mode
+was reached; TNT's limit is set by the group's own thinking rows, so: given the limit; ``reward.mode_balance``
+couples the free rows too). So, with w the aggregation's weight of a token, the same for every token (1 / tokens
+for token-mean, a constant for seq-mean-token-sum-norm; seq-mean-token-mean weighs a row by 1 / its length, which
+can follow its reward, and then the thinking rows' first-token terms need not cancel), and the ratio at 1 (the
+first optimizer step of a batch), the loss's expected gradient step on the ``</think>`` logit z at the first
+position, per group and for an SGD step of size eta on the logits at temperature T, is
 
-Advantages (``loss.mode_advantage``, ``ModeMix.advantages``): ``shared`` gives the mode token and the answer one
-GRPO advantage; ``decoupled`` gives ``</think>`` (a non-thinking response's first token) the gap between the
-non-thinking mode's mean reward and the modes' mean, and every other token an advantage against the rows of its
-own mode (``fasttnt_kernels.mode_advantages``), so forced direct answers at a level where thinking pays do not
-push down the digits of right direct answers, nor right thinking answers those of the thinking mode.
+    E[dz_</think>] = eta * a(p) * w * E[n_N 1{n_T > 0}] * (R_N - R_T) * (1 - p) / T
+
+(every other first-position logit moves by -pi_j / (1 - p) times as much, so the step is zero-sum), where n_N, n_T
+count each mode's rows: this has the sign of the gap at every p and T, and is zero only at a tie
+(tests/test_mode_choice.py checks it exactly, by enumerating a group's outcomes). a(p) is the settled-choice
+fade: min(1, p / floor) ** FADE_POWER with ``floor = loss.mode_token_floor`` (``auto``: the smallest
+pi_old(</think> | x) among the first step's groups, ``ModeMix.floor_logp``). It is one number per group, the
+same for either sign, so it changes the step size and never its sign; it stops the push-down of a choice already
+settled further than the start: a ``</think>`` pushed on without bound at a level where thinking pays drags the
+first position every prompt shares with it (docs/experiments.md measures ``loss.mode_token_floor=0``), and under
+Adam a term that is merely small still moves the parameters only it touches at the full rate, so the fade is
+steep.
+
+``shared`` gives the mode token and the answer one GRPO advantage, as the TNT paper and AdaptThink do. Its
+expectation on the choice can take the wrong sign: divided by the group's reward std, a small margin of the
+accuracy-aware table becomes a full unit where every answer is right (docs/algorithms.md), and right answers of
+the mode that loses are pushed down.
 
 The TNT limit, rewards, advantages and hack flags treat forced and free responses alike: a forced non-thinking
 response is a non-thinking response.
 
-Everything here is ``ModeMix``, which the trainer asks at three points: ``rollout`` (each row's prompt in its mode
-for the engine, which only sees per-row prompts, and the rows' codes on the batch), ``probe`` (the rows whose old
-log-probs are each group's log pi_old(</think> | x)) and, after the old log-probs, ``loss_terms`` (the advantages,
-the first tokens' behaviour log-probs or weights, the floor).
+The trainer asks ``ModeMix`` at three points: ``rollout`` (each row's prompt in its mode for the engine, which only
+sees per-row prompts, and the rows' codes on the batch), ``probe`` (the rows whose old log-probs are each group's
+log pi_old(</think> | x)) and, after the old log-probs, ``loss_terms`` (the advantages, the first tokens'
+behaviour log-probs or weights, the fade).
 """
 
 from __future__ import annotations
@@ -70,26 +84,25 @@ from fasttnt_kernels import group_advantages, mode_advantages
 from .data import Prompt, PromptMode
 from .engines.batch import FORCED_CODES, RolloutBatch
 
+FADE_POWER = 4
+"""Below the floor, the mode token's term is scaled by (p / floor) ** FADE_POWER: 1.8% one nat below, 6e-6 three
+nats below. Steep, because under Adam a parameter moves at about the learning rate while its gradient keeps one
+sign, whatever its size: a term that fell only as p would hardly slow the push-down."""
+
 
 class Advantages(NamedTuple):
     answer: torch.Tensor  # (S,) every token's but the first's when ``first`` is given
     first: torch.Tensor | None  # (S,) the first token's own (loss.mode_advantage=decoupled), else None
-    mode: torch.Tensor  # (S,) the mode's advantage the floor's gate averages: the gap, or the shared advantage
-
-    @property
-    def mode_token(self) -> torch.Tensor:
-        """(S,) the advantage each row's first token is trained with (the row floor gate's)."""
-        return self.answer if self.first is None else self.first
 
 
 class LossTerms(NamedTuple):
-    """What the update needs of a step's modes: advantages, old log-probs and weights, and the floor's counts."""
+    """What the update needs of a step's modes: advantages, old log-probs and weights, and the fade's counts."""
 
     advantages: torch.Tensor  # (S,) every token's but the mode token's when decoupled
     first_advantages: torch.Tensor | None  # (S,) the mode token's own (loss.mode_advantage=decoupled), else None
     old_logp: torch.Tensor | None  # (N,) the old log-probs ("half": log 0.5 at the forced first tokens)
-    token_weights: torch.Tensor | None  # (N,) "mixture"'s pi_old / mu and the floor's zeros at first tokens
-    floored: torch.Tensor | None  # (2,) float64: first tokens the floor left out, forced rows (this rank's)
+    token_weights: torch.Tensor | None  # (N,) "mixture"'s pi_old / mu and the fade a(p) at the mode tokens
+    below_floor: torch.Tensor | None  # (G,) bool: the groups below the floor, whose </think> term is faded
 
 
 @dataclass(frozen=True)
@@ -97,12 +110,12 @@ class ModeMix:
     non_thinking: int  # of each group's K rows, pre-filled with </think>
     thinking: int  # of each group's K rows, with </think> forbidden first
     group_size: int
-    rule: str  # "mixture" | "half" | "policy": how the first token is weighed (module docstring)
-    floor: float = 0.0  # loss.mode_token_floor: no push-down of a forced first token the model gives less than this
-    floor_gate: str = "mode"  # loss.mode_token_floor_gate: "mode" | "row", the advantage the floor looks at
-    advantage: str = "shared"  # loss.mode_advantage: "shared" | "decoupled"
-    scale: str = "std"  # loss.adv_scale
-    eps: float = 1e-6  # loss.adv_eps
+    mode_token_logp: str  # loss.mode_token_logp: "mixture" | "half" | "policy" (module docstring)
+    mode_advantage: str  # loss.mode_advantage, resolved: "shared" | "decoupled"
+    # loss.mode_token_floor: "auto" (measured at the first step), a probability, or 0 (off)
+    mode_token_floor: float | str = "auto"
+    adv_scale: str = "std"  # loss.adv_scale
+    adv_eps: float = 1e-6  # loss.adv_eps
 
     @classmethod
     def of(cls, cfg) -> ModeMix:
@@ -110,23 +123,21 @@ class ModeMix:
         and the ``loss.mode_*`` and ``loss.adv_*`` keys."""
         non_thinking, thinking = cfg.rollout.forced_rows()
         loss = cfg.loss
-        return cls(non_thinking, thinking, cfg.rollout.group_size, loss.mode_token_logp, loss.mode_token_floor,
-                   loss.mode_token_floor_gate, loss.mode_advantage, loss.adv_scale, loss.adv_eps)  # fmt: skip
+        advantage = loss.mode_advantage
+        if advantage == "auto":
+            advantage = "decoupled" if non_thinking + thinking > 0 else "shared"
+        return cls(non_thinking, thinking, cfg.rollout.group_size, loss.mode_token_logp, advantage,
+                   loss.mode_token_floor, loss.adv_scale, loss.adv_eps)  # fmt: skip
 
     def advantages(self, rewards: torch.Tensor, non_thinking: torch.Tensor) -> Advantages:
-        """The advantages of rewards (S,) with modes ``non_thinking`` (S,), laid out group after group.
-
-        ``decoupled``: a non-thinking response's first token is ``</think>``, the choice itself, and gets the
-        mode gap; a thinking response's first token is already its answer (the template opened the think block),
-        so it keeps the answer's advantage: the gap pushed onto it would move a digit of the answer, not the choice,
-        which in the CPU stand-in broke the thinking (accuracy at level 3 from 100% to 31% in 9 steps). The
-        thinking side of the choice is learned through ``</think>``'s probability, which the direct rows move."""
+        """The advantages of rewards (S,) with modes ``non_thinking`` (S,), laid out group after group: ``decoupled``
+        puts the modes' reward gap on each non-thinking response's ``</think>`` and judges every other token
+        within its mode (module docstring); ``shared`` is GRPO's one advantage per response."""
         k = self.group_size
-        if self.advantage == "decoupled":
-            out = mode_advantages(rewards, non_thinking, k, scale=self.scale, eps=self.eps)
-            return Advantages(out.answer, torch.where(non_thinking.bool(), out.mode, out.answer), out.mode)
-        shared = group_advantages(rewards, k, scale=self.scale, eps=self.eps)
-        return Advantages(shared, None, shared)
+        if self.mode_advantage == "decoupled":
+            out = mode_advantages(rewards, non_thinking, k, scale=self.adv_scale, eps=self.adv_eps)
+            return Advantages(out.answer, torch.where(non_thinking.bool(), out.mode, out.answer))
+        return Advantages(group_advantages(rewards, k, scale=self.adv_scale, eps=self.adv_eps), None)
 
     @property
     def active(self) -> bool:
@@ -163,46 +174,78 @@ class ModeMix:
         """The rows whose log-probs the old policy gives ``loss_terms`` (``think_end_probe``); None when unmixed."""
         return think_end_probe(batch, think_end_id) if self.active else None
 
+    def measures_floor(self, kept: float | None) -> bool:
+        """Whether this step measures the fade's floor: mode-mixed under ``auto`` while the trainer's state keeps none
+        (the first step; after a resume, only from a checkpoint written without one, and then at the resumed
+        policy)."""
+        return self.active and self.mode_token_floor == "auto" and kept is None
+
+    @property
+    def fixed_floor(self) -> bool:
+        return self.active and self.mode_token_floor not in ("auto", 0)
+
+    def floor_above_start(self, largest_logp: float) -> str | None:
+        """A warning when a fixed ``loss.mode_token_floor`` lies above every group's pi_old(</think>) (the largest
+        log of them ``largest_logp``): the fade then holds the choice's term at most at (p / floor) ** FADE_POWER
+        and the choice cannot move; None otherwise."""
+        if not self.fixed_floor or largest_logp >= math.log(self.mode_token_floor):
+            return None
+        scale = math.exp(FADE_POWER * (largest_logp - math.log(self.mode_token_floor)))
+        return (
+            f"loss.mode_token_floor={self.mode_token_floor:g} lies above every group's pi_old(</think>) "
+            f"(the largest {math.exp(largest_logp):.1e}): the fade scales the choice's term by at most {scale:.1e}, "
+            "so the choice cannot move; set loss.mode_token_floor=auto or a floor below the start"
+        )
+
+    def floor_logp(self, measured: float | None) -> float | None:
+        """The log of the fade's floor: ``loss.mode_token_floor``'s, or under ``auto`` the one ``measured`` at the
+        first step (the smallest log pi_old(</think> | x) of its groups over all ranks, kept in the trainer's
+        state); None when off (0), unmixed, or not measured yet."""
+        if not self.active or self.mode_token_floor == 0:
+            return None
+        return measured if self.mode_token_floor == "auto" else math.log(self.mode_token_floor)
+
     # -- point 3: after the old log-probs ------------------------------------------------------------------------
 
     def loss_terms(
         self, batch: RolloutBatch, rewards, old_logp: torch.Tensor | None, end_logp: torch.Tensor | None,
-        think_end_id: int,
+        think_end_id: int, floor_logp: float | None = None,
     ) -> LossTerms:  # fmt: skip
         """The update's inputs for ``batch``, given its rewards (``TntRewards``: rewards, non_thinking), the old
-        log-probs (N,) and, mode-mixed, each group's log pi_old(</think> | x) (G,) (``probe``). The first tokens'
-        rollout log-probs become their old ones, so the engine's correction, the stale-weight guard and its
-        diagnostics leave them out (a pre-filled token was not sampled)."""
+        log-probs (N,) and, mode-mixed, each group's log pi_old(</think> | x) (G,) (``probe``) and the log of the
+        fade's floor (``floor_logp``; None: no fade). The first tokens' rollout log-probs become their old ones,
+        so the engine's correction, the stale-weight guard and its diagnostics leave them out (a pre-filled token
+        was not sampled)."""
         adv = self.advantages(rewards.rewards, rewards.non_thinking)
         if not self.active:
             return LossTerms(adv.answer, adv.first, old_logp, None, None)
         first = first_token_index(batch)
         behaviour = self.behaviour_logp(batch, old_logp[first], end_logp, think_end_id)
         weights = None
-        if self.rule == "mixture":
+        if self.mode_token_logp == "mixture":
             weight = torch.exp(old_logp[first] - behaviour)  # at most 1 / (the smallest share): no cap needed
             weights = torch.ones_like(old_logp).index_copy(0, first, weight)
         else:
             old_logp = old_logp.index_copy(0, first, behaviour)
         if batch.rollout_logp is not None:
             batch.rollout_logp = batch.rollout_logp.index_copy(0, first, old_logp[first])
-        counts = None
-        if self.floor > 0:
-            gate = adv.mode if self.floor_gate == "mode" else adv.mode_token
-            drop = self.floored(batch, gate, rewards.non_thinking, end_logp)  # (S,)
-            counts = torch.stack([drop.sum(), forced_rows(batch).sum()]).double()
+        below = None
+        if floor_logp is not None:
+            fade = settled_fade(end_logp, floor_logp)  # (G,)
+            on_choice = torch.where(rewards.non_thinking.bool(), fade.repeat_interleave(self.group_size), 1.0)  # (S,)
             weights = torch.ones_like(old_logp) if weights is None else weights
-            weights = weights.index_copy(0, first, torch.where(drop, torch.zeros_like(weights[first]), weights[first]))
-        return LossTerms(adv.answer, adv.first, old_logp, weights, counts)
+            weights = weights.index_copy(0, first, weights[first] * on_choice.to(weights.dtype))
+            below = fade < 1
+        return LossTerms(adv.answer, adv.first, old_logp, weights, below)
 
     def behaviour_logp(
         self, batch: RolloutBatch, first_logp: torch.Tensor, end_logp: torch.Tensor, think_end_id: int
     ) -> torch.Tensor:
         """The behaviour log-prob (S,) of each row's first token: ``first_logp`` (S,) is its log-prob under the old
         policy, ``end_logp`` (G,) each group's log pi_old(</think> | x) at the first position."""
-        if self.rule == "policy":
+        if self.mode_token_logp == "policy":
             return first_logp
-        if self.rule == "half":
+        if self.mode_token_logp == "half":
             return torch.where(forced_rows(batch), torch.full_like(first_logp, math.log(0.5)), first_logp)
         k = self.group_size
         s_n, s_t, s_f = self.non_thinking / k, self.thinking / k, self.free / k
@@ -215,33 +258,10 @@ class ModeMix:
         log_other = first_logp.double() + torch.logaddexp(_log(s_t) - not_end, torch.full_like(end, _log(s_f)))
         return torch.where(first == think_end_id, log_end, log_other).to(first_logp.dtype)
 
-    def floored(
-        self, batch: RolloutBatch, mode_adv: torch.Tensor, non_thinking: torch.Tensor, end_logp: torch.Tensor
-    ) -> torch.Tensor:
-        """(S,) True for the forced first tokens left out of the gradient by ``floor``: on a row whose forced mode the
-        old policy gives less than ``floor`` (pi_old(</think>) for forced non-thinking, 1 - pi_old(</think>) for
-        forced thinking; ``end_logp`` (G,), each group's log pi_old(</think> | x): the probability of the one
-        thinking token drawn says nothing of the mode), where that mode's advantage is negative: its group-level
-        one (``floor_gate="mode"``: the mean of ``mode_adv`` (S,), ``Advantages.mode``, over the group's
-        rows of that mode, ``non_thinking`` (S,)) or the row's own (``"row"``: ``mode_adv`` is then
-        ``Advantages.mode_token``, what the row's first token is trained with). The model already refuses that mode
-        there; pushing log pi further down has no bound and, at the one position every response shares, moves the
-        tokens the other mode starts with (measured in docs/experiments.md)."""
-        end = end_logp.repeat_interleave(self.group_size)  # (S,)
-        mode_logp = torch.where(batch.forced == FORCED_CODES[PromptMode.NON_THINKING], end, _log1mexp(end))
-        gate = mode_adv if self.floor_gate == "row" else mode_means(mode_adv, non_thinking, self.group_size)
-        return forced_rows(batch) & (gate < 0) & (mode_logp < _log(self.floor))
 
-
-def mode_means(values: torch.Tensor, non_thinking: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(S,) each row's mean of ``values`` (S,) over the rows of its group in its mode (``non_thinking`` (S,))."""
-    v = values.double().view(-1, group_size)  # (G, K)
-    nt = non_thinking.bool().view(-1, group_size)
-    out = torch.zeros_like(v)
-    for mode in (nt, ~nt):
-        mean = (v * mode).sum(1, keepdim=True) / mode.sum(1, keepdim=True).clamp(min=1)  # (G, 1)
-        out = torch.where(mode, mean, out)
-    return out.view(-1).to(values.dtype)
+def settled_fade(end_logp: torch.Tensor, floor_logp: float) -> torch.Tensor:
+    """a(p) (G,) of each group: min(1, p / floor) ** FADE_POWER, from log p = ``end_logp`` (G,) and log floor."""
+    return torch.exp(FADE_POWER * (end_logp.float() - floor_logp).clamp(max=0.0))
 
 
 def _log(share: float) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 # (title, [(metric, label), ...]) per panel
@@ -23,7 +24,25 @@ _PANELS = [
 ]
 
 
+def choice_levels(history: list[dict[str, float]]) -> list[int]:
+    """The levels at which a run logged direct answers' rewards (``reward_direct_l2``, ...;
+    metrics.choice_metrics), in order: none for a run that never answered directly."""
+    return sorted({int(k.rsplit("_l", 1)[1]) for h in history for k in h if k.startswith("reward_direct_l")})
+
+
+def _rolling(values: list[float], window: int) -> list[float]:
+    """The mean of each value and the ``window - 1`` before it, NaNs left out (NaN where all are): a step's per-level
+    numbers come from a few groups."""
+    out = []
+    for i in range(len(values)):
+        seen = [v for v in values[max(0, i - window + 1) : i + 1] if math.isfinite(v)]
+        out.append(sum(seen) / len(seen) if seen else float("nan"))
+    return out
+
+
 def plot_curves(history: list[dict[str, float]], path: Path, *, title: str = "fasttnt GRPO") -> None:
+    """curves.png: the run's metrics by step; where direct answers were trained on data with levels, a third row
+    shows the choice by level (``_plot_choice``)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -39,8 +58,10 @@ def plot_curves(history: list[dict[str, float]], path: Path, *, title: str = "fa
             return float("nan")
         return h.get(key, float("nan"))  # the accuracies by mode: absent in a step without such a response
 
-    fig, axes = plt.subplots(2, 3, figsize=(13, 7), constrained_layout=True)
-    for ax, (name, series) in zip(axes.flat, _PANELS, strict=True):
+    levels = choice_levels(history)
+    rows = 3 if levels else 2
+    fig, axes = plt.subplots(rows, 3, figsize=(13, 3.5 * rows), constrained_layout=True)
+    for ax, (name, series) in zip(axes.flat, _PANELS, strict=False):
         for key, label in series:
             if all(key in h for h in history) or (key.startswith("acc_") and any(key in h for h in history)):
                 ax.plot(steps, [value(h, key) for h in history], label=label, linewidth=1.5)
@@ -58,9 +79,50 @@ def plot_curves(history: list[dict[str, float]], path: Path, *, title: str = "fa
             share.legend(fontsize=8, loc="upper right")
         if len(series) > 1:
             ax.legend(fontsize=8)
+    if levels:
+        _plot_choice(axes[2], steps, history, levels)
     fig.suptitle(title)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+CHOICE_WINDOW = 5
+"""Steps each per-level curve of the choice row averages over (a level has a few groups a step)."""
+
+
+def _plot_choice(axes, steps: list[int], history: list[dict[str, float]], levels: list[int]) -> None:
+    """The choice by level: the free p(</think>) (log scale), the gap between the modes' mean rewards (above 0 the
+    table pays direct answers more), and each mode's accuracy."""
+    import matplotlib.pyplot as plt
+
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+
+    def series(key: str) -> list[float]:
+        return _rolling([h.get(key, float("nan")) for h in history], CHOICE_WINDOW)
+
+    p_ax, gap_ax, acc_ax = axes
+    for i, level in enumerate(levels):
+        colour, label = colours[i % len(colours)], f"level {level}"
+        if any(f"think_end_prob_l{level}" in h for h in history):
+            p_ax.plot(steps, series(f"think_end_prob_l{level}"), color=colour, label=label)
+        gaps = [h.get(f"reward_direct_l{level}", math.nan) - h.get(f"reward_thinking_l{level}", math.nan)
+                for h in history]  # fmt: skip
+        gap_ax.plot(steps, _rolling(gaps, CHOICE_WINDOW), color=colour, label=label)
+        acc_ax.plot(steps, series(f"acc_thinking_l{level}"), color=colour, linestyle="--")
+        # forced direct answers where the run forces them, else the chosen ones
+        direct = "forced" if any(f"acc_forced_direct_l{level}" in h for h in history) else "free"
+        acc_ax.plot(steps, series(f"acc_{direct}_direct_l{level}"), color=colour, label=label)
+    gap_ax.axhline(0.0, color="black", linewidth=0.8)
+    p_ax.set_yscale("log")
+    p_ax.set_title(f"free p(</think>) by level ({CHOICE_WINDOW}-step mean)")
+    gap_ax.set_title("reward gap, direct - thinking (> 0: direct pays)")
+    acc_ax.set_title("accuracy (solid direct: forced, else chosen; dashed thinking)")
+    acc_ax.set_ylim(-0.02, 1.02)
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
 
 
 SUMMARY_KEYS = [

@@ -29,7 +29,15 @@ from .data import PromptMode
 from .dynamic_sampling import choose_groups, concat_draws, select_groups, varied_groups
 from .engines.batch import FORCED_CODES
 from .engines.sampler import step_seed
-from .metrics import mode_accuracies, own_limits, rollout_metrics, to_floats
+from .metrics import (
+    CHOICE_PREFIXES,
+    choice_metrics,
+    levels_present,
+    mode_accuracies,
+    own_limits,
+    rollout_metrics,
+    to_floats,
+)
 from .modes import ModeMix, forced_rows
 from .plots import plot_curves
 from .preemption import Preempted, StopSignals
@@ -95,8 +103,10 @@ class Trainer:
         self.correction = rollout_correction(cfg)
         self.actor = Actor(cfg, parts, correction=self.correction)
         self.modes = ModeMix.of(cfg)  # the modes of each group's rows, their advantages and first-token terms
+        self.mode_floor = parts.state.mode_token_floor_logp  # loss.mode_token_floor=auto: measured at step 1
         self.verifier = VerifierPool(cfg.verify_workers, cfg.verify_timeout)
         self._warned_cap = False
+        self._checked_floor = False  # a fixed loss.mode_token_floor against the first step's pi_old(</think>)
 
     # -- one step, phase by phase -------------------------------------------------------------------------------
 
@@ -126,17 +136,28 @@ class Trainer:
         logp = self.actor.old_and_ref_logprobs(batch, self.modes.probe(batch, self.parts.think_end_id))
         clock.lap("logprobs")
 
-        # advantage, and the mode tokens' terms (fasttnt.modes); the engine's weights checked against the old
-        # log-probs, whose first tokens a mode-mixed batch has set
-        terms = self.modes.loss_terms(batch, trained.rewards, logp.old_policy, logp.think_end, self.parts.think_end_id)
+        # advantage, and the mode tokens' terms (fasttnt.modes), faded below the floor of a settled choice (under
+        # loss.mode_token_floor=auto, the first step's smallest pi_old(</think> | x)); the engine's weights checked
+        # against the old log-probs, whose first tokens a mode-mixed batch has set
+        if self.modes.measures_floor(self.mode_floor):
+            self.mode_floor = distributed.min_over_ranks(self.dist, logp.think_end)
+        if self.modes.fixed_floor and not self._checked_floor:
+            self._checked_floor = True
+            warning = self.modes.floor_above_start(-distributed.min_over_ranks(self.dist, -logp.think_end))
+            if warning and self.is_main:
+                tqdm.write(f"fasttnt: {warning}")
+        terms = self.modes.loss_terms(batch, trained.rewards, logp.old_policy, logp.think_end, self.parts.think_end_id,
+                                      floor_logp=self.modes.floor_logp(self.mode_floor))  # fmt: skip
         self._check_engine_weights(step, batch, terms.old_logp)
         clock.lap("advantage")
 
         # update
         update = self.actor.update(batch, terms.advantages, terms.old_logp, logp.reference, terms.token_weights,
                                    terms.first_advantages)  # fmt: skip
-        if terms.floored is not None:  # the share of forced responses over all ranks whose first token was left out
-            counts = distributed.sum_over_ranks(self.dist, terms.floored)
+        if terms.below_floor is not None:  # the share of the groups over all ranks whose choice is below the floor
+            below = terms.below_floor
+            counts = torch.stack([below.sum(), torch.tensor(below.numel(), device=below.device)]).double()
+            counts = distributed.sum_over_ranks(self.dist, counts)
             update["mode_floored"] = counts[0] / counts[1].clamp(min=1)
         clock.lap("update")
 
@@ -146,9 +167,10 @@ class Trainer:
 
         # log
         values = self._record(step=step, lr=lr, drawn=drawn, trained=trained, update=update, n_draws=len(draws),
-                              varied=varied, filled=filled, times=clock.times, think_end=logp.think_end)  # fmt: skip
+                              varied=varied, filled=filled, times=clock.times, think_end=logp.think_end,
+                              below_floor=terms.below_floor)  # fmt: skip
         self.state = TrainerState(step=step, data_position=self.stream.position, world=self.world,
-                                  logp_diff_floor=self.guard_floor)  # fmt: skip
+                                  logp_diff_floor=self.guard_floor, mode_token_floor_logp=self.mode_floor)  # fmt: skip
         return values
 
     def _draw(self, step: int, draw: int, clock: PhaseClock) -> ScoredBatch:
@@ -223,12 +245,14 @@ class Trainer:
     def _record(
         self, *, step: int, lr: float, drawn: ScoredBatch, trained: ScoredBatch, update: dict[str, torch.Tensor],
         n_draws: int, varied: list[bool], filled: int, times: dict[str, float], think_end: torch.Tensor | None,
+        below_floor: torch.Tensor | None = None,
     ) -> dict:  # fmt: skip
         """The step's row of metrics.jsonl: every metric over all ranks' responses (N ranks log what one process
         would), the update's means, counts, rates and times. ``drawn``: every response of the step's draws, which
         the metrics describe; ``trained``: the groups the update ran on; ``varied``: per drawn group, whether its
         rewards differ; ``filled``: the equal-reward groups that filled the batch; ``think_end``: mode-mixed, each
-        trained group's log pi_old(</think> | x). Three reads from the device: the levels present, the metrics and
+        trained group's log pi_old(</think> | x), and ``below_floor`` which of them the settled-choice fade scales
+        down (``ModeMix.loss_terms``). Three reads from the device: the levels present, the metrics and
         the counts."""
         r = self.cfg.rollout
         rewards = drawn.rewards
@@ -237,28 +261,38 @@ class Trainer:
                         "limit": rewards.limit, "rewards": rewards.rewards}  # fmt: skip
         if self.cfg.reward.scheme == "tnt":  # where the limit comes from the query's own thinking responses
             per_response["own_limit"] = own_limits(rewards.non_thinking, rewards.solution_len, r.group_size)
-        if think_end is not None:  # mode-mixed: what the model chooses unforced, where any row is free
-            per_response["think_end_logp"] = think_end
-            if self.modes.free:
-                per_response["free"] = ~forced_rows(drawn.batch)
+        if think_end is not None and self.modes.free:  # mode-mixed: what the model chooses unforced
+            per_response["free"] = ~forced_rows(drawn.batch)
         by_mode = {"free": ~forced_rows(drawn.batch), "levels": drawn.levels}  # the accuracies by mode (and level)
         if self.modes.non_thinking:
             by_mode["forced_direct"] = drawn.batch.forced == FORCED_CODES[PromptMode.NON_THINKING]
         by_mode = {k: v for k, v in by_mode.items() if v is not None}
+        # the choice (metrics.choice_metrics): mode-mixed, each trained group's log pi_old(</think> | x) and level
+        choice = {}
+        if think_end is not None:
+            choice = {"think_end_logp": think_end, "group_levels": trained.levels[:: r.group_size]}
+            if below_floor is not None:
+                choice["below_floor"] = below_floor
+            if self.modes.free:
+                choice["free"] = ~forced_rows(drawn.batch)
         if self.dist:
             per_response = {k: distributed.all_gather_cat(v) for k, v in per_response.items()}
             by_mode = {k: distributed.all_gather_cat(v) for k, v in by_mode.items()}
+            choice = {k: distributed.all_gather_cat(v) for k, v in choice.items()}
         batch = trained.batch
         counts = {"drawn_tokens": drawn.batch.response_ids.numel(), "trained_tokens": batch.response_ids.numel(),
                   "prompt_tokens": sum(len(p) for p in batch.prompt_ids), "timeouts": drawn.timeouts,
                   "crashes": drawn.crashes, "varied": sum(varied), "groups": len(varied), "filled": filled}  # fmt: skip
         counts = {k: torch.tensor(float(v), dtype=torch.float64, device=self.device) for k, v in counts.items()}
         counts = distributed.sum_named_over_ranks(self.dist, counts)
-        accuracies = mode_accuracies(per_response["correct"], per_response["non_thinking"], **by_mode)
-        values = to_floats({**rollout_metrics(**per_response), **accuracies, **update})  # sync: one read
+        present = levels_present(by_mode.get("levels"))  # sync: the levels present
+        accuracies = mode_accuracies(per_response["correct"], per_response["non_thinking"], **by_mode, present=present)
+        choices = choice_metrics(per_response["rewards"], per_response["non_thinking"], by_mode.get("levels"), present,
+                                 **choice)  # fmt: skip
+        values = to_floats({**rollout_metrics(**per_response), **accuracies, **choices, **update})  # sync: one read
         for name in list(values):  # measured on no token (every sequence skipped), or no response of a mode: not
-            if (name in TOKEN_METRICS or name.startswith("acc_")) and not math.isfinite(values[name]):  # NaN rows
-                del values[name]
+            if (name in TOKEN_METRICS or name.startswith(CHOICE_PREFIXES)) and not math.isfinite(values[name]):
+                del values[name]  # NaN rows
         n = dict(zip(counts, torch.stack(list(counts.values())).tolist(), strict=True))  # sync: one read
         values.update(times)
         values.update(

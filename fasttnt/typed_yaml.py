@@ -38,7 +38,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return _coerce(value, option, key)
             except ConfigError as err:
                 errors.append(str(err))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} fits none of {_type_name(tp)}")
+        if len(errors) == 1:
+            raise ConfigError(errors[0])
+        reasons = [e.removeprefix(f"{key}: ") for e in errors]  # each option's own reason, the key said once
+        raise ConfigError(f"{key}: {' and '.join(reasons)}")
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices or type(value) not in {type(c) for c in choices}:

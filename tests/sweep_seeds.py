@@ -26,9 +26,9 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_TESTS = ("tests/kernels",)
 # the tests that train: the loop, the actor's update, checkpoints, the 2-rank runs against one process, resume and
-# preemption
+# preemption, and the choice's bandit
 RUN_TESTS = ("tests/test_trainer.py", "tests/test_actor.py", "tests/test_checkpoint.py", "tests/test_distributed.py",
-             "tests/test_preemption.py")  # fmt: skip
+             "tests/test_preemption.py", "tests/test_mode_choice.py")  # fmt: skip
 
 
 @dataclass

@@ -13,6 +13,7 @@ from small import SMALL
 import fasttnt.compare as compare
 from fasttnt.cli import main as cli_main
 from fasttnt.config import load_config
+from fasttnt.runlog import read_jsonl
 
 
 def _args(tmp_path, *extra):
@@ -61,9 +62,15 @@ def test_compare_writes_the_table_the_json_and_the_figure(tmp_path, monkeypatch)
         cfg = load_config(out / "runs" / "w0-seed0" / variant.replace(":", "_") / "config.yaml")
         for run in runs:
             wu = summary["warmups"][str(run["warmup"])]
+            rows = read_jsonl(out / "runs" / f"w{run['warmup']}-seed0" / variant.replace(":", "_") / "metrics.jsonl")
             for lv, b in run["by_level"].items():
                 assert b["threshold"] == pytest.approx(compare.direct_threshold(cfg, wu["p_think"][lv]))
                 assert b["direct_pays"] == (wu["p_direct"][lv] > b["threshold"])
+                # the mode the table paid more for at the end, from the run's own rows, against what it chose
+                assert b["preferred"] == compare.preferred_mode(rows, lv)
+                chosen = "direct" if b["non_thinking_ratio"] >= 0.5 else "thinking"
+                want = None if b["preferred"]["mode"] is None else b["preferred"]["mode"] in ("tie", chosen)
+                assert b["in_preferred_mode"] == want
         assert runs[0]["train"]["step"] == [1, 2, 3]
         assert runs[0]["train_seconds"] > 0
     assert summary["variants"]["tnt+dapo"]["runs"][0]["train"]["draws"][0] >= 1
@@ -95,6 +102,72 @@ def test_compare_writes_the_table_the_json_and_the_figure(tmp_path, monkeypatch)
     assert summary["variants"]["tnt"]["runs"][1]["train"]["step"] == [1, 2, 3, 4]
 
 
+def test_a_late_mean_over_evaluated_steps_paired_with_the_first_variant(tmp_path):
+    # seeds from --first-seed; each run evaluated at steps 2 and 3 (its checkpoint of step 2 kept, final/ for 3), its
+    # numbers the mean of the two; the second variant paired with the first's run of the same warm-up and seed
+    args = _args(tmp_path, "--jobs", "1", "--first-seed", "2", "--eval-steps", "2,3")
+    args[args.index("--variants") + 1] = "tnt,tnt+mix"
+    assert cli_main(args) == 0
+    out = tmp_path / "cmp"
+    summary = json.loads((out / "compare.json").read_text())
+    assert summary["settings"]["eval_steps"] == [2, 3]
+    by_variant = {}
+    for variant, data in summary["variants"].items():
+        assert [(r["warmup"], r["seed"]) for r in data["runs"]] == [(0, 2), (1, 2)]
+        for r in data["runs"]:
+            folder = out / "runs" / f"w{r['warmup']}-seed2" / variant
+            assert (folder / "checkpoints" / "step-000002" / "config.json").is_file()
+            steps = {s: json.loads((folder / "eval" / f"step-{s}" / "eval.json").read_text()) for s in (2, 3)}
+            models = {2: folder / "checkpoints" / "step-000002", 3: folder / "final"}
+            evals = {s: e["results"][str(models[s])]["synthetic"] for s, e in steps.items()}
+            assert set(r["by_step"]) == {"2", "3"}
+            for key in ("acc", "len", "non_thinking_ratio"):
+                assert r[key] == pytest.approx((evals[2][key] + evals[3][key]) / 2)
+                assert r["by_step"]["2"][key] == evals[2][key]
+            for lv, b in r["by_level"].items():
+                ratios = [evals[s]["by_level"][lv]["non_thinking_ratio"] for s in (2, 3)]
+                assert b["non_thinking_ratio"] == pytest.approx(sum(ratios) / 2)
+                assert b["most_non_thinking"] == max(ratios)
+        by_variant[variant] = data
+    assert "vs_first" not in by_variant["tnt"]["stats"]
+    pairs = [(m["acc"] - t["acc"], m["len"] / t["len"]) for t, m in
+             zip(by_variant["tnt"]["runs"], by_variant["tnt+mix"]["runs"], strict=True)]  # fmt: skip
+    for run, (acc, length) in zip(by_variant["tnt+mix"]["runs"], pairs, strict=True):
+        assert run["vs_first"] == {"acc": pytest.approx(acc), "len": pytest.approx(length)}
+    assert by_variant["tnt+mix"]["stats"]["vs_first"]["acc"] == compare.mean_se([a for a, _ in pairs])
+    table = (out / "compare.md").read_text()
+    assert "at steps 2, 3, each number the mean" in table and "most non-thinking by level" in table
+
+
+def test_the_mean_of_evaluations():
+    from fasttnt.compare.jobs import mean_evaluation
+
+    one = {"acc": 50.0, "acc_non_thinking": None, "by_level": {"1": {"acc": 10.0, "acc_thinking": None}}}
+    two = {"acc": 70.0, "acc_non_thinking": 20.0, "by_level": {"1": {"acc": 30.0, "acc_thinking": None}}}
+    assert mean_evaluation([one]) is one
+    mean = mean_evaluation([one, two])
+    # a number absent (None) from some evaluations: the mean of those that have it; from all: None
+    assert mean == {"acc": 60.0, "acc_non_thinking": 20.0, "by_level": {"1": {"acc": 20.0, "acc_thinking": None}}}
+
+
+def test_the_mode_the_table_paid_more_for_at_the_end():
+    def rows(gaps, level="1"):  # a step's reward by mode at a level; None: no direct row that step
+        return [{} if g is None else {f"reward_direct_l{level}": 1.0 + g, f"reward_thinking_l{level}": 1.0}
+                for g in gaps]  # fmt: skip
+
+    # the last 10 steps only: a margin of 0.05 every step (zero spread) is a clear preference for direct
+    assert compare.preferred_mode(rows([-0.9] * 5 + [0.05] * 10), "1")["mode"] == "direct"
+    clear = compare.preferred_mode(rows([-0.3, -0.2] * 5), "1")
+    assert clear["mode"] == "thinking" and clear["gap"] == pytest.approx(-0.25)
+    # within two standard errors of 0: a tie (mean 0.01, standard error 0.1 / sqrt(10))
+    assert compare.preferred_mode(rows([0.11, -0.09] * 5), "1")["mode"] == "tie"
+    # steps without both modes at the level are left out; fewer than two (no standard error): no preference
+    assert compare.preferred_mode(rows([None] * 8 + [0.2, 0.3]), "1")["mode"] == "direct"
+    assert compare.preferred_mode(rows([None] * 9 + [0.2]), "1") == {"mode": None, "gap": None, "se": None}
+    assert compare.preferred_mode(rows([None] * 10), "1") == {"mode": None, "gap": None, "se": None}
+    assert compare.preferred_mode(rows([0.2] * 10, level="2"), "1")["mode"] is None
+
+
 def test_the_numbers_behind_the_report():
     assert compare.mean_se([1.0, 2.0, 3.0]) == {"mean": 2.0, "se": pytest.approx(1 / math.sqrt(3)), "n": 3}
     assert compare.mean_se([5.0, None]) == {"mean": 5.0, "se": 0.0, "n": 1}
@@ -122,6 +195,11 @@ def test_bad_arguments_fail_before_training(tmp_path, capsys):
     assert "rollout.group_size: expected an int" in capsys.readouterr().err
     assert cli_main(["compare", "--temperatures", "0.6,x", "--output-dir", str(tmp_path / "x")]) == 2
     assert "--temperatures: comma-separated numbers > 0, got '0.6,x'" in capsys.readouterr().err
+    for steps in ("0", "81", "50,x"):  # --steps is 80
+        assert cli_main(["compare", "--eval-steps", steps, "--output-dir", str(tmp_path / "x")]) == 2
+        assert f"--eval-steps: comma-separated steps from 1 to --steps (80), got '{steps}'" in capsys.readouterr().err
+    assert cli_main(["compare", "--first-seed", "-1", "--output-dir", str(tmp_path / "x")]) == 2
+    assert "--first-seed: must be >= 0, got -1" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 
 

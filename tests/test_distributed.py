@@ -84,6 +84,31 @@ def _assert_same_weights(ours: Path, theirs: Path, cache: Path) -> None:
     assert diff <= 1e-4 * moved, f"the final weights differ by {diff / moved:.2e} of the distance training moved them"
 
 
+def test_a_mode_mixed_run_on_two_ranks_matches_one_process(tmp_path):
+    # forced rows of both modes, the decoupled choice and the settled-choice floor measured at step 1 as the smallest
+    # pi(</think>) over every rank's groups: the ranks log the one process's choice metrics, per level too, and keep
+    # its floor
+    mixed = ("rollout.forced_non_thinking=0.5", "rollout.forced_thinking=0.25")
+    runs = {name: tmp_path / name for name in ("single", "torchrun")}
+    for launcher, out in runs.items():
+        result = _launch(launcher, out, tmp_path / "cache", *mixed)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    one, two = (metric_rows(out) for out in runs.values())
+    _assert_same_run(two, one)
+    prefixes = ("think_end_prob", "reward_direct", "reward_thinking", "prefers_direct", "mode_floored",
+                "free_non_thinking_ratio")  # fmt: skip
+    for ra, rb in zip(two, one, strict=True):
+        assert set(ra) == set(rb)  # the same levels present, the same modes at each
+        choice = [k for k in rb if k.startswith(prefixes)]
+        assert any(k.startswith("reward_direct_l") for k in choice) and "mode_floored" in choice  # precondition
+        assert any(k.startswith("mode_floored_l") for k in choice)
+        for key in choice:
+            assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-12), (ra["step"], key)
+    states = [out / "checkpoints" / "step-000002" / "trainer_state.json" for out in runs.values()]
+    floors = [json.loads(state.read_text())["mode_token_floor_logp"] for state in states]
+    assert floors[0] is not None and floors[0] == pytest.approx(floors[1], abs=1e-5)
+
+
 def test_resume_with_the_same_ranks(single):
     root, expected = single
     out = root / "resumed"

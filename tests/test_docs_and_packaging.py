@@ -294,11 +294,15 @@ def test_metrics_glossary_covers_every_logged_metric(tmp_path):
                  "rollout.max_new_tokens=16", "steps=1", *extra]  # fmt: skip
     Trainer(load_config(None, overrides), tmp_path / "run", progress=False).run()
     (row,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    # the accuracies by mode are also logged per level (acc_thinking_l2, ...), documented once; acc_free_direct
-    # only in a step where a free response chose </think>, which this model need not do
-    logged = {re.sub(r"^(acc_\w+)_l\d+$", r"\1", name) for name in row} | set(TOKEN_METRICS) | {"acc_free_direct"}
+    # the accuracies by mode and the choice's numbers are also logged per level (acc_thinking_l2, reward_direct_l2,
+    # ...), documented once; acc_free_direct only in a step where a free response chose </think>, which this model
+    # need not do
+    per_level = r"^((?:acc_|reward_|prefers_direct|think_end_prob)\w*?)_l\d+$"
+    logged = {re.sub(per_level, r"\1", name) for name in row} | set(TOKEN_METRICS) | {"acc_free_direct"}
     # precondition: the per-level names were logged (forced rows of both modes: a thinking and a direct accuracy)
     assert any(name.startswith("acc_thinking_l") for name in row) and "acc_forced_direct" in row
+    assert any(name.startswith("reward_direct_l") for name in row)
+    assert any(name.startswith("think_end_prob_l") for name in row)
     documented = _glossary("Training")
     assert logged <= documented, f"not in docs/metrics.md: {sorted(logged - documented)}"
     assert documented <= logged, f"docs/metrics.md names metrics no run logs: {sorted(documented - logged)}"

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from small import TINY, deterministic, metric_rows, run_overrides
 
 from fasttnt.actor import Actor
+from fasttnt.checkpoint import list_checkpoints, read_trainer_state
 from fasttnt.config import ConfigError, load_config
 from fasttnt.data import PromptMode, build_prompt, think_end_token_id
 from fasttnt.embedded.char_tokenizer import build_char_tokenizer
@@ -47,23 +48,23 @@ def test_the_first_tokens_behaviour_log_probs_by_hand():
     batch = _batch([END, A, END, B], [1, 2, 0, 0], 4)
     old_first = torch.tensor([0.2, 0.3, 0.2, 0.1]).log()  # pi_old of each row's first token
     end_logp = torch.tensor([0.2]).log()  # (G,)
-    mixture = ModeMix(non_thinking=1, thinking=1, group_size=4, rule="mixture")
+    mixture = ModeMix(non_thinking=1, thinking=1, group_size=4, mode_token_logp="mixture", mode_advantage="shared")
     got = mixture.behaviour_logp(batch, old_first, end_logp, END)
     want = torch.tensor([0.35, 0.24375, 0.35, 0.08125]).log()
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
     # AdaptThink's rule: log 0.5 for the forced first tokens, the free ones keep their own
-    half = ModeMix(non_thinking=1, thinking=1, group_size=4, rule="half")
+    half = ModeMix(non_thinking=1, thinking=1, group_size=4, mode_token_logp="half", mode_advantage="shared")
     got = half.behaviour_logp(batch, old_first, end_logp, END)
     torch.testing.assert_close(got, torch.tensor([0.5, 0.5, 0.2, 0.1]).log(), rtol=1e-6, atol=1e-7)
     # no importance weight: every first token keeps the old policy's own log-prob
-    policy = ModeMix(non_thinking=1, thinking=1, group_size=4, rule="policy")
+    policy = ModeMix(non_thinking=1, thinking=1, group_size=4, mode_token_logp="policy", mode_advantage="shared")
     torch.testing.assert_close(policy.behaviour_logp(batch, old_first, end_logp, END), old_first)
     # no forced thinking: mu(A) = pi_old(A) * s_F; all free: mu is pi_old itself
-    only_direct = ModeMix(non_thinking=2, thinking=0, group_size=4, rule="mixture")
+    only_direct = ModeMix(non_thinking=2, thinking=0, group_size=4, mode_token_logp="mixture", mode_advantage="shared")
     first = torch.tensor([0.2, 0.2, 0.3, 0.1]).log()
     got = only_direct.behaviour_logp(_batch([END, END, A, B], [1, 1, 0, 0], 4), first, end_logp, END)
     torch.testing.assert_close(got, torch.tensor([0.6, 0.6, 0.15, 0.05]).log(), rtol=1e-6, atol=1e-7)
-    free = ModeMix(non_thinking=0, thinking=0, group_size=4, rule="mixture")
+    free = ModeMix(non_thinking=0, thinking=0, group_size=4, mode_token_logp="mixture", mode_advantage="shared")
     got = free.behaviour_logp(_batch([END, A, END, B], [0] * 4, 4), old_first, end_logp, END)
     torch.testing.assert_close(got, old_first, rtol=1e-6, atol=1e-7)
 
@@ -94,68 +95,6 @@ def test_the_loss_gradient_on_the_mode_token_by_hand():
         assert stats["ratio_mean"].item() == pytest.approx((0.4 + 2) / 3, rel=1e-6)
 
 
-def test_the_floor_leaves_out_only_forced_modes_pushed_down_below_it():
-    # the floor reads the probability of the forced *mode*: p = pi_old(</think> | x) for forced direct rows, 1 - p
-    # for forced thinking ones, whatever the thinking row's own first token had (A below is improbable, its mode not).
-    # Two groups of K = 4, rows: forced direct, forced thinking, free (chose </think>), forced direct with A > 0
-    batch = _batch([END, A, END, END] * 2, [1, 2, 0, 1] * 2, 4)
-    advantages = torch.tensor([-1.0, -1.0, -1.0, 1.0] * 2)
-    non_thinking = torch.tensor([True, False, True, True] * 2)
-    mix = ModeMix(non_thinking=2, thinking=1, group_size=4, rule="policy", floor=0.01, floor_gate="row")
-    mix_floored = mix.floored
-
-    def floored(batch, advantages, end_logp):
-        return mix_floored(batch, advantages, non_thinking, end_logp)
-
-    mix = type("Row", (), {"floored": staticmethod(floored)})
-    # group 0: p = 0.005 < floor: its forced direct row with A < 0 is left out (the free one, the policy's own
-    # choice, and the A > 0 one are kept); the forced thinking row's mode has 0.995. Group 1: p = 0.02, above
-    end_logp = torch.tensor([0.005, 0.02]).log()  # (G,)
-    assert mix.floored(batch, advantages, end_logp).tolist() == [True, False, False, False] + [False] * 4
-    # a model that refuses to think (p = 0.995): the forced thinking row is left out, the direct ones kept
-    refuses = torch.tensor([0.995, 0.5]).log()
-    assert mix.floored(batch, advantages, refuses).tolist() == [False, True, False, False] + [False] * 4
-    # p rounding to 1 in float32 still gives a finite log(1 - p) below any floor, not NaN
-    assert mix.floored(batch, advantages, torch.zeros(2)).tolist() == [False, True, False, False] * 2
-    off = ModeMix(non_thinking=2, thinking=1, group_size=4, rule="policy", floor_gate="row")
-    assert not off.floored(batch, advantages, non_thinking, end_logp.min().expand(2)).any()
-
-
-def test_the_floor_gated_on_the_mode_holds_a_losing_mode_and_lets_a_winning_one_rise():
-    # the same rows: forced direct (A -1), forced thinking (-1), free direct (-1), forced direct (+1). The direct
-    # mode's group-level advantage is (-1 - 1 + 1) / 3 < 0 in group 0: both forced direct rows are left out where
-    # p < floor, the right one (A > 0) too, which the row gate keeps; in group 1 the direct rows' advantages are
-    # -1, +2, +2 (mean > 0): nothing is left out, the wrong forced row included, which the row gate drops
-    batch = _batch([END, A, END, END] * 2, [1, 2, 0, 1] * 2, 4)
-    advantages = torch.tensor([-1.0, -1.0, -1.0, 1.0, -1.0, -1.0, 2.0, 2.0])
-    non_thinking = torch.tensor([True, False, True, True] * 2)
-    end_logp = torch.tensor([0.005, 0.005]).log()  # both groups under the floor
-    mode = ModeMix(non_thinking=2, thinking=1, group_size=4, rule="policy", floor=0.01)
-    row = ModeMix(non_thinking=2, thinking=1, group_size=4, rule="policy", floor=0.01, floor_gate="row")
-    assert mode.floored(batch, advantages, non_thinking, end_logp).tolist() == [True, False, False, True] + [False] * 4
-    # the thinking mode (one forced row, A -1 in both groups) is over the floor (1 - p = 0.995): kept
-    assert row.floored(batch, advantages, non_thinking, end_logp).tolist() == [True, False, False, False] * 2
-
-
-@pytest.mark.parametrize("gate", ["mode", "row"])
-def test_under_decoupled_the_row_gate_reads_the_advantage_of_the_rows_first_token(gate):
-    # one group, rows: forced direct (reward 0), forced thinking (0), free thinking (1), free thinking (1). Decoupled
-    # (adv_scale none): the thinking mode's gap is 2/3 - (2/3 + 0) / 2 > 0, the forced thinking row's first token (its
-    # answer) has 0 - 2/3 < 0. The model gives thinking 1 - p = 0.001 < floor: the row gate drops that first
-    # token, the mode gate keeps it; the direct mode (p = 0.999) is over the floor either way
-    batch = _batch([END, A, B, B], [1, 2, 0, 0], 4)
-    rewards = type("R", (), {"rewards": torch.tensor([0.0, 0.0, 1.0, 1.0]),
-                             "non_thinking": torch.tensor([True, False, False, False])})  # fmt: skip
-    mix = ModeMix(non_thinking=1, thinking=1, group_size=4, rule="policy", floor=0.01, floor_gate=gate,
-                  advantage="decoupled", scale="none")  # fmt: skip
-    adv = mix.advantages(rewards.rewards, rewards.non_thinking)
-    assert adv.mode_token[1] < 0 < adv.mode[1]  # precondition: the two gates read advantages of opposite signs
-    old_logp = torch.full((batch.response_ids.numel(),), -0.5)
-    terms = mix.loss_terms(batch, rewards, old_logp, torch.tensor([0.999]).log(), END)
-    dropped = terms.token_weights[batch.cu_seqlens[:-1]] == 0  # (S,) the first tokens left out
-    assert dropped.tolist() == [False, gate == "row", False, False]
-
-
 def test_requests_of_all_free_rows_are_the_plain_ones_bit_for_bit():
     # modes of FREE for every row make the same prefill and the same samples as no modes
     model = build_tiny_model(TOK, TinyModelConfig(**TINY), seed=0)
@@ -166,8 +105,8 @@ def test_requests_of_all_free_rows_are_the_plain_ones_bit_for_bit():
     free = engine.generate(prompts, 3, seed=5, rows=rows)
     assert plain.responses == free.responses and free.forced is None
     assert torch.equal(plain.rollout_logp, free.rollout_logp)
-    assert ModeMix(0, 0, 3, "policy").rollout(engine, prompts, seed=5).responses == plain.responses
-    mixed = ModeMix(1, 1, 3, "mixture").rollout(engine, prompts, seed=5)
+    assert ModeMix(0, 0, 3, "policy", "shared").rollout(engine, prompts, seed=5).responses == plain.responses
+    mixed = ModeMix(1, 1, 3, "mixture", "shared").rollout(engine, prompts, seed=5)
     assert mixed.forced.tolist() == [1, 2, 0] * len(prompts)
     assert all(r[0] == END for r in mixed.responses[::3]) and all(r[0] != END for r in mixed.responses[1::3])
     assert mixed.responses[2::3] == plain.responses[2::3]  # a free row samples as it would in a free group
@@ -180,19 +119,19 @@ def test_a_mode_mixed_run_trains_both_modes_against_their_behaviour(tmp_path, mo
 
     def update(self, batch, advantages, old_logp, ref_logp, token_weights=None, first_advantages=None):
         assert first_advantages is None  # loss.mode_advantage=shared
-        seen.append((batch, advantages.clone(), old_logp.clone(), token_weights))
+        seen.append((batch, old_logp.clone(), token_weights))
         return real(self, batch, advantages, old_logp, ref_logp, token_weights)
 
     monkeypatch.setattr(Actor, "update", update)
     # rows of K = 4: forced direct, two forced thinking, one free ("half" refuses forced thinking rows: there the
-    # two are free). The floor only with "policy", there at 0.999 and gated on each row's own sign: varied gives
-    # every even group's samples 0 and 2 (forced direct, forced thinking) a negative advantage, and a barely
-    # warmed-up model is far from sure of either mode (the group-level gate: test_the_floor_gated_on_the_mode_...)
+    # two are free), with one advantage per response (shared). The settled-choice fade only with "policy", there
+    # at a floor of 0.999, above any p a barely warmed-up model gives </think>: every direct row's first token is
+    # faded by (p / 0.999)^4
     floor = 0.999 if rule == "policy" else 0.0
     thinking = 0.0 if rule == "half" else 0.5
     codes = [1, 0, 0, 0] if rule == "half" else [1, 2, 2, 0]
     extra = ("rollout.forced_non_thinking=0.25", f"rollout.forced_thinking={thinking}", f"loss.mode_token_logp={rule}",
-             f"loss.mode_token_floor={floor}", "loss.mode_token_floor_gate=row")  # fmt: skip
+             f"loss.mode_token_floor={floor}", "loss.mode_advantage=shared")  # fmt: skip
     trainer = Trainer(load_config(None, run_overrides(tmp_path, varied.OVERRIDE, *extra, steps=2)), tmp_path / "run")
     rows = trainer.run()
     assert all(r["grad_norm"] > 0 for r in rows)
@@ -201,7 +140,7 @@ def test_a_mode_mixed_run_trains_both_modes_against_their_behaviour(tmp_path, mo
         assert row["non_thinking_ratio"] >= 0.25  # the forced quarter at least
         assert ("mode_floored" in row) == (rule == "policy")
     assert len(seen) == 2
-    for row, (batch, advantages, old, weights) in zip(rows, seen, strict=True):
+    for row, (batch, old, weights) in zip(rows, seen, strict=True):
         k = batch.group_size
         assert batch.forced.tolist() == codes * (len(batch.responses) // k)
         first = [r[0] for r in batch.responses]
@@ -214,17 +153,15 @@ def test_a_mode_mixed_run_trains_both_modes_against_their_behaviour(tmp_path, mo
         assert torch.equal(batch.rollout_logp[starts], old[starts])
         # each group's p = pi_old(</think> | x): its forced direct row's first token is </think>
         p = old[starts[::k]].double().exp().repeat_interleave(k)  # (S,)
-        if rule == "policy":  # the old policy's own log-probs; weight 0 exactly on the floored first tokens: those
-            # with a negative advantage whose forced mode has probability p (direct) or 1 - p (thinking) < floor
-            forced = batch.forced != 0
-            mode_p = torch.where(batch.forced == 1, p, 1 - p)
-            drop = forced & (advantages < 0) & (mode_p < floor)
-            assert (drop & (batch.forced == 1)).any() and (drop & (batch.forced == 2)).any(), "the construction"
-            assert drop.any(), "the construction: a forced token pushed down below the floor"
+        if rule == "policy":  # the old policy's own log-probs; the fade (p / floor)^4 on each direct row's </think>
+            direct = torch.tensor([t == END for t in first])
+            fade = torch.where(direct, (p / floor).clamp(max=1) ** 4, torch.ones_like(p))  # (S,)
+            assert (fade < 1).any(), "the construction: a direct row faded"
             rest = torch.ones(len(old), dtype=torch.bool)
-            rest[starts[drop]] = False
-            assert (weights[starts[drop]] == 0).all() and (weights[rest] == 1).all()
-            assert row["mode_floored"] == pytest.approx(drop.sum().item() / forced.sum().item())
+            rest[starts] = False
+            assert (weights[rest] == 1).all()
+            torch.testing.assert_close(weights[starts].double(), fade, rtol=1e-4, atol=0.0)
+            assert row["mode_floored"] == pytest.approx((p[::k] < floor).double().mean().item())
             continue
         if rule == "half":  # the forced first tokens' old log-prob is log 0.5; no weights
             assert weights is None
@@ -295,7 +232,8 @@ def test_a_group_without_free_rows_logs_no_free_choice(tmp_path):
             "loss.mode_token_logp: half with rollout.forced_thinking > 0: log 0.5 as the old log-prob of a sampled",
         ),
         ("loss.mode_advantage=split", "loss.mode_advantage: 'split' is not one of"),
-        ("loss.mode_token_floor_gate=group", "loss.mode_token_floor_gate: 'group' is not one of"),
+        ("loss.mode_token_floor=1.5", "loss.mode_token_floor: must be auto or a probability in [0, 1)"),
+        ("loss.mode_token_floor=always", "loss.mode_token_floor: expected a number, got 'always' and 'always' is not"),
     ],
 )
 def test_bad_mode_options_name_the_key(override, message):
@@ -420,74 +358,97 @@ def test_select_keeps_the_forced_codes_of_the_rows_it_keeps():
     assert kept.responses == [[7], [8, 9, 10]] and index.tolist() == [2, 3, 4, 5]
 
 
-@pytest.mark.parametrize("gate", ["mode", "row"])
-def test_below_the_floor_a_mode_right_one_time_in_ten_does_not_rise_over_50_steps(gate):
-    # The first token alone, as a two-way choice z = (logit of </think>, logit of A), trained through the real
-    # advantages, floor and loss for 50 steps at p(</think>) = 0.05 < floor 0.1. Each step 10 groups of K = 8: 4
-    # forced direct rows, one of them right in 4 of the groups (10% direct accuracy), 4 forced thinking ones, one of
-    # them wrong in those 4 groups (90%). The TNT table pays right direct 2 and wrong -1, so the direct mode loses in
-    # every group (mean -0.25 against 0.75 or 1). No sampling: each step's rewards are the same, on any machine.
-    k, groups = 8, 10
-    mix = ModeMix(non_thinking=4, thinking=4, group_size=k, rule="policy", floor=0.1, floor_gate=gate)
-    first = ([END] * 4 + [A] * 4) * groups
-    batch = _batch(first, ([1] * 4 + [2] * 4) * groups, k)
-    non_thinking = torch.tensor([t == END for t in first])
-    right_direct, all_wrong = [2.0, -1, -1, -1, 1, 1, 1, 0], [-1.0] * 4 + [1.0] * 4
-    rewards = torch.tensor(right_direct * 4 + all_wrong * 6)  # 4 of 40 direct rows right, 36 of 40 thinking
-    advantages = mix.advantages(rewards, non_thinking)
-    assert advantages.first is None  # shared
-    advantages = advantages.answer
-    z = torch.tensor([math.log(0.05), math.log(0.95)], dtype=torch.float64, requires_grad=True)
-    cu = torch.arange(groups * k + 1)
-    ids = torch.tensor([0 if t == END else 1 for t in first])
-    p = []
-    opt = torch.optim.SGD([z], lr=0.5)
-    for _ in range(50):
-        logp = torch.log_softmax(z, 0)[ids]  # (S,)
-        p.append(logp[0].exp().item())
-        end_logp = logp[0].detach().expand(groups)  # (G,) log pi_old(</think> | x)
-        weights = (~mix.floored(batch, advantages, non_thinking, end_logp)).double()
-        loss, _ = clipped_policy_loss(logp, logp.detach(), advantages, cu, is_weights=weights)
-        opt.zero_grad()
-        loss.backward()
-        assert z.grad.abs().sum() > 0  # the thinking rows always train
-        opt.step()
-    if gate == "mode":  # the losing mode is held: only the thinking rows move the choice, and away from </think>
-        assert max(p[1:]) <= p[0]
-    else:  # the right direct answers still push </think> up: the ratchet the mode gate removes
-        assert p[-1] > 0.09
-
-
-def test_a_decoupled_run_gives_the_mode_token_the_modes_gap(tmp_path, monkeypatch):
+def test_a_mode_mixed_run_gives_the_mode_token_the_modes_reward_gap(tmp_path, monkeypatch):
     seen = []
-    real = Actor.update
+    real = ModeMix.loss_terms
 
-    def update(self, batch, advantages, old_logp, ref_logp, token_weights=None, first_advantages=None):
-        seen.append((batch, advantages.clone(), first_advantages.clone()))
-        return real(self, batch, advantages, old_logp, ref_logp, token_weights, first_advantages)
+    def loss_terms(self, batch, rewards, *args, **kwargs):
+        terms = real(self, batch, rewards, *args, **kwargs)
+        seen.append((batch, rewards.rewards.clone(), terms))
+        return terms
 
-    monkeypatch.setattr(Actor, "update", update)
-    # a forced thinking row in every group: both modes in each, and acc_thinking logged at every step
-    extra = ("rollout.forced_non_thinking=0.5", "rollout.forced_thinking=0.25", "loss.mode_advantage=decoupled")
+    monkeypatch.setattr(ModeMix, "loss_terms", loss_terms)
+    # a forced thinking row in every group: both modes in each, and acc_thinking logged at every step; the default
+    # loss.mode_advantage (auto) is decoupled for a mode-mixed run
+    extra = ("rollout.forced_non_thinking=0.5", "rollout.forced_thinking=0.25")
     cfg = load_config(None, run_overrides(tmp_path, varied.OVERRIDE, *extra, steps=2))
+    assert cfg.loss.mode_advantage == "auto" and ModeMix.of(cfg).mode_advantage == "decoupled"
     rows = Trainer(cfg, tmp_path / "run").run()
     assert all(r["grad_norm"] > 0 for r in rows)
     for row in rows:  # the accuracies by mode, and by level on the synthetic task
         assert 0 <= row["acc_forced_direct"] <= 1 and 0 <= row["acc_thinking"] <= 1
         assert any(name.startswith("acc_thinking_l") for name in row)
-    for batch, answer, mode in seen:
+    for batch, rewards, terms in seen:
         k = batch.group_size
         nt = torch.tensor([r[0] == END for r in batch.responses]).view(-1, k)
-        a, m = answer.view(-1, k).double(), mode.view(-1, k).double()
+        r = rewards.view(-1, k).double()
+        a, m = terms.advantages.view(-1, k).double(), terms.first_advantages.view(-1, k).double()
         both = nt.any(1) & (~nt).any(1)
-        assert both.any(), "the construction: groups holding both modes"
+        assert both.all(), "the construction: forced rows of both modes in every group"
         for g in range(len(nt)):
             for rows_of in (nt[g], ~nt[g]):  # answers centred within their mode
-                if rows_of.any():
-                    assert abs(a[g, rows_of].sum()) < 1e-5
-            # </think> first, the choice: one gap for the mode (0 where the group holds one mode); a thinking row's
+                assert abs(a[g, rows_of].sum()) < 1e-5
+            # </think> first, the choice: the gap between the modes' mean rewards, in reward units; a thinking row's
             # first token is its answer's
-            assert m[g, nt[g]].unique().numel() <= 1 and torch.equal(m[g, ~nt[g]], a[g, ~nt[g]])
-            if not both[g]:
-                assert (m[g, nt[g]] == 0).all()
+            gap = r[g, nt[g]].mean() - r[g, ~nt[g]].mean()
+            torch.testing.assert_close(m[g, nt[g]], gap.expand(int(nt[g].sum())), rtol=1e-5, atol=1e-6)
+            assert torch.equal(m[g, ~nt[g]], a[g, ~nt[g]])
         assert (m[nt] != 0).any(), "a group whose modes' rewards differ"
+
+
+def test_the_auto_floor_is_the_first_steps_smallest_choice_and_survives_a_resume(tmp_path, monkeypatch):
+    floors = []
+    real = ModeMix.loss_terms
+
+    def loss_terms(self, batch, rewards, old_logp, end_logp, think_end_id, floor_logp=None):
+        floors.append((end_logp.min().item(), floor_logp))
+        return real(self, batch, rewards, old_logp, end_logp, think_end_id, floor_logp)
+
+    monkeypatch.setattr(ModeMix, "loss_terms", loss_terms)
+    overrides = run_overrides(tmp_path, varied.OVERRIDE, "rollout.forced_non_thinking=0.5", steps=2)
+    Trainer(load_config(None, [*overrides, "save_every=1"]), tmp_path / "run").run()
+    (first_min, first_floor), (_, second_floor) = floors
+    assert first_floor == first_min and second_floor == first_floor  # measured once, at step 1
+    state = read_trainer_state(list_checkpoints(tmp_path / "run" / "checkpoints")[0])
+    assert state.step == 1 and state.mode_token_floor_logp == first_floor
+    # a resumed run reads the floor back instead of measuring its own step's
+    floors.clear()
+    Trainer(load_config(None, [*overrides, "steps=3"]), tmp_path / "run", resume=True).run()
+    assert floors and floors[0][1] == first_floor and floors[0][0] != first_floor
+    # fixed, and off
+    fixed = ModeMix.of(load_config(None, ["rollout.forced_non_thinking=0.5", "loss.mode_token_floor=0.01"]))
+    assert fixed.floor_logp(None) == pytest.approx(math.log(0.01))
+    assert ModeMix.of(load_config(None, ["rollout.forced_non_thinking=0.5", "loss.mode_token_floor=0"])).floor_logp(
+        -3.0) is None  # fmt: skip
+    assert ModeMix.of(load_config(None, [])).floor_logp(-3.0) is None  # unmixed: no choice to fade
+    # a fixed floor above every group's start holds the choice: said, with the largest scale the fade leaves
+    warning = fixed.floor_above_start(math.log(1e-9))
+    assert warning is not None and "loss.mode_token_floor=0.01" in warning and "1.0e-09" in warning
+    assert f"{(1e-9 / 0.01) ** 4:.1e}" in warning
+    assert fixed.floor_above_start(math.log(0.02)) is None  # some group starts above it
+    assert ModeMix.of(load_config(None, ["rollout.forced_non_thinking=0.5"])).floor_above_start(-30.0) is None  # auto
+
+
+def test_the_fade_by_hand():
+    # two groups of K = 4 (rows: forced direct, free that chose </think>, free thinking, forced thinking), floor
+    # 0.01: group 0 at p = 0.01 (on the floor: 1), group 1 one nat below it (e^-4 = 0.0183). The fade multiplies
+    # the </think> of every direct row, forced or chosen; thinking rows' first tokens and later tokens keep 1
+    batch = _batch([END, END, A, B] * 2, [1, 0, 0, 2] * 2, 4)
+    rewards = type("R", (), {"rewards": torch.tensor([1.0, 1.0, 0.0, 0.0] * 2),
+                             "non_thinking": torch.tensor([True, True, False, False] * 2)})  # fmt: skip
+    end_logp = torch.tensor([math.log(0.01), math.log(0.01) - 1.0])  # (G,)
+    mix = ModeMix(non_thinking=1, thinking=1, group_size=4, mode_token_logp="policy", mode_advantage="decoupled")
+    old_logp = torch.full((batch.response_ids.numel(),), -0.5)
+    terms = mix.loss_terms(batch, rewards, old_logp, end_logp, END, floor_logp=math.log(0.01))
+    first = batch.cu_seqlens[:-1]
+    want = torch.tensor([1.0, 1.0, 1.0, 1.0, math.exp(-4.0), math.exp(-4.0), 1.0, 1.0])
+    torch.testing.assert_close(terms.token_weights[first], want, rtol=1e-5, atol=0.0)
+    rest = torch.ones(len(old_logp), dtype=torch.bool)
+    rest[first] = False
+    assert (terms.token_weights[rest] == 1).all()
+    assert terms.below_floor.tolist() == [False, True]  # the second group below the floor
+    # the fade is a step size, on the weight: the mode token's advantage is the gap itself, direct 1 against
+    # thinking 0 in both groups
+    assert terms.first_advantages[[0, 1, 4, 5]].tolist() == [1.0] * 4
+    without = mix.loss_terms(batch, rewards, old_logp, end_logp, END, floor_logp=None)
+    assert without.token_weights is None and without.below_floor is None

@@ -17,7 +17,9 @@ from fasttnt.metrics import (
     MATH_MARKERS,
     SYNTHETIC_MARKERS,
     HackMarkers,
+    choice_metrics,
     hack_flags,
+    levels_present,
     mode_accuracies,
     rollout_metrics,
     to_floats,
@@ -188,7 +190,9 @@ def test_mode_accuracies_by_hand_with_a_problem_without_a_level():
     correct = torch.tensor([True, False, True, False])
     non_thinking = torch.tensor([False, False, True, True])
     free = torch.tensor([True, True, True, False])
-    m = mode_accuracies(correct, non_thinking, free, forced_direct=~free, levels=torch.tensor([1, 1, 2, -1]))
+    levels = torch.tensor([1, 1, 2, -1])
+    assert levels_present(levels) == [1, 2]
+    m = mode_accuracies(correct, non_thinking, free, forced_direct=~free, levels=levels, present=[1, 2])
     m = {k: v.item() for k, v in m.items()}
     assert m["acc_thinking"] == 0.5 and m["acc_free_direct"] == 1.0 and m["acc_forced_direct"] == 0.0
     assert m["acc_thinking_l1"] == 0.5 and m["acc_free_direct_l2"] == 1.0
@@ -198,13 +202,54 @@ def test_mode_accuracies_by_hand_with_a_problem_without_a_level():
 
 def test_think_end_prob_is_the_arithmetic_mean_of_the_probabilities():
     # p(</think>) of three groups: 0.5, 0.1 and 0.0 (a model that never stops thinking): (0.5 + 0.1 + 0) / 3 = 0.2;
-    # a geometric mean would give 0, a mean of the log-probs exponentiated exp(-inf) = 0, a constant 0.5
+    # a geometric mean would give 0, a mean of the log-probs exponentiated exp(-inf) = 0, a constant 0.5. By level:
+    # the first two groups are level 1 (0.3), the third level 2 (0)
     logp = torch.tensor([0.5, 0.1, 0.0]).log()
-    m = to_floats(
-        rollout_metrics(correct=torch.tensor([True] * 3), non_thinking=torch.tensor([False] * 3),
-                        lengths=torch.tensor([4, 4, 4]), hacked=torch.tensor([False] * 3), think_end_logp=logp)
-    )  # fmt: skip
+    rows = torch.tensor([1, 1, 1, 1, 2, 2])  # groups of 2 rows
+    m = to_floats(choice_metrics(torch.zeros(6), torch.zeros(6, dtype=torch.bool), rows, [1, 2],
+                                 think_end_logp=logp, group_levels=rows[::2]))  # fmt: skip
     assert math.isclose(m["think_end_prob"], 0.2, rel_tol=1e-6)
+    assert math.isclose(m["think_end_prob_l1"], 0.3, rel_tol=1e-6) and m["think_end_prob_l2"] == 0.0
+
+
+def test_the_floored_and_freely_chosen_shares_by_level():
+    # groups of 2 rows: levels 1, 1, 2; the fade below the floor in the second and third groups; the free rows are
+    # the second of each group, of which level 1's first chose </think> and its second did not, level 2's did
+    rows = torch.tensor([1, 1, 1, 1, 2, 2])
+    non_thinking = torch.tensor([True, True, True, False, True, True])
+    free = torch.tensor([False, True] * 3)
+    below = torch.tensor([False, True, True])
+    m = to_floats(choice_metrics(torch.zeros(6), non_thinking, rows, [1, 2], think_end_logp=torch.zeros(3),
+                                 group_levels=rows[::2], below_floor=below, free=free))  # fmt: skip
+    assert m["mode_floored_l1"] == 0.5 and m["mode_floored_l2"] == 1.0
+    assert m["free_non_thinking_ratio_l1"] == 0.5 and m["free_non_thinking_ratio_l2"] == 1.0
+    # the overall shares are the update's mode_floored and rollout_metrics' free_non_thinking_ratio, not these
+    assert "mode_floored" not in m and "free_non_thinking_ratio" not in m
+    # a level without free rows: NaN (left out of the trainer's row)
+    m = to_floats(
+        choice_metrics(torch.zeros(6), non_thinking, rows, [1, 2], free=torch.tensor([True] * 4 + [False] * 2))
+    )
+    assert m["free_non_thinking_ratio_l1"] == 0.75 and math.isnan(m["free_non_thinking_ratio_l2"])
+
+
+def test_the_choice_metrics_by_hand():
+    # level 1: thinking 1, 0 (mean 0.5), direct 1.05 (forced or free alike); level 2: thinking 1, 1, direct 0.05,
+    # 0.05; a row without a level (-1) counts overall only. Overall: thinking (1 + 0 + 1 + 1) / 4, direct
+    # (1.05 + 0.05 + 0.05 + 2) / 4
+    rewards = torch.tensor([1.0, 0.0, 1.05, 1.0, 1.0, 0.05, 0.05, 2.0])
+    non_thinking = torch.tensor([False, False, True, False, False, True, True, True])
+    levels = torch.tensor([1, 1, 1, 2, 2, 2, 2, -1])
+    m = to_floats(choice_metrics(rewards, non_thinking, levels, levels_present(levels)))
+    assert m["reward_thinking_l1"] == pytest.approx(0.5) and m["reward_direct_l1"] == pytest.approx(1.05)
+    assert m["reward_thinking_l2"] == pytest.approx(1.0) and m["reward_direct_l2"] == pytest.approx(0.05)
+    assert m["prefers_direct_l1"] == 1.0 and m["prefers_direct_l2"] == 0.0
+    assert m["reward_thinking"] == pytest.approx(0.75) and m["reward_direct"] == pytest.approx(3.15 / 4)
+    assert m["prefers_direct"] == 1.0
+    assert not any(k.endswith("_l-1") for k in m) and "think_end_prob" not in m  # no probe given
+    # a level with one mode only: no preference there (NaN, which the trainer leaves out of its row)
+    m = to_floats(choice_metrics(rewards[:3], torch.tensor([False, False, False]), levels[:3], [1]))
+    assert m["reward_thinking_l1"] == pytest.approx(2.05 / 3)
+    assert math.isnan(m["reward_direct_l1"]) and math.isnan(m["prefers_direct_l1"])
 
 
 def test_a_response_without_its_eos_is_truncated():

@@ -23,10 +23,19 @@ from pathlib import Path
 from ..config import TrainConfig
 from .jobs import BuildWarmup, EvaluateWarmup, TrainAndEvaluate, run_jobs
 from .plan import RUN_KEYS, SCHEME_ORDER, CompareSettings, Run, default_jobs, plan_runs, warmup_path
-from .report import direct_threshold, markdown, mean_se, plot, seconds_to, steps_to_solve, summarize_runs
+from .report import (
+    direct_threshold,
+    markdown,
+    mean_se,
+    plot,
+    preferred_mode,
+    seconds_to,
+    steps_to_solve,
+    summarize_runs,
+)
 
 __all__ = ["RUN_KEYS", "SCHEME_ORDER", "CompareSettings", "Run", "default_jobs", "direct_threshold", "mean_se",
-           "plan_runs", "run_compare", "seconds_to", "steps_to_solve"]  # fmt: skip
+           "plan_runs", "preferred_mode", "run_compare", "seconds_to", "steps_to_solve"]  # fmt: skip
 
 
 def run_compare(
@@ -72,7 +81,8 @@ def _train_and_evaluate(settings: CompareSettings, runs: list[Run], output_dir: 
         if cfg.model.name == "tiny"
         for mode in ("thinking", "non-thinking")
     ]
-    training = [TrainAndEvaluate(run, settings.eval, f"eval{suffix}") for run in runs]
+    steps = settings.eval_steps and settings.evaluated_steps  # (): the final model alone, in eval{suffix}/ itself
+    training = [TrainAndEvaluate(run, settings.eval, f"eval{suffix}", steps) for run in runs]
     results = run_jobs([*warmup_jobs, *training], settings.jobs, "compare" + (f" ({suffix[1:]})" if suffix else ""))
     warmups: dict[int, dict[str, dict]] = {}
     for job, result in zip(warmup_jobs, results[: len(warmup_jobs)], strict=True):

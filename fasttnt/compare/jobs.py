@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from ..checkpoint import checkpoint_paths
 from ..config import TrainConfig
 from ..evaluate import SYNTHETIC, EvalSettings, run_eval
 from ..trainer import Trainer
@@ -64,11 +65,14 @@ class EvaluateWarmup:
 @dataclass(frozen=True)
 class TrainAndEvaluate:
     """One run: trained (unless its ``final/`` was trained with this config before), then evaluated on the
-    synthetic split (kept when done before); its evaluation and the seconds it took."""
+    synthetic split at each of ``steps`` (its checkpoints; the last step's model is ``final/``; an evaluation done
+    before is kept); its evaluation (the mean over the steps, ``mean_evaluation``), each step's, and the seconds
+    it took."""
 
     run: Run
     eval: EvalSettings
     eval_dir: str = "eval"  # under the run's folder: one per evaluation temperature
+    steps: tuple[int, ...] = ()  # (): the final model alone
 
     @property
     def label(self) -> str:
@@ -82,8 +86,33 @@ class TrainAndEvaluate:
             shutil.rmtree(run.out, ignore_errors=True)  # interrupted, or trained with other settings: start over
             Trainer(run.cfg, run.out, progress=progress).run()
             (run.out / "compare_run.json").write_text(json.dumps({"config_sha256": fingerprint(run.cfg)}))
-        report = run_eval([str(run.out / "final")], [SYNTHETIC], self.eval, run.out / self.eval_dir)
-        return {"metrics": report["results"][str(run.out / "final")][SYNTHETIC], "seconds": time.perf_counter() - start}
+        by_step = {}
+        for step in self.steps or (run.cfg.steps,):
+            model = run.out / "final" if step == run.cfg.steps else checkpoint_paths(run.out / "checkpoints", step)[0]
+            if not (model / "config.json").is_file():
+                raise FileNotFoundError(f"{run.name}: no model of step {step} to evaluate at {model}")
+            out = run.out / self.eval_dir if not self.steps else run.out / self.eval_dir / f"step-{step}"
+            by_step[step] = run_eval([str(model)], [SYNTHETIC], self.eval, out)["results"][str(model)][SYNTHETIC]
+        metrics = mean_evaluation(list(by_step.values()))
+        return {"metrics": metrics, "by_step": by_step, "seconds": time.perf_counter() - start}
+
+
+def mean_evaluation(evaluations: list[dict]) -> dict:
+    """The mean of evaluations (``evaluate.summarize``'s dicts): each number the mean of the evaluations that have
+    it (None where none does), nested dicts (``by_level``) key by key; one evaluation is itself."""
+    if len(evaluations) == 1:
+        return evaluations[0]
+    out = {}
+    for key, first in evaluations[0].items():
+        values = [e.get(key) for e in evaluations]
+        if isinstance(first, dict):
+            out[key] = mean_evaluation(values)
+        elif isinstance(first, bool) or not all(v is None or isinstance(v, int | float) for v in values):
+            out[key] = first  # a label or a count of the split, the same in each
+        else:
+            numbers = [v for v in values if v is not None]
+            out[key] = sum(numbers) / len(numbers) if numbers else None
+    return out
 
 
 def _in_worker(job, threads: int | None):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,13 +16,15 @@ from ..variants import slug as variant_slug
 from ..variants import variant_overrides
 
 SCHEME_ORDER = ("tnt", "no-limit", "uniform-limit", "binary")
-RUN_KEYS = ("steps", "save_every", "seed", "warmup.seed")  # set per run by compare, never by a variant
+# set per run by compare, never by a variant
+RUN_KEYS = ("steps", "save_every", "keep_checkpoints", "seed", "warmup.seed")
 
 
 @dataclass(frozen=True)
 class CompareSettings:
     variants: tuple[str, ...] = SCHEME_ORDER
     seeds: int = 2  # training seeds per warm-up (the prompts and samples)
+    first_seed: int = 0  # the training seeds are first_seed, first_seed + 1, ...
     warmup_seeds: int = 1  # warm-ups (the starting model), each trained from its own seed
     steps: int = 80
     # one cap for every query: longer than any honest direct answer (11-14 tokens with EOS) and shorter than every
@@ -35,6 +38,15 @@ class CompareSettings:
     # further evaluation temperatures, each with its own report (the training temperature, 1.0 by default, shows
     # what the policy does as it was trained; 0.6, eval's, what a user of R1-style models samples)
     temperatures: tuple[float, ...] = ()
+    # the steps whose models are evaluated, a run's numbers the mean over them (its checkpoints are kept there):
+    # a late mean, because one snapshot of a run that still swings can differ from the next by many points; ():
+    # the final model alone
+    eval_steps: tuple[int, ...] = ()
+
+    @property
+    def evaluated_steps(self) -> tuple[int, ...]:
+        """The steps whose models each run is evaluated at, in order (the last alone by default)."""
+        return tuple(sorted(set(self.eval_steps))) or (self.steps,)
 
 
 @dataclass(frozen=True)
@@ -65,7 +77,7 @@ def plan_runs(
     base = load_config(None, base_overrides)
     runs = []
     for w in range(settings.warmup_seeds):
-        for seed in range(settings.seeds):
+        for seed in range(settings.first_seed, settings.first_seed + settings.seeds):
             for variant in settings.variants:
                 cfg = load_config(
                     None,
@@ -73,7 +85,7 @@ def plan_runs(
                         *base_overrides,
                         *variant_overrides(variant, base, user_variants),
                         f"steps={settings.steps}",
-                        f"save_every={settings.steps}",
+                        *checkpoint_overrides(settings),
                         f"seed={seed}",
                         f"warmup.seed={base.warmup.seed + w}",
                     ],
@@ -81,6 +93,12 @@ def plan_runs(
                 out = output_dir / "runs" / f"w{w}-seed{seed}" / variant_slug(variant)
                 runs.append(Run(variant, w, seed, out, cfg))
     return runs
+
+
+def checkpoint_overrides(settings: CompareSettings) -> list[str]:
+    """A run's checkpoints: one at each evaluated step, all kept (a checkpoint every gcd of those steps)."""
+    every = math.gcd(*settings.evaluated_steps)
+    return [f"save_every={every}", f"keep_checkpoints={max(1, settings.steps // every)}"]
 
 
 def fingerprint(cfg: TrainConfig) -> str:

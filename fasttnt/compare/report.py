@@ -14,10 +14,13 @@ from .plan import CompareSettings, Run
 
 TABLE_KEYS = ("acc", "len", "te", "non_thinking_ratio", "hack_rate", "len_non_thinking")
 TRAIN_KEYS = (
-    "step", "reward", "acc", "non_thinking_ratio", "hack_rate", "len", "time_step", "draws", "varied_group_frac",
+    "step", "reward", "acc", "non_thinking_ratio", "free_non_thinking_ratio", "hack_rate", "len", "time_step", "draws",
+    "varied_group_frac",
     "filled_groups",
 )  # fmt: skip
 SOLVED_ACC = 0.9  # steps-to-solve: the first step whose 5-step mean training accuracy reaches this
+PREFERENCE_WINDOW = 10  # the last training steps whose reward gap per level says which mode the table pays more
+LEVEL_COLUMNS = "acc / non-thinking | direct acc | direct pays | ends in the better mode"  # compare.md, per level
 
 
 def mean_se(values: list[float | None]) -> dict:
@@ -42,6 +45,24 @@ def direct_threshold(cfg: TrainConfig, p_think: float) -> float | None:
         return None
     expected_thinking = r.think_wrong + p_think * (r.think_correct - r.think_wrong)
     return (expected_thinking - r.direct_wrong) / (r.direct_correct - r.direct_wrong)
+
+
+def preferred_mode(rows: list[dict], level: str, window: int = PREFERENCE_WINDOW) -> dict:
+    """The mode the run's reward table paid more for at ``level`` in its last ``window`` training steps: the mean of
+    each step's gap ``reward_direct_l<level> - reward_thinking_l<level>`` (metrics.choice_metrics: both modes'
+    rows, forced and free) with its standard error; "direct" or "thinking" where the mean is more than two
+    standard errors from 0, "tie" within, None where fewer than two steps of the window had both modes (free
+    prompts that never answered directly; one step has no standard error). Each step's mode means pool the
+    level's groups, so they weigh a prompt by its rows of each mode; the estimator's gap is within each group
+    (``fasttnt.modes``)."""
+    gaps = [r[f"reward_direct_l{level}"] - r[f"reward_thinking_l{level}"] for r in rows[-window:]
+            if f"reward_direct_l{level}" in r and f"reward_thinking_l{level}" in r]  # fmt: skip
+    if len(gaps) < 2:
+        return {"mode": None, "gap": None, "se": None}
+    stat = mean_se(gaps)
+    clear = abs(stat["mean"]) > 2 * stat["se"]
+    mode = ("direct" if stat["mean"] > 0 else "thinking") if clear else "tie"
+    return {"mode": mode, "gap": stat["mean"], "se": stat["se"]}
 
 
 def seconds_to(step: int | None, times: list[float]) -> float | None:
@@ -84,6 +105,7 @@ def summarize_runs(
             if run.variant != variant:
                 continue
             metrics = result["metrics"]
+            evaluations = list(result.get("by_step", {}).values()) or [metrics]
             train_rows = read_jsonl(run.out / "metrics.jsonl")
             train = {key: [r.get(key) for r in train_rows] for key in TRAIN_KEYS}
             by = metrics["by_level"]
@@ -91,23 +113,32 @@ def summarize_runs(
             wu = out["warmups"].get(str(run.warmup))
             thresholds = {lv: direct_threshold(run.cfg, wu["p_think"][lv]) if wu else None for lv in by}
             solved = steps_to_solve(train["acc"])
+            by_level = {}
+            for lv in sorted(by, key=int):
+                preferred = preferred_mode(train_rows, lv)
+                chosen = "direct" if by[lv]["non_thinking_ratio"] >= 0.5 else "thinking"  # what the model chose
+                by_level[lv] = {
+                    "acc": by[lv]["acc"],
+                    "non_thinking_ratio": by[lv]["non_thinking_ratio"],
+                    "acc_thinking": by[lv].get("acc_thinking"),
+                    "acc_non_thinking": by[lv].get("acc_non_thinking"),
+                    # does the warm-up's direct accuracy clear this variant's threshold?
+                    "direct_pays": wu["p_direct"][lv] > thresholds[lv] if thresholds[lv] is not None else None,
+                    "threshold": thresholds[lv],
+                    # the mode the table paid more for at the end of training, and whether the evaluation chose it
+                    "preferred": preferred,
+                    "in_preferred_mode": None if preferred["mode"] is None else preferred["mode"] in ("tie", chosen),
+                    # the largest non-thinking ratio of the evaluated steps (one step: the same as above)
+                    "most_non_thinking": max(e["by_level"][lv]["non_thinking_ratio"] for e in evaluations),
+                }
             rows.append(
                 {
                     "warmup": run.warmup,
                     "seed": run.seed,
                     **{k: metrics[k] for k in TABLE_KEYS},
-                    "by_level": {
-                        lv: {
-                            "acc": by[lv]["acc"],
-                            "non_thinking_ratio": by[lv]["non_thinking_ratio"],
-                            "acc_thinking": by[lv].get("acc_thinking"),
-                            "acc_non_thinking": by[lv].get("acc_non_thinking"),
-                            # does the warm-up's direct accuracy clear this variant's threshold?
-                            "direct_pays": wu["p_direct"][lv] > thresholds[lv] if thresholds[lv] is not None else None,
-                            "threshold": thresholds[lv],
-                        }
-                        for lv in sorted(by, key=int)
-                    },
+                    "by_level": by_level,
+                    # each evaluated step's own numbers (none when the final model alone was evaluated)
+                    "by_step": {str(k): {x: e[x] for x in TABLE_KEYS} for k, e in result.get("by_step", {}).items()},
                     "train_seconds": sum(t for t in train["time_step"] if t is not None),
                     "run_seconds": result["seconds"],
                     "steps_to_solve": solved,
@@ -131,8 +162,26 @@ def summarize_runs(
             }
             pays = [float(b["direct_pays"]) for b in level_rows if b["direct_pays"] is not None]
             stats["by_level"][lv]["direct_pays"] = mean_se(pays)
+            ends = [float(b["in_preferred_mode"]) for b in level_rows if b["in_preferred_mode"] is not None]
+            stats["by_level"][lv]["in_preferred_mode"] = mean_se(ends)
         out["variants"][variant] = {"stats": stats, "runs": rows}
+    _pair_with_first(out["variants"])
     return out
+
+
+def _pair_with_first(variants: dict) -> None:
+    """Each run against the first variant's run of the same warm-up and seed (same prompts, starting model, code,
+    threads and temperatures): ``vs_first`` its accuracy difference (points) and length ratio, per run and as mean
+    +- SE over the pairs; the first variant itself has none."""
+    names = list(variants)
+    baseline = {(r["warmup"], r["seed"]): r for r in variants[names[0]]["runs"]} if names else {}
+    for name in names[1:]:
+        pairs = []
+        for r in variants[name]["runs"]:
+            base = baseline.get((r["warmup"], r["seed"]))
+            r["vs_first"] = None if base is None else {"acc": r["acc"] - base["acc"], "len": r["len"] / base["len"]}
+            pairs += [r["vs_first"]] if base is not None else []
+        variants[name]["stats"]["vs_first"] = {k: mean_se([p[k] for p in pairs]) for k in ("acc", "len")}
 
 
 def _pm(stat: dict, fmt: str = "{:.1f}", scale: float = 1.0) -> str:
@@ -146,19 +195,21 @@ def markdown(summary: dict) -> str:
     s = summary["settings"]
     n_runs = s["seeds"] * s["warmup_seeds"]
     lines = [
-        "| variant | acc (%) | len | TE | non-thinking | hack rate | len non-thinking | steps to 90% train acc "
-        "| s to 90% | draws / step | train s / run |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| variant | acc (%) | len | TE | non-thinking | hack rate | len non-thinking | acc - first's | len / first's "
+        "| steps to 90% train acc | s to 90% | draws / step | train s / run |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for variant, data in summary["variants"].items():
         st = data["stats"]
+        vs = st.get("vs_first", {"acc": mean_se([]), "len": mean_se([])})
         solved = _pm(st["steps_to_solve"], "{:.0f}")
         if st["steps_to_solve"]["unsolved"]:
             solved += f" ({st['steps_to_solve']['unsolved']} never)"
         lines.append(
             f"| {variant} | {_pm(st['acc'])} | {_pm(st['len'])} | {_pm(st['te'], '{:.2f}')} | "
             f"{_pm(st['non_thinking_ratio'], '{:.2f}')} | {_pm(st['hack_rate'], '{:.2f}')} | "
-            f"{_pm(st['len_non_thinking'])} | {solved} | {_pm(st['seconds_to_solve'], '{:.0f}')} | "
+            f"{_pm(st['len_non_thinking'])} | {_pm(vs['acc'], '{:+.1f}')} | {_pm(vs['len'], '{:.2f}')} | "
+            f"{solved} | {_pm(st['seconds_to_solve'], '{:.0f}')} | "
             f"{_pm(st['draws_per_step'], '{:.2f}')} | "
             f"{_pm(st['train_seconds'], '{:.0f}')} |"
         )
@@ -168,7 +219,9 @@ def markdown(summary: dict) -> str:
         f"Mean ± standard error over {n_runs} runs per variant ({s['warmup_seeds']} warm-up(s) x {s['seeds']} "
         f"seed(s)); each run: its warm-up, then {s['steps']} GRPO steps, evaluated on the synthetic held-out split "
         f"({e['synthetic_per_level']} problems per level, 10 at level 1; {e['samples']} samples each, temperature "
-        f"{e['temperature']}). uniform-limit caps every non-thinking response at {s['uniform_limit']:.0f} tokens "
+        f"{e['temperature']}){_evaluated(s)}. acc - first's and len / first's: each run against the first "
+        "variant's of the same warm-up and seed. "
+        f"uniform-limit caps every non-thinking response at {s['uniform_limit']:.0f} tokens "
         "unless the variant says otherwise. Hack rate: the share of non-thinking responses that write column steps "
         f"after </think>. Steps to 90% train acc: the first step whose 5-step mean training accuracy reaches "
         f"{SOLVED_ACC:.0%} (s to 90%: the training seconds up to it; unsolved runs left out of both). Train s / run: "
@@ -197,46 +250,71 @@ def markdown(summary: dict) -> str:
     lines += [
         "",
         "By level: accuracy (%) / non-thinking ratio after training; then the accuracy of the direct answers the "
-        "trained models gave (- where none), and in how many runs the warm-up's direct accuracy cleared the "
-        "variant's threshold (direct pays).",
+        "trained models gave (- where none); in how many runs the warm-up's direct accuracy cleared the "
+        f"variant's threshold (direct pays); and in how many the model ended in the mode its table paid more for "
+        f"over the last {PREFERENCE_WINDOW} training steps (each mode's mean reward over its rows, forced and free: "
+        "the mean gap more than two standard errors from 0; a tie counts as either; - where training never saw "
+        "both modes, as with free prompts from a thinking-only model).",
         "",
-        "| variant | "
-        + " | ".join(f"level {lv}: acc / non-thinking | direct acc | direct pays" for lv in levels)
-        + " |",
-        "| --- |" + " ---: | ---: | ---: |" * len(levels),
+        "| variant | " + " | ".join(f"level {lv}: {LEVEL_COLUMNS}" for lv in levels) + " |",
+        "| --- |" + " ---: | ---: | ---: | ---: |" * len(levels),
     ]
     for variant, data in summary["variants"].items():
         cells = []
         for lv in levels:
             b = data["stats"]["by_level"][lv]
-            pays = b["direct_pays"]
             cells += [
                 f"{_pm(b['acc'], '{:.0f}')} / {_pm(b['non_thinking_ratio'], '{:.2f}')}",
                 _pm(b["acc_non_thinking"], "{:.0f}"),
-                "-" if pays["mean"] is None else f"{round(pays['mean'] * pays['n'])}/{pays['n']}",
+                _count(b["direct_pays"]),
+                _count(b["in_preferred_mode"]),
             ]
         lines.append(f"| {variant} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "Per run:",
+        "Per run (most non-thinking by level: the largest non-thinking ratio among the evaluated steps):",
         "",
-        "| variant | warm-up | seed | acc (%) | len | TE | non-thinking | hack rate | non-thinking by level | "
+        "| variant | warm-up | seed | acc (%) | len | TE | non-thinking | hack rate | acc by level | "
+        "non-thinking by level | most non-thinking by level | reward gap by level (end) | in the worse mode | "
         "train s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- | --- | --- | ---: |",
     ]
     for variant, data in summary["variants"].items():
         for r in data["runs"]:
-            by = " / ".join(f"{v['non_thinking_ratio']:.2f}" for v in r["by_level"].values())
+            levels_of = r["by_level"].values()
+            acc = " / ".join(f"{v['acc']:.0f}" for v in levels_of)
+            by = " / ".join(f"{v['non_thinking_ratio']:.2f}" for v in levels_of)
+            most = " / ".join(f"{v['most_non_thinking']:.2f}" for v in levels_of)
+            gaps = " / ".join("-" if v["preferred"]["gap"] is None else f"{v['preferred']['gap']:+.2f}"
+                              for v in levels_of)  # fmt: skip
+            worse = ", ".join(lv for lv, v in r["by_level"].items() if v["in_preferred_mode"] is False) or "-"
             lines.append(
                 f"| {variant} | {r['warmup']} | {r['seed']} | {r['acc']:.1f} | {r['len']:.1f} | {r['te']:.2f} | "
-                f"{r['non_thinking_ratio']:.2f} | {r['hack_rate']:.2f} | {by} | {r['train_seconds']:.0f} |"
+                f"{r['non_thinking_ratio']:.2f} | {r['hack_rate']:.2f} | {acc} | {by} | {most} | {gaps} | {worse} | "
+                f"{r['train_seconds']:.0f} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _evaluated(settings: dict) -> str:
+    """How a run's evaluation was taken, for the report: "" for the final model alone."""
+    steps = sorted(set(settings.get("eval_steps") or ()))
+    if not steps:
+        return ""
+    return f" at steps {', '.join(map(str, steps))}, each number the mean over those evaluations"
+
+
+def _count(stat: dict) -> str:
+    """k/n of a mean of 0/1 values ("-" where none)."""
+    return "-" if stat["mean"] is None else f"{round(stat['mean'] * stat['n'])}/{stat['n']}"
 
 
 def _train_curve(train: dict, key: str) -> list[float]:
     if key == "hacked_share":
         return [h * n for h, n in zip(train["hack_rate"], train["non_thinking_ratio"], strict=True)]
+    if key == "chosen_non_thinking":  # what the model chose: of the free rows where some were forced
+        free = train.get("free_non_thinking_ratio") or []
+        return free if free and all(v is not None for v in free) else train["non_thinking_ratio"]
     return train[key]
 
 
@@ -256,7 +334,7 @@ def plot(summary: dict, path: Path) -> None:
     for i, (variant, data) in enumerate(variants):
         colour = colours[i % len(colours)]
         style = "-" if i < len(colours) else "--"
-        for j, key in enumerate(("hacked_share", "non_thinking_ratio")):
+        for j, key in enumerate(("hacked_share", "chosen_non_thinking")):
             curves = [_train_curve(r["train"], key) for r in data["runs"]]
             steps = data["runs"][0]["train"]["step"]
             stats = [mean_se(list(vals)) for vals in zip(*curves, strict=True)]
@@ -278,7 +356,7 @@ def plot(summary: dict, path: Path) -> None:
             )  # fmt: skip
     n = summary["settings"]["seeds"] * summary["settings"]["warmup_seeds"]
     axes[0].set_title(f"hacked responses during training (share of all; mean ± SE over {n} runs)")
-    axes[1].set_title("non-thinking ratio during training")
+    axes[1].set_title("non-thinking ratio during training (of the free rows where some are forced)")
     for ax in axes[:2]:
         ax.set_xlabel("GRPO step")
         ax.set_ylim(-0.02, 1.02)

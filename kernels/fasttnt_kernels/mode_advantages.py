@@ -5,16 +5,22 @@ advantage per response gives the mode token and every answer token the same cred
 group where thinking pays more pushes down the digits it got right. Here, per group g and mode m in {T, N}, with
 n_m rows and mean reward mu_m:
 
-    mode token   A_mode = mu_m - mean(mu_m' for the modes m' present in g)       0 when g holds one mode
+    mode token   A_mode = mu_m - mu_m'  (m' the other mode)                       0 when g holds one mode
     other tokens A      = (r - mu_m) / (std_m + eps)                              0 when n_m == 1 or mode m is flat
 
-The mode token's advantage is the difference between the modes' expected rewards, which is what the choice
-decides; every other token is judged only against answers of its own mode. (The trainer, ``fasttnt.modes``, puts
-A_mode on the ``</think>`` that opens a non-thinking response; a thinking response's first token is already part
-of its answer there.) ``scale="std"`` divides A_mode by the
-group's reward std (+ eps), so both advantages are in the units GRPO's shared advantage uses; ``scale="none"``
-(Dr. GRPO) only centres, per mode and between modes. Flat sets (a group's, or a mode's, rewards all equal) get
-exact zeros, never NaN.
+The mode advantage is the gap between the modes' mean rewards, in reward units: given how many rows each mode
+has, mu_N - mu_T is an unbiased estimate of the gap between the modes' expected rewards (the rows of a mode are
+draws of that mode's reward, whichever way the mode was reached: forced or chosen), so a loss that puts it on
+the mode token moves the choice, in expectation, with the sign of that gap. It is deliberately not divided by
+the group's reward std: that std depends on the same rewards, and the quotient's expectation can take the other
+sign. With the accuracy-aware table (a direct answer earns the thinking reward plus 0.05), a level whose direct
+answers are right 92% of the time against thinking's 100% loses 0.03 per response by going direct, yet the
+groups where every answer is right (72% of them, 4 + 4 rows) have a gap of 0.05 and a std of 0.027: divided,
++1.9 each, and the expected quotient is positive. (The trainer, ``fasttnt.modes``, puts A_mode on the
+``</think>`` that opens a non-thinking response; a thinking response's first token is already part of its answer
+there.) ``scale`` applies to the answer advantages only: ``"std"`` divides by the mode's reward std (+ eps),
+``"none"`` (Dr. GRPO) only centres. Flat sets (a group's, or a mode's, rewards all equal) get exact zeros, never
+NaN.
 
 Neighbours: HGPO (Jiang et al. 2025, "Think Only When You Need with Large Hybrid-Reasoning Models", sec. 3)
 samples both modes per query and gives the mode choice an inter-group advantage from comparing the modes' rewards
@@ -41,7 +47,7 @@ _SCALES = ("std", "none")
 
 class ModeAdvantages(NamedTuple):
     answer: torch.Tensor  # (G*K,) float32: every token after the mode token, against its own mode's rows
-    mode: torch.Tensor  # (G*K,) float32: the mode token (the first), its mode's mean against the modes present
+    mode: torch.Tensor  # (G*K,) float32: the mode token (the first), its mode's mean reward minus the other's
 
 
 @triton.jit
@@ -95,18 +101,11 @@ def _mode_advantages_kernel(
     answer = tl.where(is_n, adv_n, adv_t)
 
     both = (count_n > 0.0) & (count_t > 0.0)
-    baseline = (mean_n + mean_t) * 0.5
-    gap = tl.where(is_n, (mean_n - baseline)[:, None], (mean_t - baseline)[:, None])
+    gap = tl.where(is_n, (mean_n - mean_t)[:, None], (mean_t - mean_n)[:, None])
     g_max = tl.max(tl.where(mask, r, -float("inf")), axis=1)
     g_min = tl.min(tl.where(mask, r, float("inf")), axis=1)
     # one mode present, or every reward equal (the modes' means then differ by rounding at most)
     no_gap = (both == 0) | (g_max <= g_min)
-    if SCALE_BY_STD:
-        g_count = count_n + count_t
-        g_mean = tl.sum(tl.where(mask, r, 0.0), axis=1) / tl.maximum(g_count, 1.0)
-        g_centred = tl.where(mask, r - g_mean[:, None], 0.0)
-        g_var = tl.sum(g_centred * g_centred, axis=1) / tl.maximum(g_count - 1.0, 1.0)
-        gap = gap / tl.where(no_gap, 1.0, tl.sqrt(g_var) + eps)[:, None]
     mode = tl.where(no_gap[:, None], 0.0, gap)
     tl.store(answer_ptr + offs, answer, mask=mask)
     tl.store(mode_ptr + offs, mode, mask=mask)
@@ -134,10 +133,8 @@ def mode_advantages_reference(
             answer[g, rows] = centred / (x.std(correction=1) + eps) if scale == "std" else centred
         if len(means) < 2 or bool(r[g].max() == r[g].min()):
             continue
-        baseline = (means[False] + means[True]) / 2
         for flag, mean in means.items():
-            gap = mean - baseline
-            mode[g, nt[g] == flag] = gap / (r[g].std(correction=1) + eps) if scale == "std" else gap
+            mode[g, nt[g] == flag] = mean - means[not flag]
     return ModeAdvantages(answer.reshape(-1), mode.reshape(-1))
 
 
@@ -146,7 +143,7 @@ def mode_advantages(
 ) -> ModeAdvantages:
     """The answer and mode-token advantages (G*K,) float32 each, of rewards (G*K,) laid out group after group with
     ``non_thinking`` (G*K,) bool, each response's mode; in one launch. ``scale`` and ``eps`` as in
-    ``group_advantages``."""
+    ``group_advantages``, for the answer advantages (the mode gap stays in reward units: module docstring)."""
     _common.check_1d("rewards", rewards)
     _common.check_dtype("rewards", rewards, _common.FLOAT_DTYPES)
     _common.check_1d("non_thinking", non_thinking, rewards.shape[0])

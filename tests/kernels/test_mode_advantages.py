@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -23,14 +21,14 @@ T, N = False, True
 
 @pytest.mark.parametrize("scale", ["std", "none"])
 def test_hand_worked_group_of_both_modes(triton_path, scale):
-    # thinking 1, 1, 0, 1 (mean 0.75); direct 2, -1, 2, 2 (mean 1.25): the modes' baseline is 1.0
+    # thinking 1, 1, 0, 1 (mean 0.75); direct 2, -1, 2, 2 (mean 1.25): the gap is 0.5 in reward units, whatever
+    # the scale (which is the answers')
     out, ref = _both([1, 1, 0, 1, 2, -1, 2, 2], [T] * 4 + [N] * 4, 8, scale=scale, eps=0.0)
+    mode = [-0.5] * 4 + [0.5] * 4
     if scale == "none":
         answer = [0.25, 0.25, -0.75, 0.25, 0.75, -2.25, 0.75, 0.75]
-        mode = [-0.25] * 4 + [0.25] * 4
-    else:  # std of the thinking rows 0.5, of the direct rows 1.5, of the group sqrt(8/7)
+    else:  # std of the thinking rows 0.5, of the direct rows 1.5
         answer = [0.5, 0.5, -1.5, 0.5, 0.5, -1.5, 0.5, 0.5]
-        mode = [-0.25 / math.sqrt(8 / 7)] * 4 + [0.25 / math.sqrt(8 / 7)] * 4
     for got in (out, ref):
         assert_close(got.answer.double(), torch.tensor(answer, dtype=torch.float64, device=DEVICE), name="answer")
         assert_close(got.mode.double(), torch.tensor(mode, dtype=torch.float64, device=DEVICE), name="mode")
@@ -46,7 +44,7 @@ def test_hand_worked_edges(triton_path, scale):
         1,
         1,
         0,
-        2,  # a direct mode of one row: its answer advantage 0, its mode gap 2 - 4/3
+        2,  # a direct mode of one row: its answer advantage 0, its mode gap 2 - 2/3
         1,
         1,
         1,
@@ -55,15 +53,14 @@ def test_hand_worked_edges(triton_path, scale):
         0,
         2,
         2,
-    ]  # each mode flat, the modes apart: answers 0, mode gaps -+1 (in rewards)
+    ]  # each mode flat, the modes apart: answers 0, mode gaps -+2
     modes = [T, T, T, T, T, T, T, N, T, N, T, N, T, T, N, N]  # fmt: skip
     out, ref = _both(rewards, modes, 4, scale=scale, eps=0.0)
     plain = group_advantages_reference(torch.tensor(rewards[:4], dtype=torch.float64), 4, scale=scale, eps=0.0)
     std = (lambda x: torch.tensor(x, dtype=torch.float64).std().item()) if scale == "std" else (lambda x: 1.0)
     answer = [*plain.tolist(), *[v / (std([1, 1, 0]) if scale == "std" else 1) for v in (1 / 3, 1 / 3, -2 / 3)], 0.0,
               *[0.0] * 8]  # fmt: skip
-    g2, g4 = std([1, 1, 0, 2]), std([0, 0, 2, 2])
-    mode = [0.0] * 4 + [-2 / 3 / g2] * 3 + [2 / 3 / g2] + [0.0] * 4 + [-1 / g4] * 2 + [1 / g4] * 2
+    mode = [0.0] * 4 + [-4 / 3] * 3 + [4 / 3] + [0.0] * 4 + [-2.0] * 2 + [2.0] * 2
     for got in (out, ref):
         assert not torch.isnan(got.answer).any() and not torch.isnan(got.mode).any()
         assert_close(got.answer.double(), torch.tensor(answer, dtype=torch.float64, device=DEVICE), name="answer")
@@ -88,7 +85,7 @@ def test_matches_float64_reference_on_table_rewards(triton_path, shape, scale):
     assert_close(out.answer, ref.answer, name="answer")
     assert_close(out.mode, ref.mode, name="mode")
     # the defining properties on the kernel's output: answers centre within each (group, mode); the mode gaps
-    # of the modes present in a group cancel
+    # of the modes present in a group are opposite
     a, m = out.answer.double().reshape(g, k), out.mode.double().reshape(g, k)
     flags = nt.reshape(g, k)
     for flag in (False, True):
@@ -118,18 +115,22 @@ def test_random_rewards_match_the_reference(triton_path, dtype):
     # Rounding, from float32 sums of at most k terms (relative error <= k u, u = 2^-24) and the exact float64 truth:
     # a mean is off by <= k u max|x|, so a centred value, its std and the quotient are off by <= 2 k u cond (1 + |a|)
     # with cond = max|x| / std over the rows that were centred. An answer is centred within its (group, mode), whose
-    # std can be far below the group's (three close rewards of one mode): its cond is that mode's, the gap's the
-    # group's.
+    # std can be far below the group's (three close rewards of one mode): its cond is that mode's. The gap is a
+    # difference of two such means, each off by <= k u max|x| over the group, plus the subtraction's rounding.
     r, flags = rewards.double().reshape(g, k), nt.reshape(g, k)
     cond_answer = torch.where(flags, _conditioning(r, flags), _conditioning(r, ~flags)).reshape(-1)
-    cond_group = _conditioning(r, torch.ones_like(flags)).reshape(-1)
+    r_max = r.abs().amax(1, keepdim=True).expand(g, k).reshape(-1)
     u = 2.0**-24
-    for got, truth, cond in ((out.answer, ref.answer, cond_answer), (out.mode, ref.mode, cond_group)):
+    bounds = {
+        "answer": 1e-6 + 2 * k * u * cond_answer * (1 + ref.answer.abs()),
+        "mode": 1e-6 + (2 * k + 2) * u * r_max,
+    }
+    for name, got, truth in (("answer", out.answer, ref.answer), ("mode", out.mode, ref.mode)):
         assert not torch.isnan(got).any()
         assert truth.abs().max() > 0.1  # precondition: advantages were computed, not all zero
         err = (got.double() - truth).abs()
-        bound = 1e-6 + 2 * k * u * cond * (1 + truth.abs())
-        assert bool((err <= bound).all()), f"worst {(err / bound).max():.2f}"
+        bound = bounds[name]
+        assert bool((err <= bound).all()), f"{name}: worst {(err / bound).max():.2f}"
 
 
 @pytest.mark.parametrize("scale", ["std", "none"])

@@ -1,0 +1,175 @@
+"""Where a mode-mixed run's choice comes from: per step and per level, which rows of the loss push log pi(</think>)
+of each level's prompts up or down, and how far it actually moved.
+
+Runs ``fasttnt train`` on the embedded task (any variant and overrides; one optimizer step per rollout) and,
+before each update, takes the gradient of the step's loss restricted to one subset of its tokens at a time (the
+first tokens of the forced direct rows of level l, of the thinking rows of level l, of the free direct rows of
+level l; every other token of direct rows; every other token of thinking rows: a partition, so the subsets'
+gradients add up to the step's) and
+the gradient h_l of the mean log pi(</think> | x) over level l's prompts. The push of subset S on level l is the
+first-order change of that mean under one Adam step taken on S's gradient alone:
+
+    push(S -> l) = -lr * c * <g_S / (sqrt(v_hat) + eps), h_l> / (1 - beta1)
+
+with v_hat this step's bias-corrected second moment and c the step's gradient-clipping factor (dividing by
+1 - beta1 counts a gradient's whole contribution through the momentum, spread over later steps). ``dlogp_l`` is
+the change the real update made, on the same prompts. Writes one JSON row per step to OUT/attribution.jsonl
+beside the run's own files; the run trains as ``fasttnt train`` would, at a few extra backwards a step.
+
+    python benchmarks/choice_attribution.py runs/attribution --variant tnt+mix+acc --steps 30 \\
+        warmup.direct_share=0.5 warmup.choose_direct=false rollout.temperature=0.6 seed=1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from fasttnt.config import load_config
+from fasttnt.data import PromptMode
+from fasttnt.engines.batch import FORCED_CODES
+from fasttnt.modes import first_token_index, think_end_probe
+from fasttnt.policy import plan_micro_batches, response_logprobs
+from fasttnt.trainer import Trainer
+from fasttnt.variants import variant_overrides
+
+
+class Attribution:
+    """Wraps a trainer's update: the pushes of each subset of the step's tokens on each level's choice."""
+
+    def __init__(self, trainer: Trainer, out: Path) -> None:
+        self.trainer, self.out = trainer, out
+        self.actor, self.model = trainer.actor, trainer.model
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.temperature = trainer.cfg.rollout.temperature
+        self.update = self.actor.update
+        self.rewards = None
+
+    def levels(self, batch) -> torch.Tensor:
+        """(G,) digits per operand of each group's problem, read from its prompt (the embedded task's sums)."""
+        out = []
+        for ids in batch.prompt_ids[:: batch.group_size]:
+            text = self.trainer.tokenizer.decode(ids)
+            sum_ = re.search(r"(\d+)\+\d+", text)
+            if sum_ is None:
+                raise SystemExit(f"choice_attribution.py: a prompt without a sum a+b (the embedded task's): {text!r}")
+            out.append(len(sum_.group(1)))
+        return torch.tensor(out, device=batch.response_ids.device)
+
+    def flat_grad(self) -> torch.Tensor:
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
+
+    def probe_logp(self, batch, *, grad: bool = False) -> torch.Tensor:
+        probe = think_end_probe(batch, self.trainer.parts.think_end_id)
+        plan = plan_micro_batches(probe, self.trainer.cfg.micro_batch_tokens)
+        with torch.set_grad_enabled(grad):
+            return response_logprobs(self.actor.head, probe, plan, temperature=self.temperature)[0]
+
+    def subset_grad(self, batch, advantages, old_logp, ref_logp, weights, first, mask) -> torch.Tensor:
+        self.model.zero_grad(set_to_none=True)
+        w = mask.float() if weights is None else weights * mask.float()
+        n_tokens, n_seqs = float(batch.bounds[-1]), float(batch.lengths.numel())
+        for mb in plan_micro_batches(batch, self.trainer.cfg.micro_batch_tokens):
+            total, _ = self.actor._micro_batch_loss(batch, mb, advantages, first, old_logp, ref_logp, w,
+                                                    n_tokens=n_tokens, n_seqs=n_seqs)  # fmt: skip
+            total.backward()
+        return self.flat_grad()
+
+    def __call__(self, batch, advantages, old_logp, ref_logp, token_weights=None, first_advantages=None):
+        step, k = self.trainer.state.step + 1, batch.group_size
+        levels = self.levels(batch)  # (G,)
+        row_levels = levels.repeat_interleave(k)  # (S,)
+        first = first_token_index(batch)
+        device = batch.response_ids.device
+        is_first = torch.zeros(int(batch.bounds[-1]), dtype=torch.bool, device=device)  # (N,)
+        is_first[first] = True
+        seq_of = torch.repeat_interleave(torch.arange(batch.lengths.numel(), device=device), batch.lengths)  # (N,)
+        forced_direct = batch.forced == FORCED_CODES[PromptMode.NON_THINKING]
+        direct = batch.response_ids[first] == self.trainer.parts.think_end_id  # (S,)
+        rows = {}
+        for lv in sorted(set(levels.tolist())):
+            at = row_levels == lv
+            rows[f"forced_first_l{lv}"] = at & forced_direct
+            rows[f"think_first_l{lv}"] = at & ~direct
+            rows[f"free_direct_first_l{lv}"] = at & direct & ~forced_direct
+        masks = {name: is_first & r[seq_of] for name, r in rows.items()}
+        masks["direct_rest"] = ~is_first & direct[seq_of]
+        masks["think_rest"] = ~is_first & ~direct[seq_of]
+        self.model.train()
+        h = {}
+        for lv in sorted(set(levels.tolist())):
+            self.model.zero_grad(set_to_none=True)
+            self.probe_logp(batch, grad=True)[levels == lv].mean().backward()
+            h[lv] = self.flat_grad()
+        g = {name: self.subset_grad(batch, advantages, old_logp, ref_logp, token_weights, first_advantages, m)
+             for name, m in masks.items() if m.any()}  # fmt: skip
+        total = sum(g.values())
+        before = self.probe_logp(batch)
+        # this step's Adam preconditioner, with the clipping the update will apply
+        opt = self.actor.optimizer
+        group = opt.param_groups[0]
+        (b1, b2), lr, eps = group["betas"], group["lr"], group["eps"]
+        clip = min(1.0, self.trainer.cfg.optim.grad_clip / (float(total.norm()) + 1e-6))
+        states = [opt.state.get(p, {}) for p in self.params]
+        v = torch.cat(
+            [s.get("exp_avg_sq", torch.zeros_like(p)).reshape(-1) for s, p in zip(states, self.params, strict=True)]
+        )
+        t = int(states[0]["step"]) + 1 if states[0] else 1
+        v = b2 * v + (1 - b2) * (clip * total) ** 2
+        precondition = 1.0 / ((v / (1 - b2**t)).sqrt() + eps)
+        result = self.update(batch, advantages, old_logp, ref_logp, token_weights, first_advantages)
+        after = self.probe_logp(batch)
+        row = {"step": step}
+        for lv, h_l in h.items():
+            at = levels == lv
+            row[f"logp_l{lv}"] = float(before[at].mean())
+            row[f"dlogp_l{lv}"] = float((after[at] - before[at]).mean())
+            for name, g_s in g.items():
+                row[f"push_{name}->l{lv}"] = float(-lr * clip * (precondition * g_s) @ h_l) / (1 - b1)
+            at_rows = row_levels == lv
+            for name, sel in (("forced_direct", at_rows & forced_direct), ("thinking", at_rows & ~direct),
+                              ("free_direct", at_rows & direct & ~forced_direct)):  # fmt: skip
+                if sel.any():
+                    row[f"reward_{name}_l{lv}"] = float(self.rewards[sel].mean())
+            # ModeMix's first-token rule (``rule`` in the trainer of 8cade57, which docs/algorithms.md measures)
+            rule = getattr(self.trainer.modes, "mode_token_logp", None) or getattr(self.trainer.modes, "rule", None)
+            if token_weights is not None and rule == "policy":  # only the fade's (or the old floor's zeros)
+                row[f"faded_l{lv}"] = float((token_weights[first][at_rows & forced_direct] < 1).float().mean())
+        with open(self.out / "attribution.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        return result
+
+    def loss_terms(self, terms):
+        """``ModeMix.loss_terms`` with the step's rewards kept for the rows above."""
+
+        def wrapped(batch, rewards, *args, **kwargs):
+            self.rewards = rewards.rewards
+            return terms(batch, rewards, *args, **kwargs)
+
+        return wrapped
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--variant", default="tnt+mix+acc")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_intermixed_args()
+    base = load_config(None, args.overrides)
+    cfg = load_config(None, [*args.overrides, *variant_overrides(args.variant, base, None), f"steps={args.steps}"])
+    if cfg.loss.mini_batches != 1 or cfg.loss.ppo_epochs != 1:  # the push is that of one Adam step per rollout
+        parser.error("needs one optimizer step per rollout: loss.mini_batches=1 loss.ppo_epochs=1")
+    trainer = Trainer(cfg, args.out, progress=True)
+    attribution = Attribution(trainer, args.out)
+    trainer.actor.update = attribution  # the update of this run only: its own instance
+    object.__setattr__(trainer.modes, "loss_terms", attribution.loss_terms(trainer.modes.loss_terms))
+    trainer.run()
+
+
+if __name__ == "__main__":  # the verifier's worker processes import this module again
+    main()

@@ -1,0 +1,204 @@
+"""The choice between the modes as a bandit, through the real rewards, advantages, fade and loss kernel.
+
+One prompt position and two first tokens: ``</think>`` (a direct answer, right with probability ``acc_direct``) and
+a thinking token (right with ``acc_think``); a group of K = 8 answers 4 rows with ``</think>`` pre-filled and
+samples 4 freely at temperature T, as the real configs' recipe does (``tnt+mix+acc``: a direct answer earns the
+thinking reward plus a margin, AdaptThink's 0.05, under which the shared advantage's sign error is largest). The
+exact test enumerates a group's outcomes, so its numbers are the estimator's expectation, the same on every
+machine; the sampled one trains per-level logits with SGD and checks where each level ends.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from fasttnt.config import load_config
+from fasttnt.data import PromptMode
+from fasttnt.engines.batch import FORCED_CODES, RolloutBatch
+from fasttnt.modes import ModeMix
+from fasttnt.rewards import PackedResponses, compute_rewards
+from fasttnt_kernels import PolicyLossConfig, _common, clipped_policy_loss
+
+END, THINK = 0, 1  # token ids of the bandit: </think> and a thinking answer's first token
+
+K, FORCED = 8, 4
+RECIPE = ["rollout.forced_non_thinking=0.5", "reward.direct_margin=0.05", "rollout.group_size=8"]
+DELTA = 0.05
+
+# (acc_direct, acc_think): direct better; thinking better by a little where both are almost always right (the case
+# where a margin divided by the group's std goes the wrong way); thinking better by a lot; a tie under the margin
+CASES = {"direct": (0.9, 0.6), "near": (0.92, 1.0), "thinking": (0.1, 0.9), "tie": (0.95, 1.0)}
+
+
+def _gap(case: str) -> float:
+    acc_direct, acc_think = CASES[case]
+    return acc_direct + DELTA - acc_think  # R_N - R_T under the accuracy-aware table
+
+
+def _groups(p: float, acc_direct: float, acc_think: float):
+    """Every distinct outcome of a group, by counts (the advantages depend on a group's rows only as a multiset):
+    (probability, first tokens (K,), correct (K,))."""
+    out = []
+    for right in range(FORCED + 1):  # forced direct rows right
+        p_forced = math.comb(FORCED, right) * acc_direct**right * (1 - acc_direct) ** (FORCED - right)
+        # the free rows: direct right, direct wrong, thinking right, thinking wrong
+        cells = (p * acc_direct, p * (1 - acc_direct), (1 - p) * acc_think, (1 - p) * (1 - acc_think))
+        for counts in itertools.product(range(K - FORCED + 1), repeat=4):
+            if sum(counts) != K - FORCED:
+                continue
+            ways = math.factorial(K - FORCED) / math.prod(math.factorial(c) for c in counts)
+            prob = p_forced * ways * math.prod(c**n for c, n in zip(cells, counts, strict=True))
+            tokens = [END] * FORCED + [END] * (counts[0] + counts[1]) + [THINK] * (counts[2] + counts[3])
+            correct = [i < right for i in range(FORCED)] + [True] * counts[0] + [False] * counts[1]
+            correct += [True] * counts[2] + [False] * counts[3]
+            out.append((prob, tokens, correct))
+    return out
+
+
+def _loss(mix: ModeMix, cfg, logits: torch.Tensor, tokens: torch.Tensor, correct: torch.Tensor, weight, floor, T):
+    """The real rewards, mode terms and loss of one-token responses ``tokens`` (S,) under per-group ``logits``
+    (G, 2) at temperature T; ``weight`` (S,) scales each row's loss (an outcome's probability)."""
+    s = tokens.numel()
+    cu = torch.arange(s + 1)
+    rewards = compute_rewards(PackedResponses(tokens, cu, K), correct, END, cfg.reward)
+    forced = torch.tensor(([FORCED_CODES[PromptMode.NON_THINKING]] * FORCED + [0] * (K - FORCED)) * (s // K),
+                          dtype=torch.int8)  # fmt: skip
+    batch = RolloutBatch([[0]] * s, tokens, cu, torch.zeros(s, dtype=torch.bool), K, forced=forced)
+    logp_all = torch.log_softmax(logits / T, dim=-1)  # (G, 2)
+    logp = logp_all.repeat_interleave(K, 0).gather(1, tokens[:, None]).squeeze(1)  # (S,)
+    end_logp = logp_all[:, END].detach()  # (G,) log pi_old(</think> | x)
+    terms = mix.loss_terms(batch, rewards, logp.detach(), end_logp, END, floor_logp=floor)
+    weights = weight if terms.token_weights is None else weight * terms.token_weights.to(weight.dtype)
+    loss, _ = clipped_policy_loss(logp, terms.old_logp.to(logp.dtype), terms.advantages, cu,
+                                  config=PolicyLossConfig.of(cfg.loss), is_weights=weights,
+                                  first_advantages=terms.first_advantages)  # fmt: skip
+    return loss, rewards
+
+
+def expected_step(overrides: list[str], p: float, case: str, T: float, floor: float | None = None):
+    """The expected SGD step -E[dL/dz] on the logits (z_end, z_think) of one group at pi_T(</think>) = p, each
+    outcome's gradient weighted by its probability, in units of one group's rows (the token-mean's 1 / N undone),
+    and the step it makes on the choice's log-odds log p - log(1 - p) at T."""
+    cfg = load_config(None, [*RECIPE, f"rollout.temperature={T}", *overrides])
+    mix = ModeMix.of(cfg)
+    groups = _groups(p, *CASES[case])
+    z0 = torch.tensor([T * math.log(p), T * math.log1p(-p)], dtype=torch.float64)
+    logits = z0.repeat(len(groups), 1).requires_grad_(True)
+    tokens = torch.tensor([t for _, toks, _ in groups for t in toks])
+    correct = torch.tensor([c for _, _, ok in groups for c in ok])
+    weight = torch.tensor([g[0] for g in groups], dtype=torch.float64).repeat_interleave(K) * tokens.numel()
+    loss, _ = _loss(mix, cfg, logits, tokens, correct, weight, floor, T)
+    loss.backward()
+    step = -logits.grad.sum(0)  # (2,)
+    return step, (step[END] - step[THINK]) / T  # two tokens: d(log-odds) = (dz_end - dz_think) / T
+
+
+@pytest.mark.parametrize("T", [0.6, 1.0])
+def test_the_expected_step_on_the_choice_has_the_gaps_sign_at_every_p(T):
+    for case in CASES:
+        gap = _gap(case)
+        for p in (1e-9, 1e-4, 0.1, 0.5, 0.9, 0.999, 1 - 1e-9):
+            step, on_odds = expected_step([], p, case, T)
+            # the docstring's expectation (fasttnt.modes): per group, E[n_N 1{n_T > 0}] (R_N - R_T) (1 - p) / T on
+            # the </think> logit, with n_N = 4 + B, B ~ Bin(4, p) free rows that chose </think>, and n_T = 4 - B:
+            # E[(4 + B) 1{B < 4}] = 4 + 4p - 8 p^4; the step is zero-sum over the two logits
+            want = (4 + 4 * p - 8 * p**4) * gap * (1 - p) / T
+            scale = (4 + 4 * p - 8 * p**4) * (1 - p) / T  # the step of a gap of one reward unit
+            # rounding: float32 rewards and gaps (relative 1e-7 of each group's gap, |gap| <= 1.05), summed over
+            # outcomes of total probability 1: within 1e-6 of the scale
+            assert abs(step[END].item() - want) <= 1e-6 * scale, (case, p)
+            assert abs(step.sum().item()) <= 1e-6 * scale
+            if case == "tie":
+                assert abs(on_odds.item()) <= 1e-6 * scale / T, p  # no drift either way
+            else:
+                assert math.copysign(1, on_odds.item()) == math.copysign(1, gap), (case, p)
+                assert abs(on_odds.item()) > 1e-3 * scale / T  # a real step, not rounding
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton kernels on CPU tensors need Triton's interpreter")
+def test_the_triton_kernels_take_the_same_expected_step(monkeypatch):
+    # the steps above run the kernels' PyTorch paths (the CPU default); the reward, advantage and loss kernels'
+    # Triton paths, under the interpreter, give the same expected step (float32 kernels against float32/float64
+    # references: within 1e-5 of the step a unit gap makes)
+    for case, p in (("near", 1e-9), ("direct", 0.5)):
+        monkeypatch.setenv(_common.BACKEND_ENV, "torch")  # whatever the suite's environment asks for
+        torch_step, _ = expected_step([], p, case, 0.6)
+        monkeypatch.setenv(_common.BACKEND_ENV, "triton")
+        triton_step, _ = expected_step([], p, case, 0.6)
+        scale = (4 + 4 * p - 8 * p**4) * (1 - p) / 0.6
+        assert torch_step[END] != 0 and (triton_step - torch_step).abs().max() <= 1e-5 * scale, case
+
+
+def test_one_advantage_per_response_goes_the_wrong_way_where_both_modes_are_almost_always_right():
+    # the mechanism at T = 0.6 (docs/algorithms.md): GRPO's shared advantage, divided by the group's std, turns the
+    # 0.05 margin of the groups in which every answer is right into a full unit, so its expected step sends the
+    # "near" level, where thinking pays 0.03 more, towards direct answers; the decoupled gap goes the right way
+    assert _gap("near") < 0
+    for T in (0.6, 1.0):
+        _, shared = expected_step(["loss.mode_advantage=shared"], 1e-9, "near", T)
+        _, decoupled = expected_step([], 1e-9, "near", T)
+        assert shared > 0 > decoupled
+
+
+def test_below_the_floor_the_step_fades_and_keeps_its_sign():
+    # the fade multiplies each group's mode token by min(1, p / floor)^4: at p one nat below the floor, e^-4
+    floor = math.log(1e-8)
+    for case in ("direct", "thinking"):
+        _, at_floor = expected_step([], 1e-8, case, 0.6, floor=floor)
+        _, below = expected_step([], 1e-8 / math.e, case, 0.6, floor=floor)
+        _, unfaded = expected_step([], 1e-8 / math.e, case, 0.6)
+        assert math.copysign(1, below.item()) == math.copysign(1, _gap(case)) == math.copysign(1, at_floor.item())
+        assert below.item() == pytest.approx(math.exp(-4) * unfaded.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("T", [0.6, 1.0])
+def test_a_bandit_of_four_levels_ends_in_the_better_mode_at_each(T):
+    # one logit pair per level, started thinking-only (the same raw gap of 12.4: p = 1e-9 at T = 0.6, 4e-6 at
+    # T = 1.0, as the CPU stand-in's warm-up), 8 groups a level a step, SGD for 250 steps with the floor measured at
+    # the first step (loss.mode_token_floor=auto: the start itself). Rewards are drawn: the step sizes below leave a
+    # margin of many standard deviations (derived in the comments) at any seed.
+    cfg = load_config(None, [*RECIPE, f"rollout.temperature={T}"])
+    mix = ModeMix.of(cfg)
+    levels = list(CASES)
+    groups = 8
+    logits = torch.tensor([[0.0, 12.4]] * len(levels), dtype=torch.float64, requires_grad=True)
+    start = torch.log_softmax(logits.detach() / T, -1)
+    odds0 = start[:, END] - start[:, THINK]  # (L,) the choice's log-odds at T
+    opt = torch.optim.SGD([logits], lr=4.0)
+    floor = None
+    acc = torch.tensor([CASES[c] for c in levels], dtype=torch.float64)  # (L, 2) direct, thinking
+    for _ in range(250):
+        z = logits.repeat_interleave(groups, 0)  # (L * groups, 2)
+        pi = torch.softmax(z.detach() / T, -1)[:, END]  # (G,)
+        free = torch.rand(len(z), K - FORCED) < pi[:, None]  # (G, free rows) chose </think>
+        tokens = torch.cat([torch.zeros(len(z), FORCED, dtype=torch.long), (~free).long()], 1).reshape(-1)
+        level_acc = acc.repeat_interleave(groups, 0)  # (G, 2)
+        p_right = torch.where(tokens.view(len(z), K) == END, level_acc[:, :1], level_acc[:, 1:])
+        correct = (torch.rand(len(z), K, dtype=torch.float64) < p_right).reshape(-1)
+        if floor is None:  # auto: the first step's smallest log pi_old(</think> | x)
+            floor = torch.log_softmax(z.detach() / T, -1)[:, END].min().item()
+        loss, _ = _loss(mix, cfg, z, tokens, correct, torch.ones(tokens.numel(), dtype=torch.float64), floor, T)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    end = torch.log_softmax(logits.detach() / T, -1)
+    odds = end[:, END] - end[:, THINK]
+    moved = dict(zip(levels, (odds - odds0).tolist(), strict=True))
+    # direct better (gap +0.35): each step moves the level's log-odds by about lr x its 32 rows of the batch's 256 x
+    # 2 (both logits move) x gap x (1 - p) / T^2 = 4 x 0.125 x 2 x 0.35 / T^2 = 0.35 / T^2, so it passes p = 0.5
+    # within 40 steps at either T; then it slows as the free rows stop thinking (no gap where a group holds one mode)
+    assert odds[levels.index("direct")] > 0, moved
+    # thinking better, by a little or a lot: never up, and pushed down only a few nats below the start, where the
+    # fade (p / floor)^4 stops it (x nats below, the step is e^{-4x} of its size, so x grows as log(1 + 4 r t) / 4)
+    for case in ("near", "thinking"):
+        assert -4.0 / T < moved[case] <= 0.5, moved
+    # the tie: no expected step, so only the groups' noise moves it. Per step, the gap of a group is the mean of 4
+    # direct answers right 95% of the time (std 0.11), so the step on the log-odds has std 4 x 2 x 4 x sqrt(8) x
+    # 0.11 / 256 / T^2 = 0.039 / T^2, a random walk of std 0.61 / T^2 over 250 steps (the fade below the start
+    # shortens its downward half): the bound is 7 of those standard deviations, and the level stays thinking
+    assert abs(moved["tie"]) < 4.3 / T**2, moved
+    assert odds[levels.index("tie")] < 0, moved
