@@ -128,9 +128,12 @@ class LossConfig:
     # direct row's </think> trained as if chosen, the one rule whose step on the choice does not shrink with p)
     mode_token_logp: Literal["mixture", "half", "policy"] = "policy"
     # the choice's advantage: "decoupled", the modes' reward gap on each direct row's </think> and every other token
-    # judged within its mode (its expected step has the gap's sign at every p and temperature); "shared", GRPO's
-    # one advantage per response (the TNT paper's); "auto": decoupled with mode-mixed rollouts, else shared
-    mode_advantage: Literal["auto", "shared", "decoupled"] = "auto"
+    # judged within its mode (its expected step has the gap's sign at every p and temperature); "saturating", the
+    # answers judged so too and the choice's step sized by the other half of the group's sign: towards direct as
+    # (1 - p)^0.5, towards thinking as p^0.5, so it saturates at each mode (fasttnt.modes.saturating_choice);
+    # "shared", GRPO's one advantage per response (the TNT paper's); "auto": decoupled with mode-mixed rollouts,
+    # else shared
+    mode_advantage: Literal["auto", "shared", "decoupled", "saturating"] = "auto"
     # mode-mixed rollouts: below this pi(</think> first) a choice counts as settled, and its token's term fades as
     # (p / floor)^4 in either direction (a step size, never a sign); "auto": the smallest pi(</think>) of the first
     # step's groups, so the refused mode is not pushed below where the starting policy already had it; 0: off
@@ -314,6 +317,12 @@ def validate(cfg: TrainConfig) -> None:
     need(loss.rollout_correction_cap >= 1, "loss.rollout_correction_cap", "must be >= 1 (1 means on-policy)")
     floor = loss.mode_token_floor
     need(floor == "auto" or 0 <= floor < 1, "loss.mode_token_floor", "must be auto or a probability in [0, 1)")
+    need(
+        loss.mode_advantage != "saturating" or (sum(forced) > 0 and loss.mode_token_logp == "policy"),
+        "loss.mode_advantage",
+        "saturating needs mode-mixed rollouts (rollout.forced_non_thinking or rollout.forced_thinking > 0) and "
+        "loss.mode_token_logp=policy: its term is set for the old policy's own log-prob of each first token",
+    )
     need(
         loss.mode_token_logp != "half" or forced[1] == 0,
         "loss.mode_token_logp",

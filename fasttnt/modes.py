@@ -57,6 +57,12 @@ first position every prompt shares with it (docs/experiments.md measures ``loss.
 Adam a term that is merely small still moves the parameters only it touches at the full rate, so the fade is
 steep.
 
+``saturating`` judges the answers as ``decoupled`` does and sizes the choice's step by the group's own evidence
+(``saturating_choice``): a push towards direct shrinks as (1 - p)^0.5 and one towards thinking as p^0.5, each
+chosen by the sign of one half of the group's rows and multiplied by the other half's gap, so its expectation is
+CHOICE_SCALE * (R_N - R_T) * E[m] (the gap's sign at every p), it fades at each level's preferred mode as far as the
+halves agree, and a level at the wrong extreme is pulled back at full strength; no fade is needed.
+
 ``shared`` gives the mode token and the answer one GRPO advantage, as the TNT paper and AdaptThink do. Its
 expectation on the choice can take the wrong sign: divided by the group's reward std, a small margin of the
 accuracy-aware table becomes a full unit where every answer is right (docs/algorithms.md), and right answers of
@@ -111,7 +117,7 @@ class ModeMix:
     thinking: int  # of each group's K rows, with </think> forbidden first
     group_size: int
     mode_token_logp: str  # loss.mode_token_logp: "mixture" | "half" | "policy" (module docstring)
-    mode_advantage: str  # loss.mode_advantage, resolved: "shared" | "decoupled"
+    mode_advantage: str  # loss.mode_advantage, resolved: "shared" | "decoupled" | "saturating"
     # loss.mode_token_floor: "auto" (measured at the first step), a probability, or 0 (off)
     mode_token_floor: float | str = "auto"
     adv_scale: str = "std"  # loss.adv_scale
@@ -132,11 +138,14 @@ class ModeMix:
     def advantages(self, rewards: torch.Tensor, non_thinking: torch.Tensor) -> Advantages:
         """The advantages of rewards (S,) with modes ``non_thinking`` (S,), laid out group after group: ``decoupled``
         puts the modes' reward gap on each non-thinking response's ``</think>`` and judges every other token
-        within its mode (module docstring); ``shared`` is GRPO's one advantage per response."""
+        within its mode (module docstring); ``saturating`` judges the answers so too and leaves the choice's term
+        (``saturating_choice``) to ``loss_terms``; ``shared`` is GRPO's one advantage per response."""
         k = self.group_size
-        if self.mode_advantage == "decoupled":
+        if self.mode_advantage in ("decoupled", "saturating"):
             out = mode_advantages(rewards, non_thinking, k, scale=self.adv_scale, eps=self.adv_eps)
-            return Advantages(out.answer, torch.where(non_thinking.bool(), out.mode, out.answer))
+            # saturating: the direct rows' </think> carries the choice term alone, added by loss_terms
+            choice = out.mode if self.mode_advantage == "decoupled" else torch.zeros_like(out.mode)
+            return Advantages(out.answer, torch.where(non_thinking.bool(), choice, out.answer))
         return Advantages(group_advantages(rewards, k, scale=self.adv_scale, eps=self.adv_eps), None)
 
     @property
@@ -178,7 +187,7 @@ class ModeMix:
         """Whether this step measures the fade's floor: mode-mixed under ``auto`` while the trainer's state keeps none
         (the first step; after a resume, only from a checkpoint written without one, and then at the resumed
         policy)."""
-        return self.active and self.mode_token_floor == "auto" and kept is None
+        return self.active and self.mode_token_floor == "auto" and self.mode_advantage != "saturating" and kept is None
 
     @property
     def fixed_floor(self) -> bool:
@@ -200,8 +209,10 @@ class ModeMix:
     def floor_logp(self, measured: float | None) -> float | None:
         """The log of the fade's floor: ``loss.mode_token_floor``'s, or under ``auto`` the one ``measured`` at the
         first step (the smallest log pi_old(</think> | x) of its groups over all ranks, kept in the trainer's
-        state); None when off (0), unmixed, or not measured yet."""
+        state); None when off (0, or ``auto`` under the saturating choice), unmixed, or not measured yet."""
         if not self.active or self.mode_token_floor == 0:
+            return None
+        if self.mode_token_floor == "auto" and self.mode_advantage == "saturating":  # bounded by itself: no fade
             return None
         return measured if self.mode_token_floor == "auto" else math.log(self.mode_token_floor)
 
@@ -217,6 +228,9 @@ class ModeMix:
         so the engine's correction, the stale-weight guard and its diagnostics leave them out (a pre-filled token
         was not sampled)."""
         adv = self.advantages(rewards.rewards, rewards.non_thinking)
+        if self.mode_advantage == "saturating" and self.active:
+            choice = saturating_choice(rewards.rewards, rewards.non_thinking, end_logp, self.group_size)  # (S,)
+            adv = Advantages(adv.answer, adv.first + choice.to(adv.first.dtype))
         if not self.active:
             return LossTerms(adv.answer, adv.first, old_logp, None, None)
         first = first_token_index(batch)
@@ -257,6 +271,62 @@ class ModeMix:
         not_end = _log1mexp(end)  # (S,) log(1 - p)
         log_other = first_logp.double() + torch.logaddexp(_log(s_t) - not_end, torch.full_like(end, _log(s_f)))
         return torch.where(first == think_end_id, log_end, log_other).to(first_logp.dtype)
+
+
+CHOICE_SCALE = 16.0
+"""The saturating choice's step on the ``</think>`` logit per group and unit of reward gap, in units of one token's
+weight in the loss (the answer tokens' advantages are std-normalised, of order 1)."""
+CHOICE_POWER = 0.5
+"""gamma of the saturating choice: a push towards a mode shrinks as (its missing probability) ** gamma."""
+
+
+def saturating_choice(
+    rewards: torch.Tensor, non_thinking: torch.Tensor, end_logp: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """The saturating choice's first-token advantage (S,) float32 of each row (0 where a row carries none), from the
+    rows' ``rewards`` and modes ``non_thinking`` (S,), laid out group after group, and each group's log
+    pi_old(</think> | x) ``end_logp`` (G,).
+
+    Per group, split its rows into two halves (even and odd positions: the forced rows of each mode fall in both),
+    each half's gap d = its direct rows' mean reward minus its thinking rows' mean. The group's target step on the
+    ``</think>`` logit is C = CHOICE_SCALE * (d_B m(d_A) + d_A m(d_B)) / 2, with m(d) = (1 - p) ** CHOICE_POWER
+    where d > 0 (the other half finds direct better: a push that saturates as p -> 1) and p ** CHOICE_POWER
+    otherwise (one that vanishes where direct is refused). The halves' rows are independent draws, so each factor m
+    is independent of the gap it multiplies: E[C] = CHOICE_SCALE * (R_N - R_T) * E[m], which has the sign of the
+    modes' expected reward gap at every p, also where a group's gap is noisy, and |E[C]| <= CHOICE_SCALE |R_N -
+    R_T|. C is 0 where a half lacks a mode. While p < 1/2 it rides on the direct rows' ``</think>`` (whose
+    log-prob moves the logit by 1 - p: C / (n_N (1 - p)) each), from 1/2 on the thinking rows' first tokens (-p:
+    -C / (n_T p) each, on top of their answer advantages), so no advantage is divided by less than 1/2: a level
+    that went direct and finds thinking better is pulled back at full strength."""
+    k = group_size
+    r = rewards.double().view(-1, k)  # (G, K)
+    direct = non_thinking.bool().view(-1, k)  # (G, K)
+    odd = (torch.arange(k, device=r.device) % 2).bool()  # (K,) the second half's rows
+
+    def half_gap(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(G,) the half's mean direct reward minus its mean thinking reward, and whether it has both modes."""
+        n, t = direct & rows, ~direct & rows  # (G, K)
+        count_n, count_t = n.sum(1), t.sum(1)  # (G,)
+        gap = (r * n).sum(1) / count_n.clamp(min=1) - (r * t).sum(1) / count_t.clamp(min=1)
+        return gap, (count_n > 0) & (count_t > 0)
+
+    gap_a, both_a = half_gap(~odd)
+    gap_b, both_b = half_gap(odd)
+    p = end_logp.double().exp()  # (G,)
+    up, down = (1 - p) ** CHOICE_POWER, p**CHOICE_POWER
+
+    def size(gap: torch.Tensor) -> torch.Tensor:
+        return torch.where(gap > 0, up, down)
+
+    step = CHOICE_SCALE * (gap_b * size(gap_a) + gap_a * size(gap_b)) / 2  # (G,)
+    step = torch.where(both_a & both_b, step, 0.0)
+    n_direct, n_thinking = direct.sum(1, keepdim=True), (~direct).sum(1, keepdim=True)  # (G, 1)
+    # each used on its side of 1/2 only, where its divisor is at least 1/2 (the clamp keeps the other side finite)
+    on_direct = (step / (1 - p).clamp(min=0.5)).unsqueeze(1) / n_direct.clamp(min=1)  # (G, 1)
+    on_thinking = (-step / p.clamp(min=0.5)).unsqueeze(1) / n_thinking.clamp(min=1)  # (G, 1)
+    low = (p < 0.5).unsqueeze(1)  # (G, 1)
+    out = torch.where(direct, torch.where(low, on_direct, 0.0), torch.where(low, 0.0, on_thinking))  # (G, K)
+    return out.reshape(-1).float()
 
 
 def settled_fade(end_logp: torch.Tensor, floor_logp: float) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 from fasttnt.config import load_config
 from fasttnt.data import PromptMode
 from fasttnt.engines.batch import FORCED_CODES, RolloutBatch
-from fasttnt.modes import ModeMix
+from fasttnt.modes import CHOICE_POWER, CHOICE_SCALE, ModeMix
 from fasttnt.rewards import PackedResponses, compute_rewards
 from fasttnt_kernels import PolicyLossConfig, _common, clipped_policy_loss
 
@@ -59,14 +59,57 @@ def _groups(p: float, acc_direct: float, acc_think: float):
     return out
 
 
-def _loss(mix: ModeMix, cfg, logits: torch.Tensor, tokens: torch.Tensor, correct: torch.Tensor, weight, floor, T):
+# the saturating choice's recipe: of K = 8, 4 rows forced direct, 2 forced thinking, 2 free; its halves (even and
+# odd positions) each hold 2 forced direct rows, 1 forced thinking row and 1 free one
+SATURATING = ["rollout.forced_thinking=0.25", "loss.mode_advantage=saturating"]
+HALF_POSITIONS = ((0, 2, 4, 6), (1, 3, 5, 7))
+
+
+def _codes(overrides: list[str]) -> list[int]:
+    """One group's forced codes (K,): forced direct rows, then forced thinking ones, then free ones."""
+    thinking = 2 if SATURATING[0] in overrides else 0
+    return ([FORCED_CODES[PromptMode.NON_THINKING]] * FORCED + [FORCED_CODES[PromptMode.THINKING]] * thinking
+            + [0] * (K - FORCED - thinking))  # fmt: skip
+
+
+def _half_outcomes(p: float, acc_direct: float, acc_think: float):
+    """Every outcome of one half of a saturating group (2 forced direct rows, 1 forced thinking, 1 free):
+    (probability, first tokens (4,), correct (4,))."""
+    free = {(END, True): p * acc_direct, (END, False): p * (1 - acc_direct),
+            (THINK, True): (1 - p) * acc_think, (THINK, False): (1 - p) * (1 - acc_think)}  # fmt: skip
+    out = []
+    for right in range(3):
+        p_direct = math.comb(2, right) * acc_direct**right * (1 - acc_direct) ** (2 - right)
+        for think_right in (True, False):
+            p_think = acc_think if think_right else 1 - acc_think
+            for (token, ok), p_free in free.items():
+                correct = [i < right for i in range(2)] + [think_right, ok]
+                out.append((p_direct * p_think * p_free, [END, END, THINK, token], correct))
+    return out
+
+
+def _saturating_groups(p: float, acc_direct: float, acc_think: float):
+    """Every outcome of a saturating group, as its two independent halves: (probability, tokens (K,), correct (K,))."""
+    halves = _half_outcomes(p, acc_direct, acc_think)
+    out = []
+    for (p_a, tok_a, ok_a), (p_b, tok_b, ok_b) in itertools.product(halves, halves):
+        tokens, correct = [0] * K, [False] * K
+        for positions, toks, oks in zip(HALF_POSITIONS, (tok_a, tok_b), (ok_a, ok_b), strict=True):
+            for pos, token, ok in zip(positions, toks, oks, strict=True):
+                tokens[pos], correct[pos] = token, ok
+        out.append((p_a * p_b, tokens, correct))
+    return out
+
+
+def _loss(mix: ModeMix, cfg, logits: torch.Tensor, tokens: torch.Tensor, correct: torch.Tensor, weight, floor, T,
+          codes: list[int]):  # fmt: skip
     """The real rewards, mode terms and loss of one-token responses ``tokens`` (S,) under per-group ``logits``
-    (G, 2) at temperature T; ``weight`` (S,) scales each row's loss (an outcome's probability)."""
+    (G, 2) at temperature T; ``weight`` (S,) scales each row's loss (an outcome's probability); ``codes`` (K,) a
+    group's forced codes."""
     s = tokens.numel()
     cu = torch.arange(s + 1)
     rewards = compute_rewards(PackedResponses(tokens, cu, K), correct, END, cfg.reward)
-    forced = torch.tensor(([FORCED_CODES[PromptMode.NON_THINKING]] * FORCED + [0] * (K - FORCED)) * (s // K),
-                          dtype=torch.int8)  # fmt: skip
+    forced = torch.tensor(codes * (s // K), dtype=torch.int8)
     batch = RolloutBatch([[0]] * s, tokens, cu, torch.zeros(s, dtype=torch.bool), K, forced=forced)
     logp_all = torch.log_softmax(logits / T, dim=-1)  # (G, 2)
     logp = logp_all.repeat_interleave(K, 0).gather(1, tokens[:, None]).squeeze(1)  # (S,)
@@ -85,13 +128,13 @@ def expected_step(overrides: list[str], p: float, case: str, T: float, floor: fl
     and the step it makes on the choice's log-odds log p - log(1 - p) at T."""
     cfg = load_config(None, [*RECIPE, f"rollout.temperature={T}", *overrides])
     mix = ModeMix.of(cfg)
-    groups = _groups(p, *CASES[case])
+    groups = (_saturating_groups if SATURATING[0] in overrides else _groups)(p, *CASES[case])
     z0 = torch.tensor([T * math.log(p), T * math.log1p(-p)], dtype=torch.float64)
     logits = z0.repeat(len(groups), 1).requires_grad_(True)
     tokens = torch.tensor([t for _, toks, _ in groups for t in toks])
     correct = torch.tensor([c for _, _, ok in groups for c in ok])
     weight = torch.tensor([g[0] for g in groups], dtype=torch.float64).repeat_interleave(K) * tokens.numel()
-    loss, _ = _loss(mix, cfg, logits, tokens, correct, weight, floor, T)
+    loss, _ = _loss(mix, cfg, logits, tokens, correct, weight, floor, T, _codes(overrides))
     loss.backward()
     step = -logits.grad.sum(0)  # (2,)
     return step, (step[END] - step[THINK]) / T  # two tokens: d(log-odds) = (dz_end - dz_think) / T
@@ -155,6 +198,66 @@ def test_below_the_floor_the_step_fades_and_keeps_its_sign():
         assert below.item() == pytest.approx(math.exp(-4) * unfaded.item(), rel=1e-5)
 
 
+def _half_finds_direct_better(p: float, acc_direct: float, acc_think: float) -> float:
+    """P(a half's gap > 0): its direct rows' mean reward (right + DELTA, wrong DELTA) above its thinking rows'."""
+    total = 0.0
+    for prob, tokens, correct in _half_outcomes(p, acc_direct, acc_think):
+        direct = [ok + DELTA for t, ok in zip(tokens, correct, strict=True) if t == END]
+        thinking = [float(ok) for t, ok in zip(tokens, correct, strict=True) if t != END]
+        total += prob * (sum(direct) / len(direct) > sum(thinking) / len(thinking))
+    return total
+
+
+@pytest.mark.parametrize("T", [0.6, 1.0])
+def test_the_saturating_choice_steps_with_the_gaps_sign_and_saturates_at_each_mode(T):
+    # E[C] = CHOICE_SCALE (R_N - R_T) q(p) per group (fasttnt.modes.saturating_choice), q = P(d > 0) (1 - p)^g +
+    # P(d <= 0) p^g with d one half's gap, computed here from the reward table; the step on the </think> logit is
+    # C / T whichever rows carry it (the direct rows' </think> below p = 1/2, the thinking rows' first tokens above)
+    for case in CASES:
+        gap = _gap(case)
+        for p in (1e-9, 1e-4, 0.1, 0.49, 0.5, 0.9, 0.999, 1 - 1e-9):
+            step, on_odds = expected_step(SATURATING, p, case, T)
+            wins = _half_finds_direct_better(p, *CASES[case])
+            q = wins * (1 - p) ** CHOICE_POWER + (1 - wins) * p**CHOICE_POWER
+            want = CHOICE_SCALE * gap * q / T
+            # rounding: float32 rewards and advantages (relative 1e-7 of terms of size <= CHOICE_SCALE * 1.05 / T
+            # and of the thinking rows' zero-sum answer advantages, <= 3 each), summed over outcomes of total
+            # probability 1: within 1e-5 / T
+            tol = 1e-5 / T
+            assert abs(step[END].item() - want) <= tol, (case, p, step[END].item(), want)
+            assert abs(step.sum().item()) <= tol
+            assert abs(step[END].item()) <= CHOICE_SCALE * abs(gap) / T + tol  # bounded by the gap, at every p
+            if case == "tie":
+                assert abs(on_odds.item()) <= 2 * tol / T
+            else:  # the sign of the expected gap, the noisy "near" level included
+                assert math.copysign(1, on_odds.item()) == math.copysign(1, gap), (case, p)
+                assert abs(step[END].item()) > 100 * tol or q < 1e-3, (case, p)  # a real step where q is not tiny
+    # at its preferred mode a level's push falls to the share of halves that find the other mode better (each
+    # half's sign sizes the other's gap): small for levels whose modes differ clearly; a level that went direct
+    # while thinking pays is pulled back at nearly the full step the gap allows
+    for case, p, preferred in (("direct", 1 - 1e-9, True), ("thinking", 1e-9, True), ("thinking", 1 - 1e-9, False)):
+        step, _ = expected_step(SATURATING, p, case, T)
+        size = abs(step[END].item()) / (CHOICE_SCALE * abs(_gap(case)) / T)  # of the largest step the gap allows
+        wins = _half_finds_direct_better(p, *CASES[case])
+        disagree = 1 - wins if _gap(case) > 0 else wins
+        if preferred:
+            assert size == pytest.approx(disagree, abs=1e-4) and disagree < 0.2, (case, p, size)
+        else:
+            assert size > 0.8, (case, p, size)
+
+
+def test_the_saturating_choice_needs_mode_mixed_rollouts_and_the_policy_rule():
+    from fasttnt.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"loss\.mode_advantage: saturating needs mode-mixed rollouts"):
+        load_config(None, ["loss.mode_advantage=saturating"])
+    with pytest.raises(ConfigError, match=r"loss\.mode_token_logp=policy"):
+        load_config(None, [*RECIPE, *SATURATING, "loss.mode_token_logp=mixture"])
+    # under auto, no settled-choice fade: the term is bounded by itself
+    mix = ModeMix.of(load_config(None, [*RECIPE, *SATURATING]))
+    assert mix.floor_logp(-20.0) is None and not mix.measures_floor(None)
+
+
 @pytest.mark.parametrize("T", [0.6, 1.0])
 def test_a_bandit_of_four_levels_ends_in_the_better_mode_at_each(T):
     # one logit pair per level, started thinking-only (the same raw gap of 12.4: p = 1e-9 at T = 0.6, 4e-6 at
@@ -181,7 +284,8 @@ def test_a_bandit_of_four_levels_ends_in_the_better_mode_at_each(T):
         correct = (torch.rand(len(z), K, dtype=torch.float64) < p_right).reshape(-1)
         if floor is None:  # auto: the first step's smallest log pi_old(</think> | x)
             floor = torch.log_softmax(z.detach() / T, -1)[:, END].min().item()
-        loss, _ = _loss(mix, cfg, z, tokens, correct, torch.ones(tokens.numel(), dtype=torch.float64), floor, T)
+        loss, _ = _loss(mix, cfg, z, tokens, correct, torch.ones(tokens.numel(), dtype=torch.float64), floor, T,
+                        _codes([]))  # fmt: skip
         opt.zero_grad()
         loss.backward()
         opt.step()
