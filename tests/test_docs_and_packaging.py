@@ -297,12 +297,14 @@ def test_metrics_glossary_covers_every_logged_metric(tmp_path):
     # the accuracies by mode and the choice's numbers are also logged per level (acc_thinking_l2, reward_direct_l2,
     # ...), documented once; acc_free_direct only in a step where a free response chose </think>, which this model
     # need not do
-    per_level = r"^((?:acc_|reward_|prefers_direct|think_end_prob)\w*?)_l\d+$"
+    per_level = r"^((?:acc_|reward_|prefers_direct|think_end_prob|mode_floored|free_non_thinking_ratio)\w*?)_l\d+$"
     logged = {re.sub(per_level, r"\1", name) for name in row} | set(TOKEN_METRICS) | {"acc_free_direct"}
     # precondition: the per-level names were logged (forced rows of both modes: a thinking and a direct accuracy)
     assert any(name.startswith("acc_thinking_l") for name in row) and "acc_forced_direct" in row
     assert any(name.startswith("reward_direct_l") for name in row)
     assert any(name.startswith("think_end_prob_l") for name in row)
+    assert any(name.startswith("mode_floored_l") for name in row)
+    assert any(name.startswith("free_non_thinking_ratio_l") for name in row)
     documented = _glossary("Training")
     assert logged <= documented, f"not in docs/metrics.md: {sorted(logged - documented)}"
     assert documented <= logged, f"docs/metrics.md names metrics no run logs: {sorted(documented - logged)}"
