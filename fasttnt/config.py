@@ -324,6 +324,17 @@ def validate(cfg: TrainConfig) -> None:
         "loss.mode_token_logp=policy: its term is set for the old policy's own log-prob of each first token",
     )
     need(
+        loss.mode_advantage != "saturating" or all(n != 1 for n in forced),
+        "loss.mode_advantage",
+        f"saturating splits each group in two halves that must both hold each forced mode: force 0 or at least 2 "
+        f"rows of each (rollout.forced_non_thinking and rollout.forced_thinking give {forced[0]} and {forced[1]})",
+    )
+    need(
+        loss.mode_advantage != "saturating" or loss.mode_token_floor in ("auto", 0),
+        "loss.mode_token_floor",
+        "must be auto or 0 with loss.mode_advantage=saturating, whose term is bounded by itself (no fade)",
+    )
+    need(
         loss.mode_token_logp != "half" or forced[1] == 0,
         "loss.mode_token_logp",
         "half with rollout.forced_thinking > 0: log 0.5 as the old log-prob of a sampled thinking token makes its "

@@ -229,7 +229,8 @@ class ModeMix:
         was not sampled)."""
         adv = self.advantages(rewards.rewards, rewards.non_thinking)
         if self.mode_advantage == "saturating" and self.active:
-            choice = saturating_choice(rewards.rewards, rewards.non_thinking, end_logp, self.group_size)  # (S,)
+            forced = (self.non_thinking, self.thinking)
+            choice = saturating_choice(rewards.rewards, rewards.non_thinking, end_logp, self.group_size, forced)  # (S,)
             adv = Advantages(adv.answer, adv.first + choice.to(adv.first.dtype))
         if not self.active:
             return LossTerms(adv.answer, adv.first, old_logp, None, None)
@@ -281,27 +282,34 @@ CHOICE_POWER = 0.5
 
 
 def saturating_choice(
-    rewards: torch.Tensor, non_thinking: torch.Tensor, end_logp: torch.Tensor, group_size: int
+    rewards: torch.Tensor, non_thinking: torch.Tensor, end_logp: torch.Tensor, group_size: int, forced: tuple[int, int]
 ) -> torch.Tensor:
     """The saturating choice's first-token advantage (S,) float32 of each row (0 where a row carries none), from the
-    rows' ``rewards`` and modes ``non_thinking`` (S,), laid out group after group, and each group's log
-    pi_old(</think> | x) ``end_logp`` (G,).
+    rows' ``rewards`` and modes ``non_thinking`` (S,), laid out group after group (``forced`` = (n_N, n_T) forced
+    rows of each mode first, then the free ones: ``ModeMix.modes``), and each group's log pi_old(</think> | x)
+    ``end_logp`` (G,).
 
-    Per group, split its rows into two halves (even and odd positions: the forced rows of each mode fall in both),
+    Per group, split its rows into two halves (alternate rows within each block of forced direct, forced thinking
+    and free rows, so a mode forced on two rows or more is in both halves),
     each half's gap d = its direct rows' mean reward minus its thinking rows' mean. The group's target step on the
     ``</think>`` logit is C = CHOICE_SCALE * (d_B m(d_A) + d_A m(d_B)) / 2, with m(d) = (1 - p) ** CHOICE_POWER
     where d > 0 (the other half finds direct better: a push that saturates as p -> 1) and p ** CHOICE_POWER
     otherwise (one that vanishes where direct is refused). The halves' rows are independent draws, so each factor m
     is independent of the gap it multiplies: E[C] = CHOICE_SCALE * (R_N - R_T) * E[m], which has the sign of the
     modes' expected reward gap at every p, also where a group's gap is noisy, and |E[C]| <= CHOICE_SCALE |R_N -
-    R_T|. C is 0 where a half lacks a mode. While p < 1/2 it rides on the direct rows' ``</think>`` (whose
+    R_T|. (Exactly so where the rewards of rows are independent given their modes; TNT's limit, set by the group's
+    thinking rows, and ``reward.mode_balance``, by the batch's free rows, couple them a little.) C is 0 where a
+    half lacks a mode. While p < 1/2 it rides on the direct rows' ``</think>`` (whose
     log-prob moves the logit by 1 - p: C / (n_N (1 - p)) each), from 1/2 on the thinking rows' first tokens (-p:
     -C / (n_T p) each, on top of their answer advantages), so no advantage is divided by less than 1/2: a level
     that went direct and finds thinking better is pulled back at full strength."""
     k = group_size
     r = rewards.double().view(-1, k)  # (G, K)
     direct = non_thinking.bool().view(-1, k)  # (G, K)
-    odd = (torch.arange(k, device=r.device) % 2).bool()  # (K,) the second half's rows
+    position = torch.arange(k, device=r.device)  # (K,)
+    n_end, t_end = forced[0], forced[0] + forced[1]  # where the forced direct and forced thinking blocks end
+    start = torch.where(position < n_end, 0, torch.where(position < t_end, n_end, t_end))  # (K,) each row's block
+    odd = ((position - start) % 2).bool()  # (K,) the second half's rows: every other row of each block
 
     def half_gap(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(G,) the half's mean direct reward minus its mean thinking reward, and whether it has both modes."""
@@ -312,7 +320,7 @@ def saturating_choice(
 
     gap_a, both_a = half_gap(~odd)
     gap_b, both_b = half_gap(odd)
-    p = end_logp.double().exp()  # (G,)
+    p = end_logp.double().clamp(max=0.0).exp()  # (G,) a log-prob rounded above 0 is p = 1, not NaN below
     up, down = (1 - p) ** CHOICE_POWER, p**CHOICE_POWER
 
     def size(gap: torch.Tensor) -> torch.Tensor:

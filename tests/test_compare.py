@@ -130,6 +130,10 @@ def test_a_late_mean_over_evaluated_steps_paired_with_the_first_variant(tmp_path
                 assert b["most_non_thinking"] == max(ratios)
         by_variant[variant] = data
     assert "vs_first" not in by_variant["tnt"]["stats"]
+    # the forced direct rows give the mode-mixed runs both modes at some level: a preference is read there
+    assert any(
+        b["preferred"]["mode"] is not None for r in by_variant["tnt+mix"]["runs"] for b in r["by_level"].values()
+    )
     pairs = [(m["acc"] - t["acc"], m["len"] / t["len"]) for t, m in
              zip(by_variant["tnt"]["runs"], by_variant["tnt+mix"]["runs"], strict=True)]  # fmt: skip
     for run, (acc, length) in zip(by_variant["tnt+mix"]["runs"], pairs, strict=True):
@@ -142,12 +146,30 @@ def test_a_late_mean_over_evaluated_steps_paired_with_the_first_variant(tmp_path
 def test_the_mean_of_evaluations():
     from fasttnt.compare.jobs import mean_evaluation
 
-    one = {"acc": 50.0, "acc_non_thinking": None, "by_level": {"1": {"acc": 10.0, "acc_thinking": None}}}
-    two = {"acc": 70.0, "acc_non_thinking": 20.0, "by_level": {"1": {"acc": 30.0, "acc_thinking": None}}}
+    one = {"acc": 50.0, "len": 16.0, "te": 12.5, "acc_non_thinking": None,
+           "by_level": {"1": {"acc": 10.0, "acc_thinking": None}}}  # fmt: skip
+    two = {"acc": 70.0, "len": 36.0, "te": 70 / 6, "acc_non_thinking": 20.0,
+           "by_level": {"1": {"acc": 30.0, "acc_thinking": None}}}  # fmt: skip
     assert mean_evaluation([one]) is one
     mean = mean_evaluation([one, two])
-    # a number absent (None) from some evaluations: the mean of those that have it; from all: None
-    assert mean == {"acc": 60.0, "acc_non_thinking": 20.0, "by_level": {"1": {"acc": 20.0, "acc_thinking": None}}}
+    # a number absent (None) from some evaluations: the mean of those that have it; from all: None; the token
+    # efficiency that of the mean accuracy and length, 60 / sqrt(26), not the mean of the two
+    assert mean.pop("te") == pytest.approx(60 / math.sqrt(26))
+    assert mean == {"acc": 60.0, "len": 26.0, "acc_non_thinking": 20.0,
+                    "by_level": {"1": {"acc": 20.0, "acc_thinking": None}}}  # fmt: skip
+
+
+def test_the_checkpoints_of_the_evaluated_steps_are_kept():
+    from fasttnt.compare.plan import checkpoint_overrides
+
+    # a checkpoint every gcd of the steps, and all of them kept, the last step's too when it is no multiple
+    settings = compare.CompareSettings(steps=80, eval_steps=(50,))
+    assert checkpoint_overrides(settings) == ["save_every=50", "keep_checkpoints=2", "save_every_minutes=null"]
+    assert checkpoint_overrides(compare.CompareSettings(steps=80, eval_steps=(50, 60, 70, 80)))[:2] == [
+        "save_every=10", "keep_checkpoints=8"]  # fmt: skip
+    assert checkpoint_overrides(compare.CompareSettings(steps=80, eval_steps=(30,)))[:2] == [
+        "save_every=30", "keep_checkpoints=3"]  # saves at 30, 60 and 80  # fmt: skip
+    assert checkpoint_overrides(compare.CompareSettings(steps=80))[:2] == ["save_every=80", "keep_checkpoints=1"]
 
 
 def test_the_mode_the_table_paid_more_for_at_the_end():

@@ -246,6 +246,35 @@ def test_the_saturating_choice_steps_with_the_gaps_sign_and_saturates_at_each_mo
             assert size > 0.8, (case, p, size)
 
 
+def test_the_saturating_choice_by_hand():
+    # K = 8 with 3 forced direct rows, 2 forced thinking, 3 free (direct, thinking, thinking): the halves alternate
+    # within each block, A = rows 0, 2 | 3 | 5, 7 and B = rows 1 | 4 | 6
+    from fasttnt.modes import saturating_choice
+
+    rewards = torch.tensor([1.05, 0.05, 1.05, 1.0, 0.0, 0.05, 1.0, 1.0] * 2)
+    direct = torch.tensor([True, True, True, False, False, True, False, False] * 2)
+    d_a = (1.05 + 1.05 + 0.05) / 3 - (1.0 + 1.0) / 2  # A: direct rows 0, 2, 5; thinking rows 3, 7
+    d_b = 0.05 - (0.0 + 1.0) / 2  # B: direct row 1; thinking rows 4, 6
+    p = torch.tensor([0.25, 0.75], dtype=torch.float64)  # one group below 1/2, one above
+    out = saturating_choice(rewards, direct, p.log(), 8, (3, 2)).double()
+    for g, prob in enumerate(p.tolist()):
+        size = prob**CHOICE_POWER  # both halves find thinking better: each sized by p^gamma
+        step = CHOICE_SCALE * (d_b * size + d_a * size) / 2
+        rows = out[8 * g : 8 * (g + 1)]
+        if prob < 0.5:  # on the 4 direct rows' </think>, each moving the logit by 1 - p
+            want = torch.where(direct[:8], step / (4 * (1 - prob)), 0.0)
+        else:  # on the 4 thinking rows' first tokens, each moving it by -p
+            want = torch.where(direct[:8], 0.0, -step / (4 * prob))
+        assert step < 0 and (want != 0).sum() == 4
+        torch.testing.assert_close(rows, want.double(), rtol=1e-6, atol=1e-7)
+    # 2 forced direct rows and 6 free: A = rows 0 | 2, 4, 6 and B = rows 1 | 3, 5, 7. Thinking rows in A alone: B
+    # has no gap, and the group no step; one in each half: a step
+    only_a = torch.tensor([True, True, False, True, True, True, True, True])
+    assert not saturating_choice(rewards[:8], only_a, p[:1].log(), 8, (2, 0)).any()
+    both = torch.tensor([True, True, False, False, True, True, True, True])
+    assert saturating_choice(rewards[:8], both, p[:1].log(), 8, (2, 0)).any()
+
+
 def test_the_saturating_choice_needs_mode_mixed_rollouts_and_the_policy_rule():
     from fasttnt.config import ConfigError
 
@@ -253,6 +282,11 @@ def test_the_saturating_choice_needs_mode_mixed_rollouts_and_the_policy_rule():
         load_config(None, ["loss.mode_advantage=saturating"])
     with pytest.raises(ConfigError, match=r"loss\.mode_token_logp=policy"):
         load_config(None, [*RECIPE, *SATURATING, "loss.mode_token_logp=mixture"])
+    # each forced mode on 0 or at least 2 rows, so both halves hold it; no fixed floor (no fade)
+    with pytest.raises(ConfigError, match="force 0 or at least 2 rows of each"):
+        load_config(None, [*RECIPE, *SATURATING, "rollout.forced_thinking=0.125"])
+    with pytest.raises(ConfigError, match=r"loss\.mode_token_floor: must be auto or 0"):
+        load_config(None, [*RECIPE, *SATURATING, "loss.mode_token_floor=1e-9"])
     # under auto, no settled-choice fade: the term is bounded by itself
     mix = ModeMix.of(load_config(None, [*RECIPE, *SATURATING]))
     assert mix.floor_logp(-20.0) is None and not mix.measures_floor(None)

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from ..checkpoint import checkpoint_paths
 from ..config import TrainConfig
 from ..evaluate import SYNTHETIC, EvalSettings, run_eval
+from ..metrics import token_efficiency
 from ..trainer import Trainer
 from .plan import Run, fingerprint, trained_before
 
@@ -99,7 +100,8 @@ class TrainAndEvaluate:
 
 def mean_evaluation(evaluations: list[dict]) -> dict:
     """The mean of evaluations (``evaluate.summarize``'s dicts): each number the mean of the evaluations that have
-    it (None where none does), nested dicts (``by_level``) key by key; one evaluation is itself."""
+    it (None where none does), nested dicts (``by_level``) key by key, and the token efficiency that of the mean
+    accuracy and length; one evaluation is itself."""
     if len(evaluations) == 1:
         return evaluations[0]
     out = {}
@@ -112,6 +114,8 @@ def mean_evaluation(evaluations: list[dict]) -> dict:
         else:
             numbers = [v for v in values if v is not None]
             out[key] = sum(numbers) / len(numbers) if numbers else None
+    if "te" in out and out.get("acc") is not None and out.get("len") is not None:
+        out["te"] = token_efficiency(out["acc"], out["len"])
     return out
 
 

@@ -17,7 +17,7 @@ from ..variants import variant_overrides
 
 SCHEME_ORDER = ("tnt", "no-limit", "uniform-limit", "binary")
 # set per run by compare, never by a variant
-RUN_KEYS = ("steps", "save_every", "keep_checkpoints", "seed", "warmup.seed")
+RUN_KEYS = ("steps", "save_every", "keep_checkpoints", "save_every_minutes", "seed", "warmup.seed")
 
 
 @dataclass(frozen=True)
@@ -96,9 +96,11 @@ def plan_runs(
 
 
 def checkpoint_overrides(settings: CompareSettings) -> list[str]:
-    """A run's checkpoints: one at each evaluated step, all kept (a checkpoint every gcd of those steps)."""
+    """A run's checkpoints: one at each evaluated step (a checkpoint every gcd of those steps), all kept: the trainer
+    also saves at the last step, which need not be a multiple; no time-based saves, which would push one out."""
     every = math.gcd(*settings.evaluated_steps)
-    return [f"save_every={every}", f"keep_checkpoints={max(1, settings.steps // every)}"]
+    saves = -(-settings.steps // every)  # every multiple of `every` up to the last step, and the last step
+    return [f"save_every={every}", f"keep_checkpoints={saves}", "save_every_minutes=null"]
 
 
 def fingerprint(cfg: TrainConfig) -> str:
