@@ -27,7 +27,7 @@ probability it was drawn with by one of three rules (``loss.mode_token_logp``):
 * ``policy`` (the default): no importance weight on the mode token: a forced first token keeps the old policy's own
   log-prob, as a free sample's: every direct row's ``</think>`` is trained as if chosen. With the decoupled
   advantage below this is what makes the choice's step independent of p (the weighted rules scale it with p:
-  ~1e-5 for the thinking-only stand-in at T = 1.0, where neither moved its choice in 80 steps, and ~1e-9 at 0.6).
+  ~1e-9 for the thinking-only stand-in at T = 0.6: a step of nothing).
 
 **The choice** (``loss.mode_advantage``; ``auto`` is ``decoupled`` for mode-mixed rollouts). ``decoupled``
 (``fasttnt_kernels.mode_advantages``): the ``</think>`` that opens each non-thinking response (forced or free)
@@ -53,7 +53,7 @@ fade: min(1, p / floor) ** FADE_POWER with ``floor = loss.mode_token_floor`` (``
 pi_old(</think> | x) among the first step's groups, ``ModeMix.floor_logp``). It is one number per group, the
 same for either sign, so it changes the step size and never its sign; it stops the push-down of a choice already
 settled further than the start: a ``</think>`` pushed on without bound at a level where thinking pays drags the
-first position every prompt shares with it (docs/experiments.md measures ``loss.mode_token_floor=0``), and under
+first position every prompt shares with it, and under
 Adam a term that is merely small still moves the parameters only it touches at the full rate, so the fade is
 steep.
 
