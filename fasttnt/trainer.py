@@ -273,8 +273,6 @@ class Trainer:
             choice = {"think_end_logp": think_end, "group_levels": trained.levels[:: r.group_size]}
             if below_floor is not None:
                 choice["below_floor"] = below_floor
-            if self.modes.free:
-                choice["free"] = ~forced_rows(drawn.batch)
         if self.dist:
             per_response = {k: distributed.all_gather_cat(v) for k, v in per_response.items()}
             by_mode = {k: distributed.all_gather_cat(v) for k, v in by_mode.items()}
@@ -288,7 +286,7 @@ class Trainer:
         present = levels_present(by_mode.get("levels"))  # sync: the levels present
         accuracies = mode_accuracies(per_response["correct"], per_response["non_thinking"], **by_mode, present=present)
         choices = choice_metrics(per_response["rewards"], per_response["non_thinking"], by_mode.get("levels"), present,
-                                 **choice)  # fmt: skip
+                                 free=per_response.get("free"), **choice)  # fmt: skip
         values = to_floats({**rollout_metrics(**per_response), **accuracies, **choices, **update})  # sync: one read
         for name in list(values):  # measured on no token (every sequence skipped), or no response of a mode: not
             if (name in TOKEN_METRICS or name.startswith(CHOICE_PREFIXES)) and not math.isfinite(values[name]):
