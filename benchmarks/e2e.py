@@ -8,9 +8,9 @@ Equal work: the same model (the embedded task's warmed-up tiny model, or ``--mod
 each problem), samples per prompt and length budget, the same TNT reward (fasttnt's, inside TRL's reward
 function), the same learning rate and clipping, one optimizer step per rollout, token-mean loss, no KL.
 
-Each trainer runs in a process of its own and the two take turns step by step (one TRL step, then one fasttnt
-step), so a shared machine's drift over minutes falls on both alike, each pair of steps gives a ratio, and each
-process's memory is its own. Reports, per trainer, medians over the timed steps (the first ``--warmup-steps``
+Each trainer runs in a process of its own and the two take turns step by step (TRL first on even steps, fasttnt
+first on odd ones), so a shared machine's drift over minutes falls on both alike, each pair of steps gives a ratio,
+and each process's memory is its own. Reports, per trainer, medians over the timed steps (the first ``--warmup-steps``
 excluded): s/step, generated and trained tokens/s, the update's peak resident set (its high-water mark from the
 update's first forward to the end of its optimizer step: fasttnt's ``Actor.update``, TRL's ``compute_loss`` to
 ``on_step_end``), how far that peak rose above the resident set at the update's start, and the process's peak
@@ -31,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import proc_memory
@@ -70,7 +71,7 @@ def _problems(args) -> list:
     return list(itertools.islice(problems("train", seed=0), n))
 
 
-def _model_folder(args, cfg) -> str:
+def model_folder(args, cfg) -> str:
     if args.model:
         return args.model
     from fasttnt.embedded.tiny import warmed_up_model
@@ -86,10 +87,36 @@ def _update_window(peaks: proc_memory.Peaks) -> dict[str, float]:
 # -- the trainers, each in its own process, one step per "step" message ----------------------------------------------
 
 
-def fasttnt_worker(args, workdir: Path, conn) -> None:
+def use_checkout(source: Path, args, workdir: Path):
+    """Import fasttnt from the checkout at ``source`` (its root) instead of the installed one, and start it from
+    the same model as every other trainer of the run (``args.start_model``): a cache of its own under ``workdir``
+    holds a link to that model at the key the checkout's own recipe hashes to (the user's cache stays untouched).
+    Returns the arguments with that cache."""
+    sys.path[:0] = [str(source), str(source / "kernels")]  # ahead of the installed (editable) fasttnt
+    import fasttnt
+
+    if not Path(fasttnt.__file__).resolve().is_relative_to(source.resolve()):
+        raise SystemExit(f"e2e.py: fasttnt was imported from {fasttnt.__file__}, not from the checkout {source}")
+    args = argparse.Namespace(**{**vars(args), "cache_dir": str(workdir / "cache")})
+    if not args.model:
+        try:
+            from fasttnt.embedded.tiny import warmup_cache_path
+        except ImportError:  # before the embedded default moved into its own package (2a97e2f)
+            from fasttnt.tiny import warmup_cache_path
+        cfg = resolved_config(args)
+        entry = warmup_cache_path(Path(cfg.cache_dir), cfg.model.tiny, cfg.warmup)
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        entry.symlink_to(Path(args.start_model).resolve(), target_is_directory=True)
+    return args
+
+
+def fasttnt_worker(args, workdir: Path, conn, source: Path | None = None) -> None:
+    """``source``: a checkout to run instead of the installed fasttnt (``use_checkout``; e2e_commits.py)."""
+    if source is not None:
+        args = use_checkout(source, args, workdir)
     from fasttnt.trainer import Trainer
 
-    trainer = Trainer(resolved_config(args), workdir / "fasttnt", progress=False)
+    trainer = Trainer(resolved_config(args), workdir / "run", progress=False)
     peaks, update_peaks = proc_memory.Peaks(), []
     update = trainer.actor.update
 
@@ -121,7 +148,7 @@ def trl_worker(args, workdir: Path, conn) -> None:
     from fasttnt.run_setup import training_prompt
 
     cfg = resolved_config(args)
-    folder = _model_folder(args, cfg)
+    folder = model_folder(args, cfg)
     model = AutoModelForCausalLM.from_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tokenizer.padding_side = "left"
@@ -153,7 +180,7 @@ def trl_worker(args, workdir: Path, conn) -> None:
                 )
 
     config = GRPOConfig(
-        output_dir=str(workdir / "trl"),
+        output_dir=str(workdir / "run"),
         per_device_train_batch_size=args.prompts * args.samples,
         num_generations=args.samples,
         max_completion_length=args.max_new_tokens,
@@ -203,16 +230,21 @@ def trl_worker(args, workdir: Path, conn) -> None:
 WORKERS = {"trl": trl_worker, "fasttnt": fasttnt_worker}
 
 
-def run_turns(args, names: list[str]) -> dict[str, dict]:
-    """The trainers ``names`` in processes of their own, one step each in turn; their step rows and final peaks."""
+def run_turns(args, workers: dict[str, Callable]) -> dict[str, dict]:
+    """Each of ``workers`` (a name: a worker function, ``WORKERS``'s or a ``functools.partial`` of one) in a process
+    of its own, one step each in turn, the order reversed every other step (so that no trainer always follows the
+    same one); their step rows and final peaks, by name."""
     ctx = multiprocessing.get_context("spawn")  # fresh interpreters: nothing of one trainer in the other's memory
     total = args.warmup_steps + args.steps
+    names = list(workers)
     with tempfile.TemporaryDirectory() as tmp:
         procs, conns, rows = {}, {}, {name: [] for name in names}
-        for name in names:
+        for i, name in enumerate(names):
             conns[name], child = ctx.Pipe()
+            workdir = Path(tmp) / f"worker{i}"  # names may hold characters a folder's should not
+            workdir.mkdir()
             # not daemonic: fasttnt's verifier and TRL's reward start worker processes of their own
-            procs[name] = ctx.Process(target=WORKERS[name], args=(args, Path(tmp), child))
+            procs[name] = ctx.Process(target=workers[name], args=(args, workdir, child))
             procs[name].start()
 
         def ask(name: str, message: str) -> dict:
@@ -225,7 +257,7 @@ def run_turns(args, names: list[str]) -> dict[str, dict]:
 
         try:
             for i in range(total):
-                for name in names:
+                for name in names if i % 2 == 0 else names[::-1]:
                     rows[name].append(ask(name, "step"))
                 walls = ", ".join(f"{name} {rows[name][-1]['wall']:.2f} s" for name in names)
                 print(f"step {i + 1}/{total}{' (warm-up)' if i < args.warmup_steps else ''}: {walls}", file=sys.stderr)
@@ -301,7 +333,8 @@ def compare(args, results: dict) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The options, also e2e_commits.py's."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup-steps", type=int, default=2)
@@ -324,25 +357,35 @@ def main(argv: list[str] | None = None) -> int:
         metavar="key=value",
         help="fasttnt config overrides (the model and warm-up apply to both trainers)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def check(options: argparse.ArgumentParser, args) -> None:
+    """Exits through ``options.error`` on options that cannot go together or cannot be measured here."""
     if bool(args.model) != bool(args.prompt_file):
-        parser.error("--model and --prompt-file go together (the model's folder and a local JSONL of problems)")
+        options.error("--model and --prompt-file go together (the model's folder and a local JSONL of problems)")
     if args.steps < 1 or args.warmup_steps < 0:
-        parser.error("--steps must be >= 1 and --warmup-steps >= 0")
+        options.error("--steps must be >= 1 and --warmup-steps >= 0")
     if not proc_memory.available():
-        parser.error("the memory columns read the kernel's high-water marks from /proc: Linux only")
+        options.error("the memory columns read the kernel's high-water marks from /proc: Linux only")
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = parser()
+    args = options.parse_args(argv)
+    check(options, args)
     try:
         import trl  # noqa: F401
     except ImportError:
         if args.trl_only:
-            parser.error("--trl-only: TRL is not installed (pip install trl)")
+            options.error("--trl-only: TRL is not installed (pip install trl)")
         print("TRL is not installed (pip install trl): measuring fasttnt alone", file=sys.stderr)
         names = ["fasttnt"]
     else:
         names = ["trl"] if args.trl_only else ["trl", "fasttnt"]
-    _model_folder(args, resolved_config(args))  # the tiny model's warm-up once, here, before both trainers load it
+    model_folder(args, resolved_config(args))  # the tiny model's warm-up once, here, before both trainers load it
 
-    results = run_turns(args, names)
+    results = run_turns(args, {name: WORKERS[name] for name in names})
     report(args, results)
     if len(results) == 2:
         compare(args, results)

@@ -220,6 +220,30 @@ def test_e2e_against_trl_smoke(tmp_path):
     assert "fasttnt steps/s / TRL steps/s" in out
 
 
+def test_e2e_commits_runs_two_checkouts_side_by_side(tmp_path):
+    # HEAD against the working tree: each worker imports fasttnt from its own export (e2e.use_checkout refuses
+    # another), both start from the model this checkout warmed up, and the ratio pairs their steps
+    if not (ROOT / ".git").exists():
+        pytest.skip("e2e_commits.py exports commits of a git checkout")
+    overrides = [*SMALL, "warmup.steps=3", "warmup.batch_size=8"]
+    out = _run(
+        str(ROOT / "benchmarks" / "e2e_commits.py"), "HEAD", "WORKTREE", "--runs", "1", "--steps", "2",
+        "--warmup-steps", "1", "--prompts", "4", "--samples", "4", "--max-new-tokens", "16",
+        "--cache-dir", str(tmp_path / "cache"), "--json", str(tmp_path / "commits.json"), "--override", *overrides,
+        cwd=tmp_path,
+    )  # fmt: skip
+    numbers = json.loads((tmp_path / "commits.json").read_text())
+    (run,) = numbers["runs"]
+    base, change = numbers["base"], numbers["change"]
+    assert base.startswith("base ") and change == "change worktree"
+    for name in (base, change):
+        assert len(run[name]["steps_s"]) == 3 and "update" in run[name]["phases_s"], name
+    paired = sorted(b / c for b, c in zip(run[base]["steps_s"][1:], run[change]["steps_s"][1:], strict=True))
+    assert numbers["summary"]["change_over_base"] == run["change_over_base"] == (paired[0] + paired[1]) / 2
+    assert f"{change} steps/s / {base} steps/s" in out
+    assert list((tmp_path / "cache").iterdir()), "the start model was warmed up in --cache-dir"
+
+
 def test_e2e_against_trl_on_a_model_folder_at_the_real_vocabulary(tmp_path):
     # --model and --prompt-file: the stand-in's real BPE and V = 151,936 at hidden 64, through both trainers
     pytest.importorskip("trl")

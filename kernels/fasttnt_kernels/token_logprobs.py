@@ -219,19 +219,28 @@ def token_logprobs_backward(
     )
 
 
-# The PyTorch path works through a chunk of logits this many rows at a time, so its (rows, V) temporaries stay a few
-# tens of MiB whatever the chunk (32 rows of a 152K vocabulary: 19 MiB in float32)
-_TORCH_BLOCK_ROWS = 32
+_TORCH_BLOCK_BYTES = 20 * 2**20
+"""The PyTorch path works through a chunk of logits a block of rows at a time, each (rows, V) temporary at most this
+many bytes in the compute dtype, so they stay a few tens of MiB whatever the chunk: 34 rows of a float32 152K
+vocabulary. Bytes, not rows: at a small vocabulary a fixed row count makes the Python loop the cost (32 rows of the
+embedded default's 103-token vocabulary took 0.4 s for the forward and backward of 30,000 tokens where one block
+takes 0.05 s)."""
+
+
+def _torch_block_rows(vocab: int, dtype: torch.dtype) -> int:
+    """Rows per block of the PyTorch path: as many as fit ``_TORCH_BLOCK_BYTES`` in ``dtype``, at least one."""
+    return max(1, _TORCH_BLOCK_BYTES // (vocab * dtype.itemsize))
 
 
 def token_logprobs_forward_torch(logits, ids, *, inv_temperature, logp, lse, entropy):
     """Same contract as ``token_logprobs_forward``, in PyTorch ops: the path without Triton (the CPU's) of the
-    lm_head ops. The kernels' closed forms, ``_TORCH_BLOCK_ROWS`` rows at a time and no autograd graph: going
-    through ``token_logprobs_reference``'s autograd held about seven temporaries the size of the whole chunk and
-    took as long as the chunk's three matmuls at a 152K vocabulary."""
+    lm_head ops. The kernels' closed forms, a block of rows at a time (``_TORCH_BLOCK_BYTES``) and no autograd
+    graph: going through ``token_logprobs_reference``'s autograd held about seven temporaries the size of the whole
+    chunk and took as long as the chunk's three matmuls at a 152K vocabulary."""
     dtype = _common.compute_dtype(logits.dtype)
-    for start in range(0, logits.shape[0], _TORCH_BLOCK_ROWS):
-        rows = slice(start, start + _TORCH_BLOCK_ROWS)
+    block = _torch_block_rows(logits.shape[1], dtype)
+    for start in range(0, logits.shape[0], block):
+        rows = slice(start, start + block)
         log_p = logits[rows].to(dtype) * inv_temperature  # (B, V), a new tensor
         row_lse = torch.logsumexp(log_p, dim=-1, keepdim=True)  # (B, 1)
         log_p -= row_lse  # log p
@@ -244,10 +253,11 @@ def token_logprobs_forward_torch(logits, ids, *, inv_temperature, logp, lse, ent
 
 def token_logprobs_backward_torch(logits, ids, *, inv_temperature, lse, entropy, grad_logp, grad_entropy, grad_logits):
     """Same contract as ``token_logprobs_backward`` (``grad_logits`` may be ``logits`` itself), in PyTorch ops,
-    ``_TORCH_BLOCK_ROWS`` rows at a time: ``inv_temperature * (g_logp * (onehot - p) - g_ent * p * (log p + H))``."""
+    a block of rows at a time: ``inv_temperature * (g_logp * (onehot - p) - g_ent * p * (log p + H))``."""
     dtype = _common.compute_dtype(logits.dtype)
-    for start in range(0, logits.shape[0], _TORCH_BLOCK_ROWS):
-        rows = slice(start, start + _TORCH_BLOCK_ROWS)
+    block = _torch_block_rows(logits.shape[1], dtype)
+    for start in range(0, logits.shape[0], block):
+        rows = slice(start, start + block)
         out = grad_logits[rows]
         in_place = out.dtype == dtype and out.data_ptr() == logits[rows].data_ptr()
         d = out if in_place else logits[rows].to(dtype, copy=True)  # (B, V)
@@ -287,7 +297,7 @@ def _clamp_log_p(log_p: torch.Tensor) -> None:
 
 def _neg_sum_p_log_p(p: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
     """-sum_v p log p per row (B,): ``sum``'s cascade summation, whose error does not grow with V as a running
-    dot product's does (one (B, V) temporary, small at ``_TORCH_BLOCK_ROWS`` rows)."""
+    dot product's does (one (B, V) temporary, a block's)."""
     return (p * log_p).sum(-1).neg_()
 
 

@@ -3,6 +3,8 @@ against the reference in float64, forward and backward."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -77,6 +79,15 @@ def _check(logits, ids, *, temperature=1.0, with_entropy=True, inplace=False):
 def test_matches_float64_reference(path, shape, dtype):
     logits, ids = _inputs(*shape, dtype)
     _check(logits, ids, temperature=1.0)
+
+
+def test_pytorch_path_over_many_blocks(monkeypatch):
+    # blocks of 3 rows (the last of 37 holds one): each block's rows and ids are its own, none skipped or repeated
+    monkeypatch.setenv("FASTTNT_KERNELS", "torch")
+    module = sys.modules["fasttnt_kernels.token_logprobs"]  # the package exports a function of the same name
+    monkeypatch.setattr(module, "_TORCH_BLOCK_BYTES", 3 * 1000 * 4)
+    assert module._torch_block_rows(1000, torch.float32) == 3
+    _check(*_inputs(37, 1000, torch.float32), temperature=0.7)
 
 
 @pytest.mark.parametrize("temperature", [0.6, 1.7])
@@ -209,12 +220,14 @@ def test_pytorch_path_works_a_few_rows_at_a_time():
     from torch.profiler import ProfilerActivity, profile
 
     from fasttnt_kernels.token_logprobs import (
-        _TORCH_BLOCK_ROWS,
+        _torch_block_rows,
         token_logprobs_backward_torch,
         token_logprobs_forward_torch,
     )
 
-    n, v = 8 * _TORCH_BLOCK_ROWS, 32768
+    v = 32768
+    block = _torch_block_rows(v, torch.float32)
+    n = 8 * block
     logits, ids = _inputs(n, v, torch.float32)
     logp, lse, entropy = (torch.full((n,), float("nan")) for _ in range(3))
     g_logp, g_entropy = torch.randn(n), torch.randn(n)
@@ -224,5 +237,5 @@ def test_pytorch_path_works_a_few_rows_at_a_time():
                                       grad_entropy=g_entropy, grad_logits=logits)  # fmt: skip
     largest = max((e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0), default=0)
     assert torch.isfinite(logits).all() and logits.abs().sum() > 0 and not entropy.isnan().any()
-    assert largest >= _TORCH_BLOCK_ROWS * v * 4, "the profiler saw no row block: the measurement is broken"
+    assert largest >= block * v * 4, "the profiler saw no row block: the measurement is broken"
     assert largest <= n * v * 4 // 4, f"largest allocation {largest} bytes against {n * v * 4} for the logits"
