@@ -29,6 +29,7 @@ import e2e
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKTREE = "WORKTREE"
+KEPT = ("step_s", "steps_s", "phases_s", "update_peak_mib", "peak_rss_mib")  # of each trainer's e2e.py summary
 
 
 def export(revision: str, dest: Path) -> str:
@@ -91,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         for run in range(args.runs):
             print(f"run {run + 1}/{args.runs}: {', '.join(workers)}", file=sys.stderr)
             results = e2e.run_turns(e2e_args, workers)
-            row = {name: {k: results[name][k] for k in ("step_s", "steps_s", "phases_s") if k in results[name]}
-                   for name in workers}  # fmt: skip
+            row = {name: {k: results[name][k] for k in KEPT if k in results[name]} for name in workers}
             row["change_over_base"] = paired_ratio(
                 results[base]["steps_s"], results[change]["steps_s"], e2e_args.warmup_steps
             )
@@ -105,7 +105,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {change} steps/s / {base} steps/s = {row['change_over_base']:.3f}", file=sys.stderr)
             for name in (base, change):
                 phases = ", ".join(f"{k} {v:.3f}" for k, v in row[name]["phases_s"].items() if v >= 0.001)
-                print(f"  {name}: {row[name]['step_s']:.3f} s/step ({phases})", file=sys.stderr)
+                print(
+                    f"  {name}: {row[name]['step_s']:.3f} s/step ({phases}); peak MiB: update "
+                    f"{row[name]['update_peak_mib']:.0f}, process {row[name]['peak_rss_mib']:.0f}",
+                    file=sys.stderr,
+                )
 
     keys = [k for k in rows[0] if k == "change_over_base" or k.endswith("over trl")]
     summary = {k: statistics.median(r[k] for r in rows) for k in keys}

@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
 
+    from fasttnt import host_memory
     from fasttnt.config import load_config
     from fasttnt.distributed import local_device
     from fasttnt.engines import build_engine
@@ -50,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     model.to(device).eval()
     # the training run's engine, as built, but awake throughout: the vllm one is built without the model (it serves
     # the checkpoint it loads), and a level-2 sleep would discard weights it could not be given back
-    settings = replace(engine_settings(cfg, path, device, prompt_budget_of(cfg)), sleep_between_rollouts=False)
+    give_back_heap = host_memory.worth_it(model, device)  # as the training run decides it
+    settings = engine_settings(cfg, path, device, prompt_budget_of(cfg), give_back_heap=give_back_heap)
+    settings = replace(settings, sleep_between_rollouts=False)
     built = {name: build_engine(name, None if name == "vllm" else model, tokenizer, settings) for name in engines}
 
     stream = ProblemStream(cfg)

@@ -6,7 +6,9 @@ can stay in the heap's free lists when freed (glibc trims only the heap's top by
 process's memory, and reusable only by allocations that fit. A rollout frees thousands of small and medium blocks
 (each step's logits, a KV cache grown by concatenation) and an update's layers allocate and free activations of
 tens of MiB. At the 0.5B shape at 512 tokens the update started 310 MiB lower with both calls than without
-(``benchmarks/RESULTS.md``). Linux with glibc's own malloc only; elsewhere (another C library, or jemalloc or
+(``benchmarks/RESULTS.md``); at the embedded default's tiny model they cost a sixth of the step and saved 67 MiB,
+so a run applies them only to a model of ``WORTH_IT_FROM_PARAMETER_BYTES`` and more (docs/design.md). Linux with
+glibc's own malloc only; elsewhere (another C library, or jemalloc or
 tcmalloc preloaded) both calls do nothing and return False.
 """
 
@@ -15,11 +17,19 @@ from __future__ import annotations
 import ctypes
 import functools
 
+import torch
+
 MMAP_THRESHOLD_BYTES = 1 << 20
 """Blocks of 1 MiB and more come from mmap and go back to the system when freed. The costs of the mapping (a system
 call and the first touch of each page) are small beside what a block that size holds: a decode step's logits at V =
 151,936 are 4.6 MiB for 8 rows; at the 0.5B shape the generation phase took the same time with it as without, within
 the runs' spread."""
+
+WORTH_IT_FROM_PARAMETER_BYTES = 256 * 2**20
+"""The trainer applies both calls below to a model whose parameters take this many bytes or more (``worth_it``).
+What they save grows with the model (its activations, a rollout's logits and KV caches); what they cost is a page
+fault on every first touch of a block they gave back, each step, which at a small model is a share of the step and
+saves nothing that matters."""
 
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
@@ -42,6 +52,14 @@ def _libc():
 def available() -> bool:
     """Whether the calls below take effect here (glibc's own malloc)."""
     return _libc() is not None
+
+
+def worth_it(model, device) -> bool:
+    """Whether a run on ``device`` with ``model`` applies both calls: glibc's malloc on the CPU, and parameters of at
+    least ``WORTH_IT_FROM_PARAMETER_BYTES``."""
+    if torch.device(device).type != "cpu" or not available():
+        return False
+    return sum(p.numel() * p.element_size() for p in model.parameters()) >= WORTH_IT_FROM_PARAMETER_BYTES
 
 
 def serve_large_blocks_from_mmap() -> bool:

@@ -94,9 +94,10 @@ def training_prompt(cfg: TrainConfig, tokenizer, problem: Problem):
 
 
 def engine_settings(cfg: TrainConfig, model_path, device: torch.device, prompt_budget: int | None, *,
-                    zero3_engine=None) -> EngineSettings:  # fmt: skip
+                    zero3_engine=None, give_back_heap: bool = False) -> EngineSettings:  # fmt: skip
     """What the rollout engine of a run is built with: its sampling, the model it serves (bf16 under CUDA autocast),
-    the longest sequence (``prompt_budget`` + the length budget), vLLM's memory and weight push."""
+    the longest sequence (``prompt_budget`` + the length budget), vLLM's memory and weight push, and whether the
+    hf engine hands the heap back after a rollout (``host_memory.worth_it``)."""
     r = cfg.rollout
     return EngineSettings(
         max_new_tokens=r.max_new_tokens,
@@ -113,6 +114,7 @@ def engine_settings(cfg: TrainConfig, model_path, device: torch.device, prompt_b
         weight_sync_bucket_mb=r.weight_sync_bucket_mb,
         zero3_engine=zero3_engine,
         forbid_think_end_first=r.forced_rows()[1] > 0,
+        give_back_heap=give_back_heap,
     )
 
 
@@ -157,8 +159,9 @@ def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: b
     if is_main:  # saved once, fresh (a leftover file would be copied into every checkpoint), and copied from here
         shutil.rmtree(out / "tokenizer", ignore_errors=True)
         tokenizer.save_pretrained(out / "tokenizer")
-    if device.type == "cpu":
-        host_memory.serve_large_blocks_from_mmap()  # freed tensors leave the resident set (fasttnt.host_memory)
+    release_heap = host_memory.worth_it(model, device)  # on the CPU, by the model's size (fasttnt.host_memory)
+    if release_heap:
+        host_memory.serve_large_blocks_from_mmap()  # freed tensors leave the resident set
     model.to(device)
     model.zero_grad(set_to_none=True)  # whatever made the model (a warm-up) leaves no gradient behind
     if cfg.model.gradient_checkpointing:
@@ -190,7 +193,7 @@ def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: b
 
     # -- the rollout engine: before any RNG state is set (vLLM reseeds them when it starts) --
     zero3 = ds_engine if dist and cfg.distributed.zero_stage == 3 else None
-    settings = engine_settings(cfg, model_path, device, prompt_budget, zero3_engine=zero3)
+    settings = engine_settings(cfg, model_path, device, prompt_budget, zero3_engine=zero3, give_back_heap=release_heap)
     engine = build_engine(r.engine, model, tokenizer, settings)
 
     # -- the training state: the checkpoint's (weights, optimizer, RNG states, step, data position) or a fresh start --

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from small import glibc_on_linux
 
+from fasttnt import host_memory
+
 pytestmark = pytest.mark.skipif(not glibc_on_linux(), reason="glibc's malloc on Linux")
 
 # A 16 MiB block freed first raises glibc's dynamic mmap threshold to 16 MiB, as a rollout's and an update's
@@ -66,3 +68,30 @@ def test_a_preloaded_malloc_turns_the_calls_off(tmp_path):
 
     assert run(os.environ) == ["True", "True"]  # precondition
     assert run({**os.environ, "LD_PRELOAD": str(tmp_path / "m.so")}) == ["False", "False"]
+
+
+def test_worth_it_by_the_model_size_on_the_cpu(monkeypatch):
+    import torch
+
+    model = torch.nn.Linear(64, 64)  # 4,160 float32 parameters: 16,640 bytes
+    assert not host_memory.worth_it(model, "cpu"), "precondition: a small model is below the default size"
+    monkeypatch.setattr(host_memory, "WORTH_IT_FROM_PARAMETER_BYTES", 16_640)
+    assert host_memory.worth_it(model, "cpu") and host_memory.worth_it(model, torch.device("cpu"))
+    assert not host_memory.worth_it(model, "cuda")  # CUDA's caching allocator, not malloc
+    monkeypatch.setattr(host_memory, "WORTH_IT_FROM_PARAMETER_BYTES", 16_641)
+    assert not host_memory.worth_it(model, "cpu")
+
+
+def test_a_run_applies_both_calls_by_the_model_size(tmp_path, monkeypatch):
+    # run_setup.build asks worth_it once: the mmap threshold at setup and the engine's give-back after each rollout
+    from small import SMALL
+
+    from fasttnt.config import load_config
+    from fasttnt.run_setup import build
+
+    calls = []
+    monkeypatch.setattr(host_memory, "serve_large_blocks_from_mmap", lambda: calls.append("mmap") or True)
+    cfg = load_config(None, [*SMALL, "steps=1", f"cache_dir={tmp_path / 'cache'}"])
+    assert not build(cfg, tmp_path / "small").engine.give_back_heap and calls == []
+    monkeypatch.setattr(host_memory, "WORTH_IT_FROM_PARAMETER_BYTES", 1)
+    assert build(cfg, tmp_path / "large").engine.give_back_heap and calls == ["mmap"]

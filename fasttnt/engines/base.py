@@ -31,6 +31,7 @@ class EngineSettings:
     weight_sync_bucket_mb: int = 512
     zero3_engine: Any = None  # DeepSpeed's engine when the model is ZeRO-3 sharded (the hf engine gathers it)
     forbid_think_end_first: bool = False  # some prompts will be forced to think (the vllm engine's processor)
+    give_back_heap: bool = False  # the hf engine on the CPU: the heap a rollout freed back to the system at its end
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,7 @@ class HFEngine:
         self.temperature, self.top_p = settings.temperature, settings.top_p
         self.bf16_autocast = settings.dtype == "bfloat16"  # as the training forwards (run_setup.bf16_autocast)
         self.zero3_engine = settings.zero3_engine
+        self.give_back_heap = settings.give_back_heap
         self.eos_ids = eos_ids_of(tokenizer, model)  # a row stops at any of them
         # fed to finished rows and as the prompts' (masked) left padding, so any id does: without a pad token, an
         # EOS id (the tokenizer's, where it is the only one)
@@ -200,9 +201,10 @@ class HFEngine:
         return out.logits[:, -1].float()  # (B, V)
 
     def end_rollout(self) -> None:
-        """Holds no memory of its own between rollouts; on the CPU, the heap the decode loop freed goes back to the
-        system (``host_memory.give_back_freed_heap``) before the update allocates."""
-        if next(self.model.parameters()).device.type == "cpu":
+        """Holds no memory of its own between rollouts; with ``give_back_heap`` (the CPU, a model large enough for it
+        to pay: ``host_memory.worth_it``) the heap the decode loop freed goes back to the system
+        (``host_memory.give_back_freed_heap``) before the update allocates."""
+        if self.give_back_heap:
             give_back_freed_heap()
 
     def sync_weights(self, model) -> None:
