@@ -6,8 +6,8 @@ can stay in the heap's free lists when freed (glibc trims only the heap's top by
 process's memory, and reusable only by allocations that fit. A rollout frees thousands of small and medium blocks
 (each step's logits, a KV cache grown by concatenation) and an update's layers allocate and free activations of
 tens of MiB. At the 0.5B shape at 512 tokens the update started 310 MiB lower with both calls than without
-(``benchmarks/RESULTS.md``); at the embedded default's tiny model they cost a sixth of the step and saved 67 MiB,
-so a run applies them only to a model of ``WORTH_IT_FROM_PARAMETER_BYTES`` and more (docs/design.md). Linux with
+(``benchmarks/RESULTS.md``); at the embedded default's tiny model they cost a sixth of its steps/s and saved
+67 MiB, so a run applies them only to a model of ``WORTH_IT_FROM_PARAMETER_BYTES`` and more (docs/design.md). Linux with
 glibc's own malloc only; elsewhere (another C library, or jemalloc or
 tcmalloc preloaded) both calls do nothing and return False.
 """
@@ -26,10 +26,11 @@ call and the first touch of each page) are small beside what a block that size h
 the runs' spread."""
 
 WORTH_IT_FROM_PARAMETER_BYTES = 256 * 2**20
-"""The trainer applies both calls below to a model whose parameters take this many bytes or more (``worth_it``).
-What they save grows with the model (its activations, a rollout's logits and KV caches); what they cost is a page
-fault on every first touch of a block they gave back, each step, which at a small model is a share of the step and
-saves nothing that matters."""
+"""The trainer applies the CPU's memory measures to a model whose parameters take this many bytes or more
+(``worth_it``): both calls below, and ``policy.tied_rows_into_grad``. What they save grows with the model (its
+activations, a rollout's logits and KV caches, the (V, H) of a tied embedding); what they cost (a page fault on
+every first touch of a block given back, each step; a row-by-row ``index_add_``) is at a small model a share of the
+step that saves nothing that matters."""
 
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
@@ -55,9 +56,9 @@ def available() -> bool:
 
 
 def worth_it(model, device) -> bool:
-    """Whether a run on ``device`` with ``model`` applies both calls: glibc's malloc on the CPU, and parameters of at
-    least ``WORTH_IT_FROM_PARAMETER_BYTES``."""
-    if torch.device(device).type != "cpu" or not available():
+    """Whether a run on ``device`` with ``model`` applies the CPU's memory measures: on the CPU, for parameters of
+    at least ``WORTH_IT_FROM_PARAMETER_BYTES`` (where malloc is not glibc's, the two calls below then do nothing)."""
+    if torch.device(device).type != "cpu":
         return False
     return sum(p.numel() * p.element_size() for p in model.parameters()) >= WORTH_IT_FROM_PARAMETER_BYTES
 

@@ -159,15 +159,16 @@ def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: b
     if is_main:  # saved once, fresh (a leftover file would be copied into every checkpoint), and copied from here
         shutil.rmtree(out / "tokenizer", ignore_errors=True)
         tokenizer.save_pretrained(out / "tokenizer")
-    release_heap = host_memory.worth_it(model, device)  # on the CPU, by the model's size (fasttnt.host_memory)
-    if release_heap:
+    # the CPU's memory measures, for a model large enough that they pay (host_memory.worth_it: by its size)
+    memory_measures = host_memory.worth_it(model, device)
+    if memory_measures:
         host_memory.serve_large_blocks_from_mmap()  # freed tensors leave the resident set
     model.to(device)
     model.zero_grad(set_to_none=True)  # whatever made the model (a warm-up) leaves no gradient behind
     if cfg.model.gradient_checkpointing:
         # transformers 5 renamed it; 4.x has only the old name
         getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
-    if not dist and device.type == "cpu":
+    if memory_measures and not dist:
         tied_rows_into_grad(model)  # a tied embedding's rows straight into weight.grad (its docstring says why)
     ref_model = None
     if cfg.loss.kl_coef > 0:  # the starting policy, also when resuming
@@ -193,7 +194,9 @@ def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: b
 
     # -- the rollout engine: before any RNG state is set (vLLM reseeds them when it starts) --
     zero3 = ds_engine if dist and cfg.distributed.zero_stage == 3 else None
-    settings = engine_settings(cfg, model_path, device, prompt_budget, zero3_engine=zero3, give_back_heap=release_heap)
+    settings = engine_settings(
+        cfg, model_path, device, prompt_budget, zero3_engine=zero3, give_back_heap=memory_measures
+    )
     engine = build_engine(r.engine, model, tokenizer, settings)
 
     # -- the training state: the checkpoint's (weights, optimizer, RNG states, step, data position) or a fresh start --

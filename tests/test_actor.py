@@ -10,6 +10,7 @@ import torch
 import varied
 from small import run_overrides, short_run, train
 
+from fasttnt import host_memory
 from fasttnt.actor import Actor
 from fasttnt.config import load_config
 from fasttnt.data import build_prompt
@@ -260,9 +261,14 @@ def test_an_untied_or_own_lookup_embedding_is_left_alone():
     assert tied_rows_into_grad(_tiny_qwen2(tied=True)) is not None  # precondition: the same model, plain, is routed
 
 
-def test_the_update_routes_a_tied_embeddings_rows(tmp_path, monkeypatch):
-    # run_setup installs the routing for a tied model outside DeepSpeed; the update's gradient passes through it
+@pytest.mark.parametrize("large", [True, False])
+def test_the_update_routes_a_tied_embeddings_rows(tmp_path, monkeypatch, large):
+    # run_setup installs the routing for a tied model outside DeepSpeed, large enough for it to pay
+    # (host_memory.worth_it); the update's gradient passes through it. The mmap threshold, process-wide, is not set
     calls = _count_rows_calls(monkeypatch)
+    monkeypatch.setattr(host_memory, "serve_large_blocks_from_mmap", lambda: True)
+    if large:
+        monkeypatch.setattr(host_memory, "WORTH_IT_FROM_PARAMETER_BYTES", 1)
     trainer = Trainer(load_config(None, run_overrides(tmp_path, "micro_batch_tokens=64")), tmp_path / "run")
     model = trainer.model
     assert model.get_input_embeddings().weight is model.get_output_embeddings().weight, "the tiny model is tied"
@@ -270,7 +276,9 @@ def test_the_update_routes_a_tied_embeddings_rows(tmp_path, monkeypatch):
     assert not calls["forward"], "a rollout (no_grad) looks up through the embedding's own forward"
     metrics = trainer.actor.update(batch, torch.linspace(-1.5, 1.5, batch.lengths.numel()), None, None)
     trainer.verifier.close()
-    assert len(calls["backward"]) == len(calls["forward"]) == float(metrics["micro_batches"]) > 1, "per micro-batch"
+    assert float(metrics["micro_batches"]) > 1, "precondition: several micro-batches"
+    routed = float(metrics["micro_batches"]) if large else 0  # a small model: the embedding's own backward
+    assert len(calls["backward"]) == len(calls["forward"]) == routed, "per micro-batch"
     assert torch.isfinite(model.get_input_embeddings().weight.grad).all() and float(metrics["grad_norm"]) > 0
 
 
