@@ -8,6 +8,7 @@ asked for (the ``wandb`` extra); ``WANDB_MODE=offline`` writes the run under ``<
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +94,9 @@ def _init(wandb, settings: LoggingConfig, out: Path, run_id: str | None, *, name
         config=config,
         id=run_id,
         resume="allow",  # the id's run continued when it exists, else started under it
-        dir=str(out),
+        # the user's WANDB_DIR where set (clusters point it at a disk with room, as for TRL's and verl's runs; a
+        # dir= argument would override it), else the run's output folder
+        dir=None if os.environ.get("WANDB_DIR") else str(out),
     )
 
 

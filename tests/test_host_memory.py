@@ -15,21 +15,23 @@ from fasttnt import host_memory
 
 pytestmark = pytest.mark.skipif(not glibc_on_linux(), reason="glibc's malloc on Linux")
 
-# A 16 MiB block freed first raises glibc's dynamic mmap threshold to 16 MiB, as a rollout's and an update's
-# freed blocks do; then 2 MiB blocks, touched, each followed by a small block kept alive (so that the freed ones
-# cannot merge into the top of the heap, which glibc trims by itself): without the setting they come from the heap
-# and stay resident when freed
+# A 16 MiB block freed raises glibc's dynamic mmap threshold to 16 MiB, as a model's loading, a rollout's and an
+# update's freed blocks do (before the setting and after it: the setting must fix the threshold at 1 MiB, where
+# setting another of mallopt's parameters would freeze it at 16 MiB); then blocks (2 MiB unless said), touched, each
+# followed by a small block kept alive (so that the freed ones cannot merge into the top of the heap, which glibc
+# trims by itself): without the setting they come from the heap and stay resident when freed
 SCRIPT = """
 import sys, torch
 sys.path.insert(0, {tests!r})
 from small import resident_mib
 from fasttnt import host_memory
+big = torch.ones(4 * 2**20); del big  # before the setting too, as a model's loading frees large blocks
 if {set_it}:
     assert host_memory.serve_large_blocks_from_mmap()
 big = torch.ones(4 * 2**20); del big
 blocks, kept = [], []
 for _ in range(100):
-    blocks.append(torch.ones(2**19))  # 2 MiB
+    blocks.append(torch.ones({block_floats}))
     kept.append(torch.ones(1024))  # 4 KiB
 held = resident_mib()
 del blocks
@@ -37,8 +39,8 @@ print(held - resident_mib())
 """
 
 
-def _freed_mib(set_it: bool) -> float:
-    script = SCRIPT.format(tests=str(Path(__file__).parent), set_it=set_it)
+def _freed_mib(set_it: bool, block_bytes: int = 2 * 2**20) -> float:
+    script = SCRIPT.format(tests=str(Path(__file__).parent), set_it=set_it, block_floats=block_bytes // 4)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     return float(out.stdout.split()[-1])
 
@@ -46,6 +48,7 @@ def _freed_mib(set_it: bool) -> float:
 def test_tensors_of_a_mib_and_more_leave_the_resident_set_when_freed():
     assert _freed_mib(False) < 50, "precondition: without the setting, glibc keeps the freed 2 MiB blocks"
     assert _freed_mib(True) > 150, "the 200 MiB freed stayed resident"
+    assert _freed_mib(True, 768 * 2**10) < 25, "blocks under MMAP_THRESHOLD_BYTES were mapped"
 
 
 # a malloc of its own that passes every call to glibc's: what jemalloc or tcmalloc preloaded looks like to the check

@@ -452,3 +452,18 @@ def test_the_fade_by_hand():
     assert terms.first_advantages[[0, 1, 4, 5]].tolist() == [1.0] * 4
     without = mix.loss_terms(batch, rewards, old_logp, end_logp, END, floor_logp=None)
     assert without.token_weights is None and without.below_floor is None
+
+
+def test_log1mexp_is_finite_where_p_rounds_to_one():
+    # the mixture's log(1 - p) at p = 1 exactly (log p = 0) is a very small number, not -inf, which would make a
+    # thinking row's behaviour log-prob +inf; elsewhere it is log(1 - p) to float64's rounding
+    from fasttnt.modes import _log1mexp
+
+    logp = torch.tensor([0.0, -1e-300, math.log(0.5), -20.0, -math.inf], dtype=torch.float64)
+    got = _log1mexp(logp)
+    assert torch.isfinite(got).all(), got
+    assert got[0] == got[1] == pytest.approx(math.log(1e-30), rel=1e-15)  # p = 1, and p within 1e-300 of it
+    # 1 - p rounds once (half an ulp of 1) before the log: that is the error's bound
+    eps = torch.finfo(torch.float64).eps
+    assert got[2] == pytest.approx(math.log(0.5), abs=eps) and got[3] == pytest.approx(-math.exp(-20.0), abs=eps)
+    assert got[4] == 0.0  # p = 0

@@ -11,6 +11,7 @@ import math
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -189,6 +190,36 @@ def test_the_warm_up_leaves_no_gradients_behind(tmp_path):
         WarmupConfig(steps=2, batch_size=4),
     )
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_warm_up_cache_key_follows_the_code(tmp_path):
+    # a copy of the package's warm-up sources keys alike; one byte changed in any of them (here the prompts' module)
+    # gives another key, so a warm-up trained by other code is never taken for this code's
+    from fasttnt.embedded import tiny
+
+    package = Path(tiny.__file__).resolve().parents[1]
+    for name in tiny.WARMUP_CODE:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes((package / name).read_bytes())
+    assert tiny.warmup_code_key(tmp_path) == tiny.warmup_code_key()
+    (tmp_path / "data.py").write_bytes((package / "data.py").read_bytes() + b"\n")
+    assert tiny.warmup_code_key(tmp_path) != tiny.warmup_code_key()
+
+
+def test_a_warm_up_cached_by_other_code_is_trained_again_and_said(tmp_path, capsys):
+    from fasttnt.embedded.tiny import WarmupConfig, warmed_up_model, warmup_cache_path
+
+    model_cfg, warmup_cfg = TinyModelConfig(**TINY_4_HEADS), WarmupConfig(steps=2, batch_size=4)
+    path = warmup_cache_path(tmp_path, model_cfg, warmup_cfg)
+    stale = path.with_name(path.name.rsplit("-", 1)[0])  # the same configs, keyed before the code was
+    stale.mkdir()
+    (stale / "config.json").write_text("{}")  # never read: not this code's
+    _, _, got = warmed_up_model(tmp_path, model_cfg, warmup_cfg)
+    assert got == path and (path / "config.json").is_file() and (path / "warmup.json").is_file()
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fasttnt:")]
+    assert len(said) == 1 and f"the cached warm-up {stale} was trained by other code" in said[0], said
+    warmed_up_model(tmp_path, model_cfg, warmup_cfg)
+    assert "fasttnt:" not in capsys.readouterr().err, "the entry of this code is used as it is, silently"
 
 
 def test_an_output_dir_that_cannot_be_made_is_one_line(tmp_path, capsys):

@@ -98,6 +98,16 @@ def test_a_run_logs_its_rows_config_and_curves(tmp_path, offline):
     assert (run_dir / "files" / history[2]["curves.path"]).is_file()
 
 
+def test_wandb_dir_is_honoured_where_set(tmp_path, offline, monkeypatch):
+    # a cluster's WANDB_DIR (a disk with room) takes the run's files; without it they go under the output folder
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "elsewhere"))
+    train(tmp_path, "run", *run_overrides(tmp_path, "logging.wandb=true", steps=1)[1:])
+    assert not _offline_runs(tmp_path / "run"), "the run's files went under the output folder"
+    (run_dir,) = _offline_runs(tmp_path / "elsewhere")
+    assert _history(_records(run_dir))[1], "the step's row is in the run under WANDB_DIR"
+
+
 def test_resume_continues_the_same_run(tmp_path, offline):
     out = tmp_path / "run"
     train(tmp_path, "run", *run_overrides(tmp_path, "logging.wandb=true", steps=2)[1:])

@@ -8,6 +8,7 @@ import itertools
 import json
 import random
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -145,10 +146,33 @@ def warmup(model, tokenizer, cfg: WarmupConfig, *, progress=None) -> list[float]
     return losses
 
 
+WARMUP_CODE = ("embedded/tiny.py", "embedded/char_tokenizer.py", "embedded/synthetic.py", "data.py")
+"""The modules whose code makes the warm-up (the model, the tokenizer, the problems, the prompts), relative to the
+package: their sources are part of the cache key."""
+
+
+def warmup_code_key(package: Path | None = None) -> str:
+    """A hash of the sources of ``WARMUP_CODE`` in ``package`` (this fasttnt's by default): a warm-up cached by
+    other code (an older fasttnt, an edited checkout) is not taken for this code's."""
+    package = package or Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for name in WARMUP_CODE:
+        digest.update(name.encode() + b"\0" + (package / name).read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def warmup_cache_path(cache_dir: Path, model_cfg: TinyModelConfig, warmup_cfg: WarmupConfig) -> Path:
-    """Where the warm-up of this exact recipe is (or will be) cached: the key hashes both configs."""
+    """Where the warm-up of this exact recipe is (or will be) cached: the key hashes both configs, then the code
+    that trains it (``warmup_code_key``)."""
     key = hashlib.sha256(json.dumps([asdict(model_cfg), asdict(warmup_cfg)], sort_keys=True).encode()).hexdigest()
-    return Path(cache_dir) / f"tiny-warmup-{key[:16]}"
+    return Path(cache_dir) / f"tiny-warmup-{key[:16]}-{warmup_code_key()}"
+
+
+def _stale_entries(path: Path) -> list[Path]:
+    """Cached warm-ups of the same configs as ``path`` from other code (an entry made before the code key is
+    named by the configs' key alone)."""
+    same_configs = path.name.rsplit("-", 1)[0]
+    return sorted(p for p in path.parent.glob(f"{same_configs}*") if p != path and (p / "config.json").is_file())
 
 
 def warmed_up_model(
@@ -156,13 +180,21 @@ def warmed_up_model(
 ) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast, Path]:
     """The tiny model after the warm-up, from ``cache_dir`` when this exact recipe was trained before.
 
-    The cache key hashes both configs; the entry is written to a temporary folder and renamed into place, so an
-    interrupted warm-up never leaves a half-written model behind.
+    The cache key hashes both configs and the code (``warmup_cache_path``); a warm-up of the same configs by other
+    code is said in one line and trained again. The entry is written to a temporary folder and renamed into place,
+    so an interrupted warm-up never leaves a half-written model behind.
     """
     path = warmup_cache_path(cache_dir, model_cfg, warmup_cfg)
     if (path / "config.json").is_file():
         tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
         return AutoModelForCausalLM.from_pretrained(path), tokenizer, path
+    stale = _stale_entries(path)
+    if stale:
+        print(
+            f"fasttnt: the cached warm-up {stale[-1]} was trained by other code (an older fasttnt or an edited "
+            f"checkout); warming up again into {path}",
+            file=sys.stderr,
+        )
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(tokenizer, model_cfg, seed=warmup_cfg.seed)
     progress = progress_factory(warmup_cfg.steps) if progress_factory else None
