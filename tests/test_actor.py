@@ -232,12 +232,17 @@ def test_a_tied_embeddings_rows_go_into_the_gradient_as_autograd_would_sum_them(
         torch.testing.assert_close(routed[name], grad, rtol=1e-12, atol=1e-15, msg=name)
 
 
-def test_the_routed_lookup_may_be_changed_in_place():
-    # a model may scale its embeddings in place; the routed rows are a tensor of their own, not a view
+@pytest.mark.parametrize("keyword", [False, True])
+def test_the_routed_lookup_may_be_changed_in_place(monkeypatch, keyword):
+    # a model may scale its embeddings in place; the routed rows are a tensor of their own, not a view. The lookup
+    # is routed whether the model passes the ids by position or as input=
+    calls = _count_rows_calls(monkeypatch)
     model = _tiny_qwen2(tied=True)
     tied_rows_into_grad(model)
     ids = torch.tensor([[1, 2, 2]])
-    model.get_input_embeddings()(ids).mul_(2.0).sum().backward()
+    embedding = model.get_input_embeddings()
+    (embedding(input=ids) if keyword else embedding(ids)).mul_(2.0).sum().backward()
+    assert len(calls["backward"]) == 1, "the lookup was not routed"
     weight = model.get_input_embeddings().weight
     expected = torch.zeros_like(weight)
     expected[1], expected[2] = 2.0, 4.0

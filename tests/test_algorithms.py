@@ -93,7 +93,9 @@ def _draw(lengths: list[int], rewards: list[float], k: int, first_token: int = 1
     r = torch.tensor(rewards)
     out = TntRewards(r, r > 1, torch.full((s,), -1, dtype=torch.int32), torch.arange(s // k, dtype=torch.float32))
     texts = [f"response {first_token + i}" for i in range(s)]
-    return ScoredBatch(batch, texts, r > 0, out, hacked=torch.zeros(s, dtype=torch.bool), timeouts=1)
+    levels = torch.arange(s) // k + first_token  # (S,) a level per group, apart between draws
+    return ScoredBatch(batch, texts, r > 0, out, hacked=torch.zeros(s, dtype=torch.bool), timeouts=1,
+                       crashes=first_token, levels=levels)  # fmt: skip
 
 
 def test_varied_groups_and_the_choice_of_groups():
@@ -109,7 +111,8 @@ def test_concat_and_select_keep_each_groups_responses_together():
     a = _draw([3, 1, 2, 2], [0.0, 1.0, 1.0, 1.0], k, first_token=10)
     b = _draw([1, 4, 2, 3], [2.0, 0.0, -1.0, -1.0], k, first_token=20)
     both = concat_draws([a, b])
-    assert both.batch.lengths.numel() == 8 and both.timeouts == 2
+    assert both.batch.lengths.numel() == 8 and both.timeouts == 2 and both.crashes == 10 + 20
+    assert both.levels.tolist() == [10, 10, 11, 11, 20, 20, 21, 21]
     assert both.batch.bounds == both.batch.cu_seqlens.tolist() == [0, 3, 4, 6, 8, 9, 13, 15, 18]
     assert both.batch.responses == a.batch.responses + b.batch.responses
     torch.testing.assert_close(both.batch.rollout_logp, torch.cat([a.batch.rollout_logp, b.batch.rollout_logp]))
@@ -124,6 +127,7 @@ def test_concat_and_select_keep_each_groups_responses_together():
     assert picked.rewards.limit.tolist() == [0.0, 0.0]  # each draw's own group 0
     assert picked.correct.tolist() == [False, True, True, False]
     assert picked.texts == a.texts[:2] + b.texts[:2] and picked.timeouts == 0  # a draw's counts stay with it
+    assert picked.levels.tolist() == [10, 10, 20, 20] and picked.crashes == 0
 
 
 # -- dynamic sampling in the trainer ----------------------------------------------------------------------------

@@ -375,3 +375,18 @@ def test_without_a_generation_config_the_eos_ids_are_the_model_configs(tmp_path)
     tok.save_pretrained(tmp_path / "tokenizer")
     assert eos_ids_of(tok, tmp_path / "tokenizer") == eos_ids_of(AutoTokenizer.from_pretrained(tmp_path / "tokenizer"))
     assert eos_ids_of(tok, tmp_path / "tokenizer") == eos_ids_of(tok) == {eos}
+
+
+def test_a_tokenizer_without_eos_takes_the_models_ids_alone():
+    # a base model's tokenizer may name no EOS token while its generation config does: the ids are the config's,
+    # and a tokenizer and model that name none at all are refused in one line
+    tok = build_char_tokenizer()
+    eos, second = tok.eos_token_id, tok.convert_tokens_to_ids(USER)
+    tok.eos_token = None
+    assert tok.eos_token_id is None, "precondition: the tokenizer names no EOS"
+    model = build_tiny_model(tok, TinyModelConfig(**TINY_4_HEADS))
+    model.generation_config.eos_token_id = [eos, second]
+    assert eos_ids_of(tok, model) == {eos, second}
+    model.generation_config.eos_token_id = None
+    with pytest.raises(ValueError, match="no EOS id"):
+        eos_ids_of(tok, model)

@@ -198,6 +198,8 @@ def test_mode_accuracies_by_hand_with_a_problem_without_a_level():
     assert m["acc_thinking_l1"] == 0.5 and m["acc_free_direct_l2"] == 1.0
     assert math.isnan(m["acc_thinking_l2"]) and math.isnan(m["acc_forced_direct_l1"])  # no response there
     assert not any(k.endswith("_l-1") for k in m)  # a missing level is no level of its own
+    # level 0 is a level (a dataset may count from 0), only -1 is none
+    assert levels_present(torch.tensor([0, -1, 2, 0])) == [0, 2]
 
 
 def test_think_end_prob_is_the_arithmetic_mean_of_the_probabilities():
