@@ -90,9 +90,24 @@ def test_under_top_p_a_row_draws_the_same_whatever_batch_it_is_in():
     logits = (torch.randn(16, 5000) * 3).bfloat16().float()
     seeds = row_seeds(3, 0, 17)
     alone, alone_logp = seeded_sample(logits, seeds[:16], 2, temperature=1.0, top_p=0.95)
-    with_flat = torch.cat([logits, torch.zeros(1, 5000)])
+    with_flat = torch.cat([logits, -1e-4 * torch.arange(5000.0)[None]])  # nearly flat, no ties
     tokens, logp = seeded_sample(with_flat, seeds, 2, temperature=1.0, top_p=0.95)
     assert torch.equal(tokens[:16], alone) and torch.equal(logp[:16], alone_logp)
+    # and the flat row, whose cut lies past the candidates that suffice for the others, as it draws alone
+    flat, flat_logp = seeded_sample(with_flat[16:], seeds[16:], 2, temperature=1.0, top_p=0.95)
+    assert torch.equal(tokens[16:], flat) and torch.equal(logp[16:], flat_logp)
+    kept = int((_truth(with_flat[16], 1.0, 0.95) > 0).sum())
+    assert kept > 1024, "precondition: the flat row's cut lies past the first candidates"
+
+
+def test_a_row_of_nan_logits_draws_an_index_in_the_vocabulary_with_a_nan_log_prob():
+    # the NaN checks downstream report it; an index past the vocabulary would fail in the gather first, or worse
+    logits = torch.randn(3, 10)
+    logits[1] = float("nan")
+    for top_p in (1.0, 0.9):
+        tokens, logp = seeded_sample(logits, row_seeds(0, 0, 3), 0, temperature=1.0, top_p=top_p)
+        assert ((tokens >= 0) & (tokens < 10)).all() and logp[1].isnan()
+        assert not logp[[0, 2]].isnan().any()
 
 
 def test_top_p_over_a_flat_distribution_widens_its_search():

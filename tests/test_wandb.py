@@ -193,3 +193,19 @@ def test_missing_wandb_is_one_line_naming_the_extra(tmp_path, monkeypatch, capsy
 def test_wandb_is_imported_only_when_asked_for():
     code = "import sys, fasttnt.cli, fasttnt.trainer, fasttnt.runlog; assert 'wandb' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_the_training_run_of_a_model_folder(tmp_path):
+    # fasttnt eval of a run's final/ or of one of its checkpoints logs into that run: the folder's parent, or the
+    # parent of checkpoints/; a folder of no run with an id (another run's, or none) has none
+    from fasttnt.wandb_log import RUN_ID_FILE, training_run_of
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-000004").mkdir(parents=True)
+    (run / "final").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    assert training_run_of(str(run / "final")) is None, "precondition: no id file yet"
+    (run / RUN_ID_FILE).write_text("abc\n")
+    assert training_run_of(str(run / "final")) == run
+    assert training_run_of(str(run / "checkpoints" / "step-000004")) == run
+    assert training_run_of(str(tmp_path / "elsewhere")) is None

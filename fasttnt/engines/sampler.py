@@ -72,7 +72,9 @@ def top_p_cut(
         if k == z.shape[-1] or bool((cum[:, -1:] >= top_p * total).all()):  # sync: the search's stop
             break
         k = min(4 * k, z.shape[-1])
-    kept = (cum - p < top_p * total).sum(-1, keepdim=True)  # (B, 1) >= 1: the prefix's length
+    # (B, 1) the prefix's length, >= 1 (at least 1 for a NaN row too, whose comparisons are all False: its cut is
+    # then NaN, and its draw a NaN log-prob that the checks downstream report)
+    kept = (cum - p < top_p * total).sum(-1, keepdim=True).clamp_(min=1)
     return values.gather(-1, kept - 1)
 
 
