@@ -67,6 +67,17 @@ def test_hand_worked_edges(triton_path, scale):
         assert_close(got.mode.double(), torch.tensor(mode, dtype=torch.float64, device=DEVICE), name="mode")
 
 
+@pytest.mark.parametrize("scale", ["std", "none"])
+def test_groups_of_two_one_row_per_mode(triton_path, scale):
+    # the smallest group with a mode gap: each mode one row, so every answer advantage is 0 and the gap is the
+    # rewards' difference, signed by mode (a group of one row has none: test_group_size_one_is_zero)
+    out, ref = _both([1, 0, 0, 2, 1, 1], [T, N, T, N, N, T], 2, scale=scale, eps=0.0)
+    mode = torch.tensor([1.0, -1.0, -2.0, 2.0, 0.0, 0.0], dtype=torch.float64, device=DEVICE)
+    for got in (out, ref):
+        assert_close(got.answer.double(), torch.zeros_like(mode), name="answer")
+        assert_close(got.mode.double(), mode, name="mode")
+
+
 # (G, K) as group_advantages tests them: one group, the paper's 8, DeepScaleR's 16 x 128, dead tile columns
 @pytest.mark.parametrize("shape", [(1, 8), (128, 16), (7, 5), (3, 33), (500, 3)])
 @pytest.mark.parametrize("scale", ["std", "none"])
