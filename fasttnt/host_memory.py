@@ -7,9 +7,9 @@ process's memory, and reusable only by allocations that fit. A rollout frees tho
 (each step's logits, a KV cache grown by concatenation) and an update's layers allocate and free activations of
 tens of MiB. At the 0.5B shape at 512 tokens the update started 310 MiB lower with both calls than without
 (``benchmarks/RESULTS.md``); at the embedded default's tiny model they cost a sixth of its steps/s and saved
-67 MiB, so a run applies them only to a model of ``WORTH_IT_FROM_PARAMETER_BYTES`` and more (docs/design.md). Linux with
-glibc's own malloc only; elsewhere (another C library, or jemalloc or
-tcmalloc preloaded) both calls do nothing and return False.
+67 MiB, so a run applies them only to a model of ``WORTH_IT_FROM_PARAMETER_BYTES`` and more (docs/design.md).
+Linux with glibc's own malloc only; elsewhere (another C library, or jemalloc or tcmalloc preloaded) both calls do
+nothing and return False.
 """
 
 from __future__ import annotations
