@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -75,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     e2e.check(e2e_options, e2e_args)
     if e2e_args.trl_only:
         parser.error("--trl-only measures no commit")
+    if args.trl and importlib.util.find_spec("trl") is None:
+        parser.error("--trl: TRL is not installed (pip install trl)")
     e2e_args.start_model = e2e.model_folder(e2e_args, e2e.resolved_config(e2e_args))  # warmed up once, here
 
     rows = []
