@@ -94,9 +94,9 @@ def _init(wandb, settings: LoggingConfig, out: Path, run_id: str | None, *, name
         config=config,
         id=run_id,
         resume="allow",  # the id's run continued when it exists, else started under it
-        # the user's WANDB_DIR where set (clusters point it at a disk with room, as for TRL's and verl's runs; a
-        # dir= argument would override it), else the run's output folder
-        dir=None if os.environ.get("WANDB_DIR") else str(out),
+        # the user's WANDB_DIR where set (clusters point it at a disk with room, as for TRL's and verl's runs),
+        # else the run's output folder; passed, not left to wandb, whose settings outlive a run in its process
+        dir=os.environ.get("WANDB_DIR") or str(out),
     )
 
 
