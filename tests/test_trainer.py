@@ -214,6 +214,9 @@ def test_a_warm_up_cached_by_other_code_is_trained_again_and_said(tmp_path, caps
     stale = path.with_name(path.name.rsplit("-", 1)[0])  # the same configs, keyed before the code was
     stale.mkdir()
     (stale / "config.json").write_text("{}")  # never read: not this code's
+    interrupted = path.with_name(path.name + ".tmp")  # this code's warm-up, cut short before its rename: no entry
+    interrupted.mkdir()
+    (interrupted / "config.json").write_text("{}")
     _, _, got = warmed_up_model(tmp_path, model_cfg, warmup_cfg)
     assert got == path and (path / "config.json").is_file() and (path / "warmup.json").is_file()
     said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fasttnt:")]

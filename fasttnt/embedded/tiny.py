@@ -170,9 +170,13 @@ def warmup_cache_path(cache_dir: Path, model_cfg: TinyModelConfig, warmup_cfg: W
 
 def _stale_entries(path: Path) -> list[Path]:
     """Cached warm-ups of the same configs as ``path`` from other code (an entry made before the code key is
-    named by the configs' key alone)."""
+    named by the configs' key alone); an interrupted warm-up's ``.tmp`` folder is no entry."""
     same_configs = path.name.rsplit("-", 1)[0]
-    return sorted(p for p in path.parent.glob(f"{same_configs}*") if p != path and (p / "config.json").is_file())
+    return sorted(
+        p
+        for p in path.parent.glob(f"{same_configs}*")
+        if p != path and p.suffix != ".tmp" and (p / "config.json").is_file()
+    )
 
 
 def warmed_up_model(
