@@ -39,7 +39,8 @@ A case's tensors are made when it runs and freed after it. A case or provider wh
 is free (``torch.cuda.mem_get_info``; ``--memory-limit-gib`` caps it) is skipped with the reason. Every row (measured,
 failed, skipped, or not run before the ``--max-seconds`` deadline) is appended to the CSV and flushed as it is made,
 so a run that is killed keeps what it measured; the CSV also records the device, date, versions and command.
-The exit status is 1 when a row is ``FAIL``.
+Each reason for skipped rows, and the rows not run, get a line starting ``SKIPPED:``. The exit status is 1 when a row
+is ``FAIL``.
 """
 
 from __future__ import annotations
@@ -1036,7 +1037,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-only", action="store_true", help="only the fused-vs-materialised peak memory")
     parser.add_argument("--memory-tokens", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--memory-hidden", type=int, default=1536)
-    parser.add_argument("--chunk-mib", type=int, default=128, help="the fused op's logits budget per chunk")
+    parser.add_argument(
+        "--chunk-mib",
+        type=int,
+        default=None,
+        help="the fused ops' logits per chunk in the memory rows (default: the trainer's on this "
+        "device, fasttnt_kernels' default_chunk_bytes: 512 MiB on CUDA, 256 MiB on the CPU)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes: checks every code path runs")
     parser.add_argument("--max-seconds", type=float, default=None, help="start no case or provider after this")
     parser.add_argument("--memory-limit-gib", type=float, default=None, help="plan with at most this much memory")
@@ -1052,6 +1059,10 @@ def main(argv: list[str] | None = None) -> int:
         args.providers = args.providers or "trl,torch,liger"
     args.providers = args.providers or "trl,torch,compile,liger"
     csv_path = args.csv or (None if args.smoke else HERE / "results.csv")
+    if args.chunk_mib is None:  # the timed rows call the ops without chunk_bytes: the same default
+        from fasttnt_kernels._lm_head import default_chunk_bytes
+
+        args.chunk_mib = default_chunk_bytes(device) // 2**20
 
     import triton
 
@@ -1087,6 +1098,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"not run, past the {args.max_seconds:g} s deadline ({len(not_run)} rows):")
         for r in not_run:
             print(f"  {r['op']} {r['shape']} {r['provider']}")
+    skipped = [r for r in rows if r.get("status") == "skipped"]
+    if skipped or not_run:  # one line per reason, so a summary (gpu_check.sh) never reads them as measured
+        reasons: dict[str, int] = {}
+        for r in skipped:
+            reasons[r["note"]] = reasons.get(r["note"], 0) + 1
+        for note, count in reasons.items():
+            print(f"SKIPPED: {count} rows: {note}")
+        if not_run:
+            print(f"SKIPPED: {len(not_run)} rows not run, past the --max-seconds deadline")
     failed = [r for r in rows if r.get("status") == "FAIL"]
     print(
         f"{len(rows)} rows in {time.monotonic() - started:.0f} s: {sum(r.get('status') == 'ok' for r in rows)} ok, "

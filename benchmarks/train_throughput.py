@@ -1,5 +1,6 @@
 """Training-step throughput of a randomly initialised Qwen2-1.5B-shaped policy on packed micro-batches, through
-the project's own path: padding-free packed forward, ``linear_token_logprobs``, ``clipped_policy_loss``, backward.
+the update's own path: padding-free packed forward, then ``linear_policy_loss`` (the lm_head, the log-probs and the
+clipped policy loss in one chunked pass, at the trainer's chunk size, the gradient formed in its forward), backward.
 
     python benchmarks/train_throughput.py [--tokens 16384] [--steps 10] [--smoke]
 
@@ -10,6 +11,7 @@ with the attention term, against the H200's measured 790 TFLOP/s dense bf16). Me
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -31,8 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from fasttnt.attention import varlen_backend
     from fasttnt.engines import RolloutBatch
-    from fasttnt.policy import plan_micro_batches, response_logprobs
-    from fasttnt_kernels import clipped_policy_loss
+    from fasttnt.policy import MicroBatchLossInputs, as_head, micro_batch_loss, plan_micro_batches
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.smoke:
@@ -67,19 +68,25 @@ def main(argv: list[str] | None = None) -> int:
     batch = RolloutBatch(prompts, responses, cu, torch.zeros(n_seq, dtype=torch.bool, device=device), n_seq)
     advantages = torch.randn(n_seq, device=device)
     plan = plan_micro_batches(batch, args.tokens)  # one packed micro-batch
+    if len(plan) != 1:
+        raise SystemExit(f"{args.tokens} tokens planned as {len(plan)} micro-batches; the step times one")
     # the kernel the packed attention runs (fasttnt.attention): flash-attn, PyTorch's varlen, or SDPA per sequence
     attn = varlen_backend(
         torch.empty(1, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, device=device)
     )
 
+    head = as_head(model)
+    # on-policy (no old log-probs), as the update's single pass over a batch: Actor._micro_batch_loss's inputs
+    loss_inputs = MicroBatchLossInputs(advantages=advantages, cu_seqlens=cu)
+
     def step():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logp, _ = response_logprobs(model, batch, plan, temperature=1.0)
-        loss, _ = clipped_policy_loss(logp, logp.detach(), advantages, cu)
+            loss, stats, _ = micro_batch_loss(head, batch, plan[0], temperature=1.0, loss=loss_inputs)
         loss.backward()
         model.zero_grad(set_to_none=True)
+        return stats
 
-    step()  # compile, allocate
+    stats = step()  # compile, allocate
     times = []
     for _ in range(args.steps):
         if device.type == "cuda":
@@ -102,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         f"gradient checkpointing on"
     )
     print(f"{args.tokens} tokens per micro-batch ({n_seq} sequences of {args.seq_len}), {params / 1e9:.2f}B params")
+    # at random weights the policy is near uniform: its entropy near ln V says the fused loss saw the whole vocabulary
+    print(f"the update's loss (linear_policy_loss): token entropy {float(stats['entropy']):.3f} (ln V "
+          f"{math.log(shape['vocab_size']):.3f} at uniform)")  # fmt: skip
     print(
         f"step median {median * 1e3:.1f} ms (runs {', '.join(f'{t * 1e3:.0f}' for t in times)}); "
         f"{tokens_per_s:,.0f} tokens/s; MFU {100 * mfu:.1f}% of 790 TFLOP/s; peak memory {peak:.1f} GiB"

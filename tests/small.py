@@ -1,6 +1,7 @@
 """The test seed; the tiny model shapes the tests build; config overrides for a run of seconds (a 1-layer width-32
 tiny model, a short warm-up, 4 prompts x 4 samples, seeded from the test seed) and a run under them; a run's logged
-metrics (all, and the deterministic ones); and a free port for the launchers."""
+metrics (all, and the deterministic ones); a free port for the launchers, and a launched job that cannot outlive a
+test."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import os
 import random
 import re
 import shutil
+import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -82,6 +85,33 @@ def metric_rows(out) -> list[dict]:
 def deterministic(row: dict) -> dict:
     """A metrics row without its times and rates: what two runs of the same config log alike."""
     return {k: v for k, v in row.items() if not k.startswith("time_") and not k.endswith("_per_s")}
+
+
+def run_job(cmd: list[str], *, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run`` of a launcher (deepspeed, torchrun) and its ranks, in a process group of their own: past
+    ``timeout`` the whole group is killed, ranks included, and the test fails naming the hang (``subprocess.run``
+    kills the launcher alone, and ranks blocked in a collective would outlive the test)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        hung = f"the job hung: killed with its ranks after {timeout:g} s: {' '.join(cmd)}"
+        raise AssertionError(f"{hung}\n{stdout[-2000:]}{stderr[-3000:]}") from None
+    finally:
+        if proc.poll() is None or _group_alive(proc.pid):  # a rank the launcher left behind after it exited
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def free_port() -> int:

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from small import SMALL
+
+from fasttnt_kernels._lm_head import default_chunk_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,7 +71,10 @@ def test_bench_kernels_smoke(tmp_path):
     assert status["linear_token_logprobs", "liger"]["status"] == liger
     assert status["linear_policy_loss", "liger (fused linear CE)"]["status"] == liger
     memory = [r for r in rows if r["peak_mib"] and not r["fwd_ms"]]
-    expected = {"fasttnt (128 MiB chunks)", "fasttnt linear_policy_loss (128 MiB chunks)", "torch (materialised)"}
+    # at the trainer's own chunk on this device (the timed rows call the ops with the same default)
+    mib = default_chunk_bytes(torch.device("cpu")) // 2**20
+    assert mib != 128, "precondition: the trainer's chunk is not the script's former fixed 128 MiB"
+    expected = {f"fasttnt ({mib} MiB chunks)", f"fasttnt linear_policy_loss ({mib} MiB chunks)", "torch (materialised)"}
     if importlib.util.find_spec("trl"):
         expected.add("trl (ChunkedLogProbFunction)")
     assert {r["provider"] for r in memory} == expected
@@ -157,9 +163,31 @@ def test_bench_kernels_csv_is_written_row_by_row(tmp_path):
         assert len(rows) == 2 + i and rows[-1]["fwd_ms"] == "2" and rows[-1]["date"] == "2026-12-01"
 
 
+def test_quickstart_spread_runs_each_seed_from_an_empty_cache_once(tmp_path):
+    # a short run per seed, one thread: each trains its own warm-up (its cache folder starts empty), and the table
+    # holds each run's last-5 means and their range; a second call runs nothing again
+    overrides = [o for o in SMALL if not o.startswith("warmup.seed=")] + ["steps=10", "save_every=10"]
+    args = ["benchmarks/quickstart_spread.py", "--seeds", "0", "1", "--out", str(tmp_path), *overrides]
+    _run(*args)
+    spread = json.loads((tmp_path / "spread.json").read_text())
+    assert [r["run"] for r in spread["runs"]] == ["seed0-threads1", "seed1-threads1"]
+    for seed in (0, 1):
+        (entry,) = (tmp_path / f"seed{seed}-threads1" / "cache").iterdir()  # its own warm-up, trained here
+        assert (entry / "warmup.json").is_file() and json.loads((entry / "warmup.json").read_text())["seed"] == seed
+    last = [r["last"]["acc"] for r in spread["runs"]]
+    assert spread["last_range"]["acc"] == [min(last), max(last)]
+    walls = [json.loads((tmp_path / f"seed{s}-threads1" / "wall.json").read_text()) for s in (0, 1)]
+    out = _run(*args)
+    assert "exit 0 after" not in out  # nothing ran again
+    assert walls == [json.loads((tmp_path / f"seed{s}-threads1" / "wall.json").read_text()) for s in (0, 1)]
+
+
 def test_train_throughput_smoke():
     out = _run("benchmarks/train_throughput.py", "--smoke")
     assert "tokens/s" in out and "MFU" in out
+    # the update's own fused loss ran: its entropy, within a tenth of uniform's ln V at random weights
+    entropy, uniform = (float(x) for x in re.search(r"token entropy ([\d.]+) \(ln V ([\d.]+)", out).groups())
+    assert abs(entropy - uniform) < 0.1 * uniform, out
 
 
 def test_rollout_engines_smoke(tmp_path):
@@ -183,6 +211,7 @@ def test_lm_head_floor_smoke(tmp_path):
 def test_packed_attention_check_smoke():
     out = _run("benchmarks/packed_attention_check.py", "--smoke")
     assert "packed attention sdpa_padded" in out and out.rstrip().endswith("OK")
+    assert "SKIPPED: flash-attn's varlen kernel (the CPU runs no FlashAttention)" in out  # said, not passed as checked
 
 
 def test_cpu_packed_attention_smoke():
@@ -302,10 +331,70 @@ def test_trl_loss_smoke(tmp_path):
     assert numbers["fasttnt"]["peak_rss_mib"] > 0 and "steps/s with fasttnt's loss" in out
 
 
+# a stand-in for the interpreter gpu_check.sh runs each part with (its PYTHON): each part's outcome chosen by the
+# script it is given, so that the check's own verdicts are tested here; the parts themselves run for real in the
+# tests around this one (their --smoke runs)
+_PARTS = """#!/bin/sh
+case "$*" in
+  "-m pytest "*) echo "3 passed, 1 skipped"; echo "SKIPPED [1] tests/kernels/test_dispatch.py:51: needs CUDA" ;;
+  *bench_kernels.py*) echo "SKIPPED: 4 rows: not importable: No module named 'liger_kernel'" ;;
+  *packed_attention_check.py*) echo "OK" ;;
+  *train_throughput.py*) echo "step median 1 ms" ;;
+  *gpu_loop.py*) echo "embedded default: loss finite at every step: False"; exit 1 ;;
+  *) exit 0 ;;  # the versions printed, pytest-xdist looked for
+esac
+"""
+
+
+def test_gpu_check_says_ok_skipped_or_failed_per_part(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text(_PARTS)
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": str(fake)}
+    result = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--smoke", str(out)],
+                            capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    assert result.returncode == 1, result.stdout  # a part failed
+    verdicts = dict(
+        line.split(": ", 1) for line in (out / "summary.txt").read_text().splitlines() if line.startswith(
+            ("kernel_tests:", "bench_kernels:", "packed_attention:", "train_throughput:", "gpu_loop:"))
+    )  # fmt: skip
+    assert verdicts["kernel_tests"].startswith("SKIPPED in part: SKIPPED [1] tests/kernels/test_dispatch.py:51")
+    assert verdicts["bench_kernels"].startswith("SKIPPED in part: SKIPPED: 4 rows: not importable")
+    assert verdicts["packed_attention"].startswith("OK") and verdicts["train_throughput"].startswith("OK")
+    assert verdicts["gpu_loop"].startswith("FAILED (exit 1)")
+    assert "FAILED: gpu_loop; skipped in part: kernel_tests bench_kernels" in (out / "summary.txt").read_text()
+    # each part's output kept as it came, and nothing else: a handful of small files to copy back
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["summary.txt", "kernel_tests.txt", "bench_kernels.txt", "packed_attention.txt", "train_throughput.txt",
+         "gpu_loop.txt"])  # fmt: skip
+
+
+def test_gpu_loop_keeps_each_finished_run_when_a_later_one_fails(tmp_path, monkeypatch):
+    # as a run stopped at its time limit: the JSON holds every run that ended before it
+    gpu_loop = _module("gpu_loop")
+    train = gpu_loop.train
+
+    def second_fails(name, *args):
+        if name == "real vocabulary":
+            raise KeyboardInterrupt("stopped at the limit")
+        return train(name, *args)
+
+    monkeypatch.setattr(gpu_loop, "train", second_fails)
+    with pytest.raises(KeyboardInterrupt):
+        gpu_loop.main(["--smoke", "--out", str(tmp_path)])
+    runs = json.loads((tmp_path / "gpu_loop.json").read_text())["runs"]
+    assert [r["run"] for r in runs] == ["embedded default"] and runs[0]["loss_finite"]
+
+
 def test_gpu_loop_smoke(tmp_path):
     # the GPU check's loop script, run on the CPU with its --smoke shapes, so its own code has run before a GPU does
     out = _run("benchmarks/gpu_loop.py", "--smoke", "--out", str(tmp_path))
     assert "embedded default: 1 steps, loss finite at every step: True" in out and out.rstrip().endswith("OK")
+    assert "SKIPPED: DeepSpeed's autocast section (--smoke)" in out  # said, never passed as checked
     runs = json.loads((tmp_path / "gpu_loop.json").read_text())["runs"]
     assert [r["run"] for r in runs] == ["embedded default", "real vocabulary"]
+    assert all(r["update_ran"] and r["skipped_seq_frac"] == [0.0] for r in runs)  # every sequence trained
+    # the runs' folders (the stand-in model, checkpoints: GBs at the real shape) went to a temporary folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_loop.json"]
     assert all(0 <= r["rollout_logp_diff_max"] < 1e-4 for r in runs)  # float32 on the CPU: the same weights

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import varied
 from small import SMALL as SMALL_BASE
-from small import free_port, launch_command, metric_rows
+from small import free_port, launch_command, metric_rows, run_job
 
 pytest.importorskip("deepspeed")
 
@@ -22,7 +22,7 @@ pytest.importorskip("deepspeed")
 # has a gradient, so ranks that diverged in the update would show
 SMALL = [*SMALL_BASE, varied.OVERRIDE, "steps=3", "save_every=2", "optim.lr=1e-2", "loss.entropy_coef=0.01"]
 # A hang guard for every launched job: each takes under a minute on 2 idle cores, and over 240 s was measured beside
-# five other jobs on those cores; a job that hangs still fails, after HANG_S
+# five other jobs on those cores; a job that hangs still fails, after HANG_S, its ranks killed with it (run_job)
 HANG_S = 600
 # DeepSpeed sees no accelerator here and picks its CPU one; keep its launcher from probing for GPUs
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": varied.PYTHONPATH}
@@ -30,8 +30,7 @@ ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPAT
 
 def _launch(launcher: str, out: Path, cache: Path, *extra: str, resume: bool = False) -> subprocess.CompletedProcess:
     args = ["train", "--output-dir", str(out), *(["--resume"] if resume else []), f"cache_dir={cache}", *SMALL, *extra]
-    return subprocess.run(launch_command(launcher, varied.MODULE, *args), capture_output=True, text=True, env=ENV,
-                          timeout=HANG_S)  # fmt: skip
+    return run_job(launch_command(launcher, varied.MODULE, *args), env=ENV, timeout=HANG_S)
 
 
 KEYS = ("loss", "grad_norm", "reward", "acc", "len", "non_thinking_ratio", "entropy", "kl", "clip_frac")
@@ -148,6 +147,44 @@ def test_the_rank_helpers_over_a_world_of_one(tmp_path):
         dist.destroy_process_group()
 
 
+RANK_HELPERS = """
+import sys
+import torch
+from fasttnt import distributed
+
+def main():
+    ctx = distributed.init("cpu")
+    r = ctx.rank  # rank 0 and rank 1 hold different values: a helper that skips its collective returns its own
+    got = {
+        "max": distributed.max_over_ranks(ctx, 3 + 9 * r),
+        "min": distributed.min_over_ranks(ctx, torch.tensor([5.0, 2.0 - r])),
+        "any": distributed.any_over_ranks(ctx, r == 1, False),
+        "sum": distributed.sum_over_ranks(ctx, torch.tensor([1.0 + r, 10.0 * r])).tolist(),
+        "named": {k: float(v) for k, v in distributed.sum_named_over_ranks(
+            ctx, {"tokens": torch.tensor(4.0 + r), "seqs": torch.tensor(1.0)}).items()},
+    }
+    want = {"max": 12, "min": 1.0, "any": (True, False), "sum": [3.0, 10.0], "named": {"tokens": 9.0, "seqs": 2.0}}
+    if got != want:
+        raise AssertionError(f"rank {r}: {got} != {want}")
+    print(f"rank {r} combined both ranks' values", flush=True)
+    distributed.shutdown()
+    return 0
+
+sys.exit(distributed.fail_fast(main))
+"""
+
+
+def test_the_rank_helpers_combine_both_ranks_values(tmp_path):
+    # each rank holds its own values, so a helper that skipped its collective (or reduced the wrong way) is an
+    # error in seconds here, not a ZeRO-3 job whose ranks wait for each other's gathers until the hang guard
+    script = tmp_path / "helpers.py"
+    script.write_text(RANK_HELPERS)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    result = run_job([*torchrun, "--master-port", str(free_port()), str(script)], env=ENV, timeout=HANG_S)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert all(f"rank {r} combined both ranks' values" in result.stdout for r in (0, 1))
+
+
 FAILING = """
 import sys
 from fasttnt import distributed
@@ -172,7 +209,7 @@ def test_a_failing_rank_ends_the_job(tmp_path, launcher):
     else:
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
         cmd = [*torchrun, "--master-port", str(free_port()), str(script)]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=HANG_S)  # a hang fails here
+    result = run_job(cmd, env=ENV, timeout=HANG_S)  # a hang fails here
     assert result.returncode != 0
     assert "rank 1 cannot read its shard" in result.stdout + result.stderr
 
@@ -215,7 +252,7 @@ def test_zero3_generation_with_uneven_lengths_does_not_hang(tmp_path):
     script = tmp_path / "uneven.py"
     script.write_text(UNEVEN_GENERATION)
     cmd = [shutil.which("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), str(script)]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=HANG_S)  # a hang fails here
+    result = run_job(cmd, env=ENV, timeout=HANG_S)  # a hang fails here
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rank 0 generated 3" in result.stdout and "rank 1 generated 12" in result.stdout
 
@@ -303,7 +340,7 @@ def test_bf16_autocast_reaches_the_forward_inside_deepspeeds_engine(tmp_path):
     script.write_text(AUTOCAST_INSIDE_DEEPSPEED)
     args = [str(tmp_path / "run"), f"cache_dir={tmp_path / 'cache'}", *SMALL, "model.dtype=bfloat16"]
     cmd = [shutil.which("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), str(script), *args]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=HANG_S)
+    result = run_job(cmd, env=ENV, timeout=HANG_S)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     for rank in (0, 1):
         assert f"rank {rank} trained in ['torch.bfloat16'] through DeepSpeedEngine" in result.stdout, result.stdout[

@@ -12,11 +12,15 @@ same responses and the coverage checks below (rows truncated, rows finished, com
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
-from small import TINY_4_HEADS, TINY_GQA, biased_lm_head, glibc_on_linux, resident_mib
+from small import TINY_4_HEADS, TINY_GQA, biased_lm_head, glibc_on_linux
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -297,23 +301,43 @@ def test_training_mode_is_restored_when_generation_fails():
     assert model.training
 
 
+# glibc's thresholds are the process's and move with what it freed before (a freed mmapped block raises both): the
+# test runs in a process of its own, so that no test before it in the suite decides its precondition
+_HEAP_AFTER_A_ROLLOUT = """
+import sys
+import torch
+from small import TINY_GQA, resident_mib
+from fasttnt.embedded.char_tokenizer import build_char_tokenizer
+from fasttnt.embedded.tiny import TinyModelConfig, build_tiny_model
+from fasttnt.engines import EngineSettings
+from fasttnt.engines.hf import HFEngine
+
+give_back = sys.argv[1] == "1"
+tok = build_char_tokenizer()
+engine = HFEngine(build_tiny_model(tok, TinyModelConfig(**TINY_GQA)), tok,
+                  EngineSettings(max_new_tokens=8, temperature=1.0, top_p=1.0, give_back_heap=give_back))
+# what a rollout leaves: many small freed blocks (KV caches and logits) in glibc's free lists, still resident.
+# 64 KiB blocks are under glibc's mmap threshold (at least 128 KiB): they come from the heap, not from mmap
+blocks = [torch.ones(16 * 1024) for _ in range(3200)]  # 3200 x 64 KiB = 200 MiB, touched
+held = resident_mib()
+del blocks
+assert resident_mib() > held - 50, "precondition: glibc keeps the freed blocks until asked"
+engine.end_rollout()
+if give_back:
+    assert resident_mib() < held - 100, "the 200 MiB freed were not given back"
+else:  # a model too small for it to pay (host_memory.worth_it): the heap is left as it is
+    assert resident_mib() > held - 50, "the heap was trimmed without give_back_heap"
+print("heap checked")
+"""
+
+
 @pytest.mark.skipif(not glibc_on_linux(), reason="glibc's malloc on Linux")
 @pytest.mark.parametrize("give_back", [True, False])
 def test_the_end_of_a_rollout_gives_the_freed_heap_back(give_back):
-    # what a rollout leaves: many small freed blocks (KV caches and logits) in glibc's free lists, still resident.
-    # 64 KiB blocks are under glibc's mmap threshold (at least 128 KiB): they come from the heap, not from mmap
-    tok, model = _model("qwen2")
-    settings = EngineSettings(max_new_tokens=8, temperature=1.0, top_p=1.0, give_back_heap=give_back)
-    engine = HFEngine(model, tok, settings)
-    blocks = [torch.ones(16 * 1024) for _ in range(3200)]  # 3200 x 64 KiB = 200 MiB, touched
-    held = resident_mib()
-    del blocks
-    assert resident_mib() > held - 50, "precondition: glibc keeps the freed blocks until asked"
-    engine.end_rollout()
-    if give_back:
-        assert resident_mib() < held - 100, "the 200 MiB freed were not given back"
-    else:  # a model too small for it to pay (host_memory.worth_it): the heap is left as it is
-        assert resident_mib() > held - 50, "the heap was trimmed without give_back_heap"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    done = subprocess.run([sys.executable, "-c", _HEAP_AFTER_A_ROLLOUT, "1" if give_back else "0"],
+                          capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert done.returncode == 0 and "heap checked" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
 
 
 # -- the EOS ids: the tokenizer's and every one of the model's generation config ----------------------------------

@@ -8,7 +8,6 @@ is tested against a stand-in (tests/test_vllm_engine.py)."""
 from __future__ import annotations
 
 import os
-import subprocess
 from dataclasses import replace
 
 import pytest
@@ -17,7 +16,7 @@ import torch
 vllm = pytest.importorskip("vllm")
 
 import varied  # noqa: E402
-from small import LAUNCHER_ENV, deterministic, launch_command, metric_rows, train  # noqa: E402
+from small import LAUNCHER_ENV, deterministic, launch_command, metric_rows, run_job, train  # noqa: E402
 
 from fasttnt.cli import main as cli_main  # noqa: E402
 from fasttnt.data import PromptMode, build_prompt, think_end_token_id  # noqa: E402
@@ -124,8 +123,7 @@ def test_two_ranks_each_with_its_engine(tmp_path, stage):
     out = tmp_path / f"zero{stage}"
     args = ["train", "--output-dir", str(out), f"cache_dir={tmp_path / 'cache'}", *RUN, "steps=20",
             f"distributed.zero_stage={stage}"]  # fmt: skip
-    result = subprocess.run(launch_command("torchrun", varied.MODULE, *args), capture_output=True, text=True,
-                            env=ENV, timeout=600)  # fmt: skip
+    result = run_job(launch_command("torchrun", varied.MODULE, *args), env=ENV, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     rows = metric_rows(out)
     assert [r["step"] for r in rows] == list(range(1, 21))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from small import launch_command, metric_rows, run_overrides, train
+from small import launch_command, metric_rows, run_job, run_overrides, train
 
 pytest.importorskip("wandb")
 
@@ -141,8 +141,7 @@ def test_only_rank_zero_logs_under_two_ranks(tmp_path):
     out = tmp_path / "run"
     args = ["train", "--output-dir", str(out), *run_overrides(tmp_path, "logging.wandb=true", steps=2)]
     env = {**os.environ, **WANDB_ENV, **_wandb_dirs(tmp_path), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(launch_command("torchrun", "fasttnt", *args), capture_output=True, text=True, env=env,
-                          timeout=600)  # fmt: skip
+    done = run_job(launch_command("torchrun", "fasttnt", *args), env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     state = json.loads((out / "checkpoints" / "step-000002" / "trainer_state.json").read_text())
     assert state["world"] == 2, "the job did not run on 2 ranks"

@@ -28,7 +28,7 @@ def _path_taken(monkeypatch, logits) -> list[str]:
 
         monkeypatch.setattr(token_logprobs_module, name, spy)
     x = logits.clone().requires_grad_()
-    token_logprobs(x, torch.zeros(x.shape[0], dtype=torch.long))
+    token_logprobs(x, torch.zeros(x.shape[0], dtype=torch.long, device=x.device))
     return taken
 
 
@@ -39,10 +39,19 @@ def test_cpu_tensors_take_the_pytorch_path_by_default(monkeypatch):
 
 
 def test_forcing_either_path(monkeypatch):
+    # Triton runs CPU tensors only under its interpreter, which conftest.py sets where there is no CUDA; with CUDA
+    # the kernels are compiled, and forced Triton needs CUDA tensors
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     monkeypatch.setenv(_common.BACKEND_ENV, "triton")
-    assert _path_taken(monkeypatch, torch.randn(2, 5)) == ["triton"]
+    assert _path_taken(monkeypatch, torch.randn(2, 5, device=device)) == ["triton"]
     monkeypatch.setenv(_common.BACKEND_ENV, "torch")
-    assert _path_taken(monkeypatch, torch.randn(2, 5)) == ["torch"]
+    assert _path_taken(monkeypatch, torch.randn(2, 5, device=device)) == ["torch"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensors_take_the_triton_path_by_default(monkeypatch):
+    monkeypatch.delenv(_common.BACKEND_ENV, raising=False)
+    assert _path_taken(monkeypatch, torch.randn(2, 5, device="cuda")) == ["triton"]
 
 
 def test_unknown_backend_names_the_variable(monkeypatch):

@@ -52,7 +52,7 @@ def _batch(dtype=torch.float32, *, spread=0.5, logits_dtype=None):
     # the log-probs' rounding of one (16-bit logits: a per-token bound; float32: 10x a float32 matmul's error)
     old = logp + torch.randn(n, device=DEVICE) * spread
     if (logits_dtype or dtype) == torch.bfloat16:
-        margin = bf16_logit_bounds(hidden.bfloat16(), weight.bfloat16(), ids, a=torch.zeros(n))["logp"]
+        margin = bf16_logit_bounds(hidden.bfloat16(), weight.bfloat16(), ids, a=torch.zeros(n, device=DEVICE))["logp"]
     else:
         margin = 10 * FP32_LOG_RATIO_MARGIN
     old = off_the_bounds(logp, old, spread=spread, margin=margin)

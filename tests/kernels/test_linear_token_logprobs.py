@@ -133,7 +133,7 @@ def test_peak_memory_is_one_chunk_not_n_by_v(monkeypatch):
     # for 256 rows is 32 MiB (and autograd keeps more); the chunked op at 1 MiB chunks must stay far below that.
     monkeypatch.setenv("FASTTNT_KERNELS", "torch")
     n, h, v = 256, 16, 32768
-    hidden, weight, ids = _inputs(n, h, v, torch.float32)
+    hidden, weight, ids = (t.cpu() for t in _inputs(n, h, v, torch.float32))  # CPU tensors, whatever DEVICE is
     hidden.requires_grad_()
     weight.requires_grad_()
     n_by_v = n * v * 4
