@@ -102,9 +102,10 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class LossConfig:
-    # clip_low, clip_high, dual_clip, kl_coef, entropy_coef, agg and norm_length are the kernel's PolicyLossConfig,
-    # by name: the trainer builds that one object from them (PolicyLossConfig.of) and hands it to the loss, and
-    # validate() runs the kernel type's own checks on them (one set of checks, from the config to the kernel)
+    # clip_low, clip_high, dual_clip, kl_coef, entropy_coef, agg, norm_length, policy_loss and the SAPO
+    # temperatures are the kernel's PolicyLossConfig, by name: the trainer builds that one object from them
+    # (PolicyLossConfig.of) and hands it to the loss, and validate() runs the kernel type's own checks on them (one
+    # set of checks, from the config to the kernel)
     adv_scale: Literal["std", "none"] = "std"
     adv_eps: float = 1e-6
     clip_low: float = 0.2
@@ -114,6 +115,11 @@ class LossConfig:
     entropy_coef: float = 0.0
     agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     norm_length: float | None = None
+    # the policy-gradient term (fasttnt_kernels.clipped_policy_loss: verl's names): "vanilla", the clipped surrogate;
+    # "cispo", the clipped importance weight, detached, times A log pi; "sapo", a soft gate in place of the clip
+    policy_loss: Literal["vanilla", "cispo", "sapo"] = "vanilla"
+    sapo_tau_pos: float = 1.0  # SAPO's gate temperature for a positive advantage
+    sapo_tau_neg: float = 1.05  # and for the others
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer steps per rollout batch and epoch
     # importance weights exp(old - rollout) for the engine/trainer mismatch (fasttnt_kernels.rollout_correction_
@@ -312,7 +318,7 @@ def validate(cfg: TrainConfig) -> None:
         f"{loss.mini_batches} mini-batches do not divide rollout.prompts_per_step={r.prompts_per_step}",
     )
     need(loss.ppo_epochs >= 1, "loss.ppo_epochs", "must be >= 1")
-    with named_by_key("loss"):  # clip_low, clip_high, dual_clip, kl_coef, agg, norm_length, entropy_coef
+    with named_by_key("loss"):  # the fields of the kernel's PolicyLossConfig (LossConfig's comment)
         PolicyLossConfig.of(loss)
     need(loss.rollout_correction_cap >= 1, "loss.rollout_correction_cap", "must be >= 1 (1 means on-policy)")
     floor = loss.mode_token_floor

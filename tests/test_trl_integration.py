@@ -106,14 +106,24 @@ CASES = [
     dict(loss_type="grpo", beta=0.0, delta=1.1),  # below 1 + epsilon_high: clip_high 0.1 and a dual clip at 1.28
     dict(loss_type="grpo", beta=0.04, is_ratio=True),  # vLLM's importance-sampling correction
     dict(loss_type="bnpo", beta=0.0, on_policy=True),  # no old log-probs: TRL uses the detached current ones
+    # CISPO's cap: TRL's default (epsilon_high = epsilon: weights capped at 0.2), and one in the ratios' range
+    dict(loss_type="cispo", beta=0.0, epsilon_high=0.2),
+    dict(loss_type="cispo", beta=0.04, epsilon_high=1.1, steps_per_generation=2, is_ratio=True),
+    dict(loss_type="sapo", beta=0.0),
+    dict(loss_type="sapo", beta=0.04, sapo_temperature_pos=0.5, sapo_temperature_neg=2.0, is_ratio=True),
 ]
+# the metrics TRL's loss logs beside entropy and kl, by loss type
+_CLIP_METRICS = {"cispo": ["cispo_clip_ratio"], "sapo": []}
+_SURROGATE_METRICS = ["clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_mean", "clip_ratio/high_max",
+                      "clip_ratio/region_mean"]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_the_loss_and_its_gradients_equal_trls_own(tmp_path, case):
     case = dict(case)
     is_ratio, on_policy = case.pop("is_ratio", False), case.pop("on_policy", False)
-    _, (stock, fast) = _trainers(tmp_path, epsilon=0.2, epsilon_high=0.28, use_bias_correction_kl=False, **case)
+    _, (stock, fast) = _trainers(tmp_path, **{"epsilon": 0.2, "epsilon_high": 0.28, "use_bias_correction_kl": False,
+                                              **case})  # fmt: skip
     for trainer in (stock, fast):
         trainer.model.train()
         trainer.current_gradient_accumulation_steps = 2  # set by Trainer.train; 2 exercises the normalisers
@@ -127,11 +137,11 @@ def test_the_loss_and_its_gradients_equal_trls_own(tmp_path, case):
     for name, g in want_grads.items():
         atol = 1e-5 * float(g.abs().max()) + 1e-9
         torch.testing.assert_close(got_grads[name], g, rtol=1e-5, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
-    if not on_policy:  # the case clips: TRL's clip metrics see it too
-        assert fast._metrics["train"]["clip_ratio/region_mean"][-1] > 0
+    clip_metrics = _CLIP_METRICS.get(case["loss_type"], _SURROGATE_METRICS)
+    if not on_policy and clip_metrics:  # the case clips: TRL's clip metrics see it too
+        assert fast._metrics["train"][clip_metrics[-1]][-1] > 0
     # every metric TRL's loss logs, logged by fasttnt's with TRL's value
-    names = ["entropy", "clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_mean", "clip_ratio/high_max",
-             "clip_ratio/region_mean", *(["kl"] if case["beta"] else [])]  # fmt: skip
+    names = ["entropy", *clip_metrics, *(["kl"] if case["beta"] else [])]
     assert set(stock._metrics["train"]) <= {*names, "num_tokens"} | set(fast._metrics["train"])
     for name in names:
         want_metric, got_metric = stock._metrics["train"][name][-1], fast._metrics["train"][name][-1]
@@ -154,7 +164,7 @@ def test_old_and_reference_logprobs_equal_trls(tmp_path):
 @pytest.mark.parametrize(
     ("option", "message"),
     [
-        (dict(loss_type="cispo"), "loss_type='cispo' is not supported.*'grpo', 'bnpo', 'dr_grpo', 'dapo'"),
+        (dict(loss_type="vespo"), "loss_type='vespo' is not supported.*'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo'"),
         (dict(importance_sampling_level="sequence", loss_type="grpo"), "importance_sampling_level"),
         (dict(entropy_coef=0.01), "entropy_coef"),
         (dict(beta=0.04), "use_bias_correction_kl=True .*set it to False"),

@@ -18,7 +18,10 @@ optimizer) is TRL's. The semantics are TRL's own ``_compute_loss``'s, option for
 
     loss_type     grpo (per-sequence token mean, batch mean), bnpo (token mean of the micro-batch), dr_grpo
                   (token sum / (sequences x max_completion_length)), dapo (token sum / the generation batch's
-                  tokens); the others (cispo, sapo, vespo, luspo) are refused
+                  tokens); cispo (normalised as dapo: the weight min(r, epsilon_high), detached, times -A log pi,
+                  which is fasttnt's policy_loss="cispo" with clip_low = 1 and clip_high = epsilon_high - 1; delta
+                  does not apply), sapo (normalised as grpo: the soft gate at sapo_temperature_pos/_neg, fasttnt's
+                  policy_loss="sapo"); vespo and luspo (sequence-level weights) are refused
     epsilon, epsilon_high   the clip range
     delta         TRL's two-sided clip, which caps the ratio at delta in both of its loss's branches. With
                   delta >= 1 + epsilon_high (what TRL recommends) that is fasttnt's dual clip at delta; with
@@ -67,11 +70,13 @@ TRL_VERSION = "1.16.0"
 if Version(version("trl")) < Version(TRL_VERSION):
     raise ImportError(f"fasttnt.integrations.trl needs trl>={TRL_VERSION} (found {version('trl')})")
 
-SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+# the loss types of the clipped surrogate (TRL's two-sided clip, delta, applies to these)
+_CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 # per loss_type: fasttnt's aggregation (the normalisers are set per call in _loss_normalisers)
 _AGGREGATION = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dr_grpo": "seq-mean-token-sum-norm",
-                "dapo": "token-mean"}  # fmt: skip
+                "dapo": "token-mean", "cispo": "token-mean", "sapo": "seq-mean-token-mean"}  # fmt: skip
 
 
 def check_grpo_config(args) -> None:
@@ -88,7 +93,7 @@ def check_grpo_config(args) -> None:
         # TRL's default; it weights the KL term by the ratio (with its gradient), which fasttnt's loss does not
         "use_bias_correction_kl": args.beta != 0.0 and bool(option("use_bias_correction_kl", False)),
         "entropy_coef": option("entropy_coef", 0.0) != 0.0 or bool(option("use_adaptive_entropy", False)),
-        "delta": args.delta is not None and args.delta <= 1.0,
+        "delta": args.delta is not None and args.delta <= 1.0 and args.loss_type in _CLIPPED,
     }
     for option, bad in refused.items():
         if bad:
@@ -98,6 +103,17 @@ def check_grpo_config(args) -> None:
                 + ("; fasttnt's limit, not TRL's: delta must be > 1" if option == "delta" else "")
                 + ("; set it to False with beta > 0" if option == "use_bias_correction_kl" else "")
             )
+
+
+def loss_options(loss_type: str, epsilon_low: float, epsilon_high: float, delta: float | None, args=None) -> dict:
+    """TRL's loss_type, clip range, two-sided clip and SAPO temperatures as fasttnt's ``PolicyLossConfig`` fields
+    (module docstring): the clipped surrogate's (``clip_options``), CISPO's cap, SAPO's gate."""
+    if loss_type == "cispo":  # TRL: clamp(r, max=epsilon_high), no bound below
+        return {"policy_loss": "cispo", "clip_low": 1.0, "clip_high": epsilon_high - 1.0, "dual_clip": None}
+    if loss_type == "sapo":
+        return {"policy_loss": "sapo", "clip_low": epsilon_low, "clip_high": epsilon_high, "dual_clip": None,
+                "sapo_tau_pos": args.sapo_temperature_pos, "sapo_tau_neg": args.sapo_temperature_neg}  # fmt: skip
+    return clip_options(epsilon_low, epsilon_high, delta)
 
 
 def clip_options(epsilon_low: float, epsilon_high: float, delta: float | None) -> dict:
@@ -228,7 +244,7 @@ class FastTNTGRPOTrainer(GRPOTrainer):
             advantages=advantages,
             cu_seqlens=cu_seqlens,
             temperature=self.temperature,
-            **clip_options(self.epsilon_low, self.epsilon_high, self.args.delta),
+            **loss_options(self.loss_type, self.epsilon_low, self.epsilon_high, self.args.delta, self.args),
             ref_logp=None if ref is None else ref[valid],
             kl_coef=self.beta,
             is_weights=is_weights,
@@ -257,7 +273,7 @@ class FastTNTGRPOTrainer(GRPOTrainer):
         """TRL's normaliser of each loss_type as fasttnt's total_tokens / total_seqs (TRL divides every loss
         but dapo's by the gradient-accumulation steps; dapo's counts the generation batch's tokens)."""
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
-        if self.loss_type == "grpo":
+        if self.loss_type in ("grpo", "sapo"):
             return {"total_seqs": sequences * accumulation}
         if self.loss_type == "bnpo":
             return {"total_tokens": max(tokens, 1) * accumulation}
@@ -274,7 +290,7 @@ class FastTNTGRPOTrainer(GRPOTrainer):
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # (B,)
         a = torch.repeat_interleave(advantages, lengths, output_size=log_ratio.numel())  # (N,)
         ratio = torch.exp(log_ratio.detach())
-        if self.args.delta is not None:
+        if self.args.delta is not None and self.loss_type in _CLIPPED:
             ratio = ratio.clamp(max=self.args.delta)
         low = ((ratio < 1 - self.epsilon_low) & (a < 0)).float()  # (N,)
         high = ((ratio > 1 + self.epsilon_high) & (a > 0)).float()  # (N,)
@@ -282,11 +298,16 @@ class FastTNTGRPOTrainer(GRPOTrainer):
         means = {"entropy": stats["entropy"].float() * tokens}
         if self.beta != 0.0:
             means["kl"] = stats["kl_ref"].float() * tokens
-        means.update({"clip_ratio/low_mean": low.sum(), "clip_ratio/high_mean": high.sum(),
-                      "clip_ratio/region_mean": torch.maximum(low, high).sum()})  # fmt: skip
+        if self.loss_type in _CLIPPED:
+            means.update({"clip_ratio/low_mean": low.sum(), "clip_ratio/high_mean": high.sum(),
+                          "clip_ratio/region_mean": torch.maximum(low, high).sum()})  # fmt: skip
+        elif self.loss_type == "cispo":  # TRL's: the weight above its cap with A > 0 (sapo logs no clip)
+            means["cispo_clip_ratio"] = ((ratio > self.epsilon_high) & (a > 0)).float().sum()
         totals = self.accelerator.reduce(torch.stack([*means.values(), tokens]), reduction="sum")
         for name, value in zip(means, (totals[:-1] / totals[-1].clamp(min=1.0)).tolist(), strict=True):
             self._metrics[mode][name].append(value)
+        if self.loss_type not in _CLIPPED:
+            return
         # per sequence (NaN for an empty one, as TRL's masked mean gives), over every process's sequences
         seq = torch.repeat_interleave(torch.arange(len(lengths), device=low.device), lengths, output_size=low.numel())
 

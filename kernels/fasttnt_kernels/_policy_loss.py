@@ -15,6 +15,11 @@ from ._common import SettingError
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+PolicyLoss = Literal["vanilla", "cispo", "sapo"]
+POLICY_LOSSES = ("vanilla", "cispo", "sapo")
+"""The per-token policy-gradient terms (``clipped_policy_loss``'s module docstring has each one's formula): the
+clipped surrogate (PPO/GRPO, DAPO, Dr. GRPO), CISPO's clipped and detached importance weight times the log-prob,
+SAPO's soft gate. Their names are verl's ``policy_loss.loss_mode`` names."""
 
 
 @dataclass(frozen=True)
@@ -35,14 +40,27 @@ class PolicyLossConfig:
     agg: Aggregation = "token-mean"
     norm_length: float | None = None
     entropy_coef: float = 0.0
+    policy_loss: PolicyLoss = "vanilla"
+    # SAPO's gate temperatures for tokens of a positive advantage and of the others (TRL's and verl's defaults)
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
 
     def __post_init__(self) -> None:
         def need(ok: bool, key: str, why: str) -> None:
             if not ok:
                 raise SettingError(key, f"{why}, got {getattr(self, key)!r}")
 
-        need(0.0 <= self.clip_low < 1.0, "clip_low", "must be in [0, 1)")
-        need(self.clip_high >= 0.0, "clip_high", "must be >= 0")
+        need(self.policy_loss in POLICY_LOSSES, "policy_loss", f"must be one of {POLICY_LOSSES}")
+        if self.policy_loss == "cispo":
+            # CISPO clips a weight into [1 - clip_low, 1 + clip_high], any non-empty band of positive weights: TRL's
+            # cispo caps it at epsilon_high alone (clip_low = 1, a bound of 0; clip_high = epsilon_high - 1, which
+            # is negative for TRL's default epsilon_high of 0.2)
+            need(0.0 <= self.clip_low <= 1.0, "clip_low", "must be in [0, 1] with policy_loss='cispo'")
+            need(self.clip_high > -1.0 and self.clip_low + self.clip_high >= 0.0, "clip_high",
+                 "must be > -1 and >= -clip_low with policy_loss='cispo' (a band of positive weights)")  # fmt: skip
+        else:
+            need(0.0 <= self.clip_low < 1.0, "clip_low", "must be in [0, 1)")
+            need(self.clip_high >= 0.0, "clip_high", "must be >= 0")
         dual = self.dual_clip
         need(dual is None or dual > 1.0, "dual_clip", "must be > 1 (it bounds the loss of negative advantages)")
         finite_nonnegative = "must be a finite number >= 0"
@@ -54,6 +72,10 @@ class PolicyLossConfig:
             f"must be > 0 with agg={self.agg!r} (usually the max response length)",
         )
         need(math.isfinite(self.entropy_coef) and self.entropy_coef >= 0.0, "entropy_coef", finite_nonnegative)
+        need(dual is None or self.policy_loss == "vanilla", "dual_clip", "bounds the clipped surrogate only "
+             f"(policy_loss='vanilla'), not policy_loss={self.policy_loss!r}")  # fmt: skip
+        for key in ("sapo_tau_pos", "sapo_tau_neg"):
+            need(math.isfinite(getattr(self, key)) and getattr(self, key) > 0.0, key, "must be a finite number > 0")
 
     @classmethod
     def of(cls, settings: Any) -> PolicyLossConfig:

@@ -16,6 +16,18 @@ and the loss is sum_t w_t l_t with the aggregation's weights:
     seq-mean-token-mean       w_t = 1 / (total_seqs * len_s)          (total_seqs defaults to S)
     seq-mean-token-sum-norm   w_t = 1 / (total_seqs * norm_length)    (Dr. GRPO)
 
+``config.policy_loss`` picks the policy-gradient term pg_t in place of the clipped surrogate above (the ratio, the
+weights, the KL term and the aggregation as above; verl's names and formulas, verl 0.9.1 ``core_algos``):
+
+    cispo   pg_t = -sg(clip(r_t, 1 - clip_low, 1 + clip_high)) A_s logp_t     (MiniMax-M1, arXiv 2506.13585)
+    sapo    pg_t = -(4 / tau) sigmoid(tau (r_t - 1)) A_s,  tau = sapo_tau_pos if A_s > 0 else sapo_tau_neg
+                                                                              (arXiv 2511.20347)
+
+CISPO's weight is a constant of the gradient (sg: stop-gradient), so every token keeps a gradient, -w A_s, where
+the surrogate's clip zeroes it; TRL 1.16's ``cispo`` caps the weight above only, at ``epsilon_high``: clip_low = 1,
+clip_high = epsilon_high - 1 here. SAPO's gate is TRL 1.16's and verl 0.9.1's alike (verl also forces the
+seq-mean-token-mean aggregation, TRL's ``sapo`` aggregates as its ``grpo``: the same; here ``agg`` decides).
+
 Both exponents are clamped to +-20 before ``exp`` (as verl does): unclamped, a log-ratio above ~88 is inf in
 float32, and a zero advantage times inf is NaN in the loss and its gradient. Outside the clamp the gradient is
 0, as ``torch.clamp``'s is. ``is_weights`` are constants of the update, e.g. the truncated importance weights
@@ -23,7 +35,8 @@ float32, and a zero advantage times inf is NaN in the loss and its gradient. Out
 
 The kernel writes dloss/dlogp_t beside the loss, so the backward is one multiply by the upstream gradient.
 The statistics are token means: clip fractions (low: A < 0 and r < 1 - clip_low; high: A > 0 and
-r > 1 + clip_high; dual), the k3 estimate of KL(old || new), the mean ratio and the mean k3 KL to the reference.
+r > 1 + clip_high; for cispo, the weight clipped: r below its band, r above it; none for sapo; dual), the k3 estimate
+of KL(old || new), the mean ratio and the mean k3 KL to the reference.
 """
 
 from __future__ import annotations
@@ -43,6 +56,8 @@ STAT_NAMES = ("clip_frac_low", "clip_frac_high", "dual_clip_frac", "approx_kl", 
 _N_PARTIALS = 1 + len(STAT_NAMES)
 _BLOCK = 1024
 _DEFAULT_CONFIG = PolicyLossConfig()
+# the kernel's LOSS_MODE of each PolicyLossConfig.policy_loss
+_LOSS_MODE = {"vanilla": 0, "cispo": 1, "sapo": 2}
 
 
 @triton.jit
@@ -67,6 +82,8 @@ def _clipped_policy_loss_kernel(
     clip_high,
     dual_clip,
     kl_coef,
+    sapo_tau_pos,
+    sapo_tau_neg,
     w_const,  # w_t = w_const + w_per_len / len_s covers all three aggregations
     w_per_len,
     log_ratio_clamp,
@@ -76,6 +93,7 @@ def _clipped_policy_loss_kernel(
     HAS_IS_WEIGHT: tl.constexpr,  # skips the read of the per-token weights
     HAS_FIRST_ADV: tl.constexpr,  # skips the read of the first tokens' advantages
     COMPUTE_GRAD: tl.constexpr,  # skips the gradient write when logp does not require grad (old/ref passes)
+    LOSS_MODE: tl.constexpr,  # _LOSS_MODE: 0 the clipped surrogate, 1 cispo, 2 sapo
     N_PARTIALS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -109,12 +127,27 @@ def _clipped_policy_loss_kernel(
     ratio_moves = (raw_log_ratio >= -log_ratio_clamp) & (raw_log_ratio <= log_ratio_clamp)  # d(clamp)/dx = 1
     ratio = tl.exp(log_ratio)
     clipped = tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high)
-    pg_unclipped = -ratio * a
-    pg_clipped = -clipped * a
-    # the clipped branch binds (and stops the gradient) exactly when it is the larger loss
-    clip_binds = pg_clipped > pg_unclipped
-    pg = tl.where(clip_binds, pg_clipped, pg_unclipped)
-    dpg = tl.where(clip_binds | (ratio_moves == 0), 0.0, -ratio * a)  # dpg/dlogp
+    if LOSS_MODE == 1:  # cispo: the clipped weight is a constant, the gradient flows through logp alone
+        pg = -clipped * a * logp
+        dpg = -clipped * a
+        low_binds = ratio < 1.0 - clip_low
+        high_binds = ratio > 1.0 + clip_high
+    elif LOSS_MODE == 2:  # sapo: the soft gate, its slope 4 s (1 - s) in r, times dr/dlogp = r inside the clamp
+        tau = tl.where(a > 0.0, sapo_tau_pos, sapo_tau_neg)
+        gate_s = tl.sigmoid(tau * (ratio - 1.0))
+        pg = -gate_s * (4.0 / tau) * a
+        dpg = tl.where(ratio_moves, -4.0 * gate_s * (1.0 - gate_s) * ratio * a, 0.0)
+        low_binds = tl.zeros([BLOCK], dtype=tl.int1)
+        high_binds = tl.zeros([BLOCK], dtype=tl.int1)
+    else:
+        pg_unclipped = -ratio * a
+        pg_clipped = -clipped * a
+        # the clipped branch binds (and stops the gradient) exactly when it is the larger loss
+        clip_binds = pg_clipped > pg_unclipped
+        pg = tl.where(clip_binds, pg_clipped, pg_unclipped)
+        dpg = tl.where(clip_binds | (ratio_moves == 0), 0.0, -ratio * a)  # dpg/dlogp
+        low_binds = clip_binds & (a < 0.0)
+        high_binds = clip_binds & (a > 0.0)
     dual_binds = tl.zeros([BLOCK], dtype=tl.int1)
     if HAS_DUAL_CLIP:
         dual_binds = (a < 0.0) & (pg > -dual_clip * a)
@@ -143,8 +176,8 @@ def _clipped_policy_loss_kernel(
     zero = tl.zeros([BLOCK], dtype=tl.float32)
     row = partials_ptr + pid * N_PARTIALS
     tl.store(row + 0, tl.sum(tl.where(mask, weight * loss_t, zero), axis=0))
-    tl.store(row + 1, tl.sum(tl.where(mask & clip_binds & (a < 0.0), 1.0, zero), axis=0))
-    tl.store(row + 2, tl.sum(tl.where(mask & clip_binds & (a > 0.0), 1.0, zero), axis=0))
+    tl.store(row + 1, tl.sum(tl.where(mask & low_binds, 1.0, zero), axis=0))
+    tl.store(row + 2, tl.sum(tl.where(mask & high_binds, 1.0, zero), axis=0))
     tl.store(row + 3, tl.sum(tl.where(mask & dual_binds, 1.0, zero), axis=0))
     # k3 estimate of KL(old || new) from samples of old: (r - 1) - log r
     tl.store(row + 4, tl.sum(tl.where(mask, ratio - 1.0 - log_ratio, zero), axis=0))
@@ -213,11 +246,21 @@ def token_terms_reference(
     logp = logp.to(dtype)
     log_ratio = torch.clamp(logp - old_logp.to(dtype), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
-    pg_unclipped = -ratio * a
-    pg_clipped = -torch.clamp(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high) * a
-    pg = torch.maximum(pg_unclipped, pg_clipped)
-    clip_binds = pg_clipped > pg_unclipped
-    dual_binds = torch.zeros_like(clip_binds)
+    clipped = torch.clamp(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high)
+    if config.policy_loss == "cispo":
+        pg = -clipped.detach() * a * logp
+        low_binds, high_binds = ratio < 1.0 - config.clip_low, ratio > 1.0 + config.clip_high
+    elif config.policy_loss == "sapo":
+        tau = torch.where(a > 0, config.sapo_tau_pos, config.sapo_tau_neg).to(dtype)
+        pg = -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * a
+        low_binds = high_binds = torch.zeros_like(ratio, dtype=torch.bool)
+    else:
+        pg_unclipped = -ratio * a
+        pg_clipped = -clipped * a
+        pg = torch.maximum(pg_unclipped, pg_clipped)
+        clip_binds = pg_clipped > pg_unclipped
+        low_binds, high_binds = clip_binds & (a < 0), clip_binds & (a > 0)
+    dual_binds = torch.zeros_like(low_binds)
     if config.dual_clip is not None:
         dual_binds = (a < 0) & (pg > -config.dual_clip * a)
         pg = torch.where(a < 0, torch.minimum(pg, -config.dual_clip * a), pg)
@@ -231,8 +274,8 @@ def token_terms_reference(
         loss_t = loss_t + config.kl_coef * kl_ref
     with torch.no_grad():
         indicators = {
-            "clip_frac_low": (clip_binds & (a < 0)).to(dtype),
-            "clip_frac_high": (clip_binds & (a > 0)).to(dtype),
+            "clip_frac_low": low_binds.to(dtype),
+            "clip_frac_high": high_binds.to(dtype),
             "dual_clip_frac": dual_binds.to(dtype),
             "approx_kl": ratio - 1.0 - log_ratio,
             "ratio_mean": ratio,
@@ -311,6 +354,8 @@ class TokenTerms:
                 config.clip_high,
                 config.dual_clip if config.dual_clip is not None else 0.0,
                 config.kl_coef,
+                config.sapo_tau_pos,
+                config.sapo_tau_neg,
                 self.w_const,
                 self.w_per_len,
                 LOG_RATIO_CLAMP,
@@ -319,6 +364,7 @@ class TokenTerms:
                 HAS_IS_WEIGHT=is_weights is not None,
                 HAS_FIRST_ADV=x.first_advantages is not None,
                 COMPUTE_GRAD=grad is not None,
+                LOSS_MODE=_LOSS_MODE[config.policy_loss],
                 N_PARTIALS=_N_PARTIALS,
                 BLOCK=_BLOCK,
             )

@@ -91,6 +91,86 @@ def test_matches_float64_reference(triton_path, lengths, agg, dual_clip, with_re
         assert 0 < stats["clip_frac_low"] < 1 and 0 < stats["clip_frac_high"] < 1, "the grid must exercise clipping"
 
 
+@pytest.mark.parametrize("lengths", list(LENGTHS))
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("policy_loss", ["cispo", "sapo"])
+def test_other_policy_losses_match_float64_reference(triton_path, lengths, agg, policy_loss):
+    # with what composes with them (the KL term, importance weights); the ratios are kept off the clip bounds
+    # (CISPO's weight has a kink there), SAPO's gate is smooth
+    lens = LENGTHS[lengths] or torch.randint(1, 21, (300,)).tolist()
+    logp, old, ref, adv, cu = _packed_batch(lens)
+    weights = torch.rand(logp.shape[0], device=DEVICE) * 2
+    kw = dict(policy_loss=policy_loss, clip_low=0.2, clip_high=0.28, agg=agg, ref_logp=ref, kl_coef=0.05,
+              is_weights=weights, sapo_tau_pos=1.0, sapo_tau_neg=1.05)  # fmt: skip
+    loss, stats, grad = _run(logp, old, adv, cu, **kw)
+    t_loss, t_stats, t_grad = _truth(logp, old, adv, cu, **kw)
+    assert_close(loss, t_loss, name="loss")
+    assert_close(grad, t_grad, name="grad")
+    for name in STAT_NAMES:
+        assert_close(stats[name], t_stats[name], name=name)
+    assert not grad.isnan().any() and grad.abs().sum() > 0
+    if lengths == "many-short" and policy_loss == "cispo":  # the weight clipped on both sides, its tokens kept
+        assert 0 < stats["clip_frac_low"] < 1 and 0 < stats["clip_frac_high"] < 1, "the grid must clip the weight"
+    if policy_loss == "sapo":  # no clip: a soft gate
+        assert stats["clip_frac_low"] == 0 and stats["clip_frac_high"] == 0
+
+
+def test_cispo_by_hand(triton_path):
+    # one token per sequence, logp -1, token-mean over 3: a weight above its band (r = e^0.5 = 1.65 > 1.28) with
+    # A = 1, one inside it (r = e^0.1) with A = -2, one below (r = e^-1 = 0.37 < 0.8) with A = 1:
+    # pg_t = -sg(clip(r)) A logp, dloss/dlogp_t = -sg(clip(r)) A / 3, every token a gradient (the surrogate's clip
+    # would zero the first's), and an empty sequence between adds nothing
+    logp = torch.full((3,), -1.0, device=DEVICE)
+    old = logp - torch.tensor([0.5, 0.1, -1.0], device=DEVICE)
+    adv = torch.tensor([1.0, 0.0, -2.0, 1.0], device=DEVICE)
+    cu = torch.tensor([0, 1, 1, 2, 3], device=DEVICE)
+    loss, stats, grad = _run(logp, old, adv, cu, policy_loss="cispo", clip_low=0.2, clip_high=0.28)
+    w = torch.tensor([1.28, math.exp(0.1), 0.8], dtype=torch.float64)
+    a = torch.tensor([1.0, -2.0, 1.0], dtype=torch.float64)
+    assert math.isclose(loss.item(), (-w * a * -1.0).mean().item(), rel_tol=1e-6)
+    torch.testing.assert_close(grad.double().cpu(), -w * a / 3, rtol=1e-6, atol=1e-7)
+    assert math.isclose(stats["clip_frac_low"].item(), 1 / 3, rel_tol=1e-6)
+    assert math.isclose(stats["clip_frac_high"].item(), 1 / 3, rel_tol=1e-6)
+    # TRL 1.16's cispo caps the weight above only: clip_low = 1 leaves a bound of 0 below
+    loss, _, grad = _run(logp, old, adv, cu, policy_loss="cispo", clip_low=1.0, clip_high=0.28)
+    w_trl = torch.tensor([1.28, math.exp(0.1), math.exp(-1.0)], dtype=torch.float64)
+    torch.testing.assert_close(grad.double().cpu(), -w_trl * a / 3, rtol=1e-6, atol=1e-7)
+
+
+def test_sapo_by_hand(triton_path):
+    # on-policy (r = 1): the gate is sigmoid(0) 4 / tau = 2 / tau and its slope 4 s (1 - s) r = 1, so
+    # pg_t = -2 A / tau (tau 1 for A > 0, 1.05 for A < 0) while dloss/dlogp_t = -A / n, the vanilla gradient there.
+    # Off-policy (r = e^0.7 for A = 1): pg = -(4 / 1) sigmoid(r - 1) A, the slope 4 s (1 - s) r
+    logp = torch.full((3,), -1.0, device=DEVICE)
+    old = logp - torch.tensor([0.0, 0.0, 0.7], device=DEVICE)
+    adv = torch.tensor([1.0, -2.0, 1.0], device=DEVICE)
+    cu = torch.tensor([0, 1, 2, 3], device=DEVICE)
+    loss, stats, grad = _run(logp, old, adv, cu, policy_loss="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05)
+    r = math.exp(0.7)
+    s = 1 / (1 + math.exp(-(r - 1)))
+    pg = torch.tensor([-2.0, -2 * -2.0 / 1.05, -4 * s], dtype=torch.float64)
+    dpg = torch.tensor([-1.0, 2.0, -4 * s * (1 - s) * r], dtype=torch.float64)
+    assert math.isclose(loss.item(), pg.mean().item(), rel_tol=1e-6)
+    torch.testing.assert_close(grad.double().cpu(), dpg / 3, rtol=1e-6, atol=1e-7)
+    assert stats["clip_frac_low"].item() == 0 and stats["clip_frac_high"].item() == 0
+
+
+def test_policy_loss_settings_are_checked():
+    with pytest.raises(SettingError, match="policy_loss"):
+        PolicyLossConfig(policy_loss="gspo")
+    with pytest.raises(SettingError, match="dual_clip"):
+        PolicyLossConfig(policy_loss="cispo", dual_clip=3.0)
+    with pytest.raises(SettingError, match="clip_low"):
+        PolicyLossConfig(clip_low=1.0)  # a clipped surrogate with no bound below
+    assert PolicyLossConfig(policy_loss="cispo", clip_low=1.0).clip_low == 1.0
+    assert PolicyLossConfig(policy_loss="cispo", clip_low=1.0, clip_high=-0.8).clip_high == -0.8  # TRL's cap of 0.2
+    with pytest.raises(SettingError, match="clip_high"):
+        PolicyLossConfig(policy_loss="cispo", clip_low=0.2, clip_high=-0.5)  # [0.8, 0.5]: an empty band
+    for key in ("sapo_tau_pos", "sapo_tau_neg"):
+        with pytest.raises(SettingError, match=key):
+            PolicyLossConfig(policy_loss="sapo", **{key: 0.0})
+
+
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_importance_weights_match_float64_reference(triton_path, agg):
     # per-token weights in [0, 3) (truncated and masked ones: zeros included) with clipping, dual clip and KL

@@ -78,7 +78,8 @@ def _chunk_bytes(dtype):
     return ROWS_PER_CHUNK * V * torch.empty((), dtype=dtype).element_size()
 
 
-_SETTINGS = ("clip_low", "clip_high", "dual_clip", "kl_coef", "agg", "norm_length", "entropy_coef")
+_SETTINGS = ("clip_low", "clip_high", "dual_clip", "kl_coef", "agg", "norm_length", "entropy_coef", "policy_loss",
+             "sapo_tau_pos", "sapo_tau_neg")  # fmt: skip
 
 
 def _typed(old, adv, cu, kw):
@@ -141,6 +142,9 @@ VARIANTS = {
     "is-weights+everything": dict(
         use_is=True, use_ref=True, kl_coef=0.05, dual_clip=2.5, entropy_coef=0.02, agg="seq-mean-token-mean"
     ),
+    # the other policy-gradient terms, with what composes with them: weights, the KL term, the entropy bonus
+    "cispo": dict(policy_loss="cispo", clip_high=0.28, use_is=True, use_ref=True, kl_coef=0.05),
+    "sapo": dict(policy_loss="sapo", agg="seq-mean-token-mean", total_seqs=9.0, entropy_coef=0.02, use_first=True),
 }
 
 
@@ -182,7 +186,9 @@ def test_equals_the_composition_in_float32(monkeypatch, variant, path):
     assert got[2].dtype == torch.float32 and got[3].dtype == torch.float32
 
 
-@pytest.mark.parametrize("variant", ["token-mean", "is-weights+everything", "on-policy", "first-advantages"])
+@pytest.mark.parametrize(
+    "variant", ["token-mean", "is-weights+everything", "on-policy", "first-advantages", "cispo", "sapo"]
+)
 @pytest.mark.parametrize("path", ["triton", "torch"])
 def test_matches_the_float64_reference(monkeypatch, variant, path):
     monkeypatch.setenv("FASTTNT_KERNELS", path)
