@@ -116,8 +116,9 @@ class LossConfig:
     agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     norm_length: float | None = None
     # the policy-gradient term (fasttnt_kernels.clipped_policy_loss: verl's names): "vanilla", the clipped surrogate;
-    # "cispo", the clipped importance weight, detached, times A log pi; "sapo", a soft gate in place of the clip
-    policy_loss: Literal["vanilla", "cispo", "sapo"] = "vanilla"
+    # "gspo", the same with each sequence's ratio; "cispo", the clipped importance weight, detached, times A log pi;
+    # "sapo", a soft gate in place of the clip
+    policy_loss: Literal["vanilla", "gspo", "cispo", "sapo"] = "vanilla"
     sapo_tau_pos: float = 1.0  # SAPO's gate temperature for a positive advantage
     sapo_tau_neg: float = 1.05  # and for the others
     ppo_epochs: int = 1

@@ -142,7 +142,7 @@ def test_mini_batches_epochs_and_kl_run(tmp_path):
     assert all(r["loss"] == r["loss"] for r in rows)
 
 
-@pytest.mark.parametrize("policy_loss", ["cispo", "sapo"])
+@pytest.mark.parametrize("policy_loss", ["gspo", "cispo", "sapo"])
 def test_each_policy_loss_trains_through_the_loop(tmp_path, policy_loss):
     # the other policy-gradient terms through the trainer's fused update, with old log-probs (2 epochs) and the KL
     _, rows = train(

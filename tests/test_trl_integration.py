@@ -109,8 +109,11 @@ CASES = [
     # CISPO's cap: TRL's default (epsilon_high = epsilon: weights capped at 0.2), and one in the ratios' range
     dict(loss_type="cispo", beta=0.0, epsilon_high=0.2),
     dict(loss_type="cispo", beta=0.04, epsilon_high=1.1, steps_per_generation=2, is_ratio=True),
-    dict(loss_type="sapo", beta=0.0),
     dict(loss_type="sapo", beta=0.04, sapo_temperature_pos=0.5, sapo_temperature_neg=2.0, is_ratio=True),
+    # GSPO: one ratio per sequence, under the paper's aggregation (grpo) and token-summing ones, with TRL's clip
+    dict(loss_type="grpo", beta=0.0, importance_sampling_level="sequence"),
+    dict(loss_type="dapo", beta=0.04, importance_sampling_level="sequence", delta=1.5, is_ratio=True),
+    dict(loss_type="luspo", beta=0.0, importance_sampling_level="sequence", steps_per_generation=2),
 ]
 # the metrics TRL's loss logs beside entropy and kl, by loss type
 _CLIP_METRICS = {"cispo": ["cispo_clip_ratio"], "sapo": []}
@@ -164,8 +167,8 @@ def test_old_and_reference_logprobs_equal_trls(tmp_path):
 @pytest.mark.parametrize(
     ("option", "message"),
     [
-        (dict(loss_type="vespo"), "loss_type='vespo' is not supported.*'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo'"),
-        (dict(importance_sampling_level="sequence", loss_type="grpo"), "importance_sampling_level"),
+        (dict(loss_type="vespo"), "loss_type='vespo' is not supported.*'dapo', 'luspo', 'cispo', 'sapo'"),
+        (dict(importance_sampling_level="sequence", loss_type="cispo"), "importance_sampling_level.*cispo"),
         (dict(entropy_coef=0.01), "entropy_coef"),
         (dict(beta=0.04), "use_bias_correction_kl=True .*set it to False"),
         (dict(delta=1.0, epsilon_high=0.28), "fasttnt's limit, not TRL's: delta must be > 1"),

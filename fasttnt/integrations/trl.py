@@ -21,7 +21,12 @@ optimizer) is TRL's. The semantics are TRL's own ``_compute_loss``'s, option for
                   tokens); cispo (normalised as dapo: the weight min(r, epsilon_high), detached, times -A log pi,
                   which is fasttnt's policy_loss="cispo" with clip_low = 1 and clip_high = epsilon_high - 1; delta
                   does not apply), sapo (normalised as grpo: the soft gate at sapo_temperature_pos/_neg, fasttnt's
-                  policy_loss="sapo"); vespo and luspo (sequence-level weights) are refused
+                  policy_loss="sapo"), luspo (per-sequence token sum, batch mean: fasttnt's seq-mean-token-sum-norm
+                  at norm_length 1); vespo is refused
+    importance_sampling_level   "sequence" (GSPO: one ratio per sequence from its mean log-ratio) with grpo,
+                  bnpo, dr_grpo, dapo or luspo is fasttnt's policy_loss="gspo" under the loss type's aggregation
+                  (TRL counts a sequence's one value on each of its tokens, as fasttnt's GSPO does); with cispo or
+                  sapo it is refused
     epsilon, epsilon_high   the clip range
     delta         TRL's two-sided clip, which caps the ratio at delta in both of its loss's branches. With
                   delta >= 1 + epsilon_high (what TRL recommends) that is fasttnt's dual clip at delta; with
@@ -40,7 +45,7 @@ region_mean, each computed as TRL computes it (the last two from per-sequence me
 Importing this module imports TRL (>= 1.16.0, whose private methods it replaces; an older one is refused here);
 ``fasttnt.integrations`` itself does not.
 
-Refused, with the option named: importance_sampling_level="sequence", top_entropy_quantile < 1,
+Refused, with the option named: importance_sampling_level="sequence" with cispo or sapo, top_entropy_quantile < 1,
 off_policy_mask_threshold, use_bias_correction_kl with beta > 0, an entropy bonus, MoE auxiliary losses, tool
 masks inside a completion, a lm_head bias, logit scaling or soft-capping, multimodal inputs to the loss.
 """
@@ -70,13 +75,14 @@ TRL_VERSION = "1.16.0"
 if Version(version("trl")) < Version(TRL_VERSION):
     raise ImportError(f"fasttnt.integrations.trl needs trl>={TRL_VERSION} (found {version('trl')})")
 
-SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
-# the loss types of the clipped surrogate (TRL's two-sided clip, delta, applies to these)
-_CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo")
+SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
+# the loss types of the clipped surrogate (TRL's two-sided clip, delta, and its sequence-level ratios apply to these)
+_CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 # per loss_type: fasttnt's aggregation (the normalisers are set per call in _loss_normalisers)
 _AGGREGATION = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dr_grpo": "seq-mean-token-sum-norm",
-                "dapo": "token-mean", "cispo": "token-mean", "sapo": "seq-mean-token-mean"}  # fmt: skip
+                "dapo": "token-mean", "luspo": "seq-mean-token-sum-norm", "cispo": "token-mean",
+                "sapo": "seq-mean-token-mean"}  # fmt: skip
 
 
 def check_grpo_config(args) -> None:
@@ -87,7 +93,8 @@ def check_grpo_config(args) -> None:
         )
     option = functools.partial(getattr, args)  # options a TRL release may not have read as off
     refused = {
-        "importance_sampling_level": option("importance_sampling_level", "token") != "token",
+        "importance_sampling_level": option("importance_sampling_level", "token") != "token"
+        and args.loss_type not in _CLIPPED,
         "top_entropy_quantile": option("top_entropy_quantile", 1.0) < 1.0,
         "off_policy_mask_threshold": option("off_policy_mask_threshold", None) is not None,
         # TRL's default; it weights the KL term by the ratio (with its gradient), which fasttnt's loss does not
@@ -102,6 +109,7 @@ def check_grpo_config(args) -> None:
                 f"GRPOConfig.{option}={value!r} is not supported by fasttnt's loss (see fasttnt.integrations.trl)"
                 + ("; fasttnt's limit, not TRL's: delta must be > 1" if option == "delta" else "")
                 + ("; set it to False with beta > 0" if option == "use_bias_correction_kl" else "")
+                + (f" with loss_type={args.loss_type!r}" if option == "importance_sampling_level" else "")
             )
 
 
@@ -113,7 +121,10 @@ def loss_options(loss_type: str, epsilon_low: float, epsilon_high: float, delta:
     if loss_type == "sapo":
         return {"policy_loss": "sapo", "clip_low": epsilon_low, "clip_high": epsilon_high, "dual_clip": None,
                 "sapo_tau_pos": args.sapo_temperature_pos, "sapo_tau_neg": args.sapo_temperature_neg}  # fmt: skip
-    return clip_options(epsilon_low, epsilon_high, delta)
+    options = clip_options(epsilon_low, epsilon_high, delta)
+    if args is not None and getattr(args, "importance_sampling_level", "token") == "sequence":
+        options["policy_loss"] = "gspo"
+    return options
 
 
 def clip_options(epsilon_low: float, epsilon_high: float, delta: float | None) -> dict:
@@ -237,7 +248,15 @@ class FastTNTGRPOTrainer(GRPOTrainer):
         ref = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
         is_weights = None
         if self.use_vllm and self.vllm_importance_sampling_correction:
-            is_weights = inputs["importance_sampling_ratio"].expand_as(completion_mask)[valid]
+            ratio = inputs["importance_sampling_ratio"].expand_as(completion_mask)  # (B, C)
+            if self.importance_sampling_level == "sequence":
+                # TRL differentiates a sequence's ratio through the mean of its log-ratios, so a token's gradient
+                # carries the sequence's mean weight, not its own; its loss counts the weights' sum: both are
+                # fasttnt's GSPO (each token's own gradient) with each weight replaced by its sequence's mean
+                mask = completion_mask.to(ratio.dtype)
+                mean = (ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)  # (B, 1)
+                ratio = mean.expand_as(completion_mask)
+            is_weights = ratio[valid]
         mode = "train" if self.model.training else "eval"
         loss_kwargs = dict(
             old_logp=None if old is None else old[valid],
@@ -275,6 +294,8 @@ class FastTNTGRPOTrainer(GRPOTrainer):
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         if self.loss_type in ("grpo", "sapo"):
             return {"total_seqs": sequences * accumulation}
+        if self.loss_type == "luspo":  # each sequence's token sum, the mean over sequences
+            return {"total_seqs": sequences * accumulation, "norm_length": 1.0}
         if self.loss_type == "bnpo":
             return {"total_tokens": max(tokens, 1) * accumulation}
         if self.loss_type == "dr_grpo":
@@ -286,38 +307,53 @@ class FastTNTGRPOTrainer(GRPOTrainer):
 
     def _log_loss_stats(self, stats: dict, log_ratio, advantages, cu_seqlens, mode: str) -> None:
         """TRL's metrics under its names, computed as TRL computes them: token means over all processes (entropy,
-        kl, the clip ratios from the ratio capped at delta), and the extremes of per-sequence clip ratios."""
+        kl), the clip ratios (from the ratio capped at delta) as means over tokens, or over sequences with
+        importance_sampling_level="sequence" (one ratio each), and the extremes of per-sequence clip ratios."""
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # (B,)
-        a = torch.repeat_interleave(advantages, lengths, output_size=log_ratio.numel())  # (N,)
-        ratio = torch.exp(log_ratio.detach())
+        index = torch.arange(len(lengths), device=advantages.device)
+        seq = torch.repeat_interleave(index, lengths, output_size=log_ratio.numel())  # (N,) each token's sequence
+        log_ratio = log_ratio.detach().float()
+        if self.importance_sampling_level == "sequence":  # TRL's ratio: one per sequence, its metrics per sequence
+            sums = torch.zeros(len(lengths), device=log_ratio.device).index_add_(0, seq, log_ratio)
+            ratio, a = torch.exp(sums / lengths.clamp(min=1)), advantages  # (B,), (B,)
+        else:
+            ratio, a = torch.exp(log_ratio), advantages[seq]  # (N,), (N,)
         if self.args.delta is not None and self.loss_type in _CLIPPED:
             ratio = ratio.clamp(max=self.args.delta)
-        low = ((ratio < 1 - self.epsilon_low) & (a < 0)).float()  # (N,)
-        high = ((ratio > 1 + self.epsilon_high) & (a > 0)).float()  # (N,)
+        low = ((ratio < 1 - self.epsilon_low) & (a < 0)).float()
+        high = ((ratio > 1 + self.epsilon_high) & (a > 0)).float()
         tokens = torch.tensor(float(log_ratio.numel()), device=low.device)
-        means = {"entropy": stats["entropy"].float() * tokens}
+        units = torch.tensor(float(low.numel()), device=low.device)  # tokens, or sequences
+        token_sums = {"entropy": stats["entropy"].float() * tokens}
         if self.beta != 0.0:
-            means["kl"] = stats["kl_ref"].float() * tokens
+            token_sums["kl"] = stats["kl_ref"].float() * tokens
+        unit_sums = {}
         if self.loss_type in _CLIPPED:
-            means.update({"clip_ratio/low_mean": low.sum(), "clip_ratio/high_mean": high.sum(),
-                          "clip_ratio/region_mean": torch.maximum(low, high).sum()})  # fmt: skip
+            unit_sums = {"clip_ratio/low_mean": low.sum(), "clip_ratio/high_mean": high.sum(),
+                         "clip_ratio/region_mean": torch.maximum(low, high).sum()}  # fmt: skip
         elif self.loss_type == "cispo":  # TRL's: the weight above its cap with A > 0 (sapo logs no clip)
-            means["cispo_clip_ratio"] = ((ratio > self.epsilon_high) & (a > 0)).float().sum()
-        totals = self.accelerator.reduce(torch.stack([*means.values(), tokens]), reduction="sum")
-        for name, value in zip(means, (totals[:-1] / totals[-1].clamp(min=1.0)).tolist(), strict=True):
+            unit_sums = {"cispo_clip_ratio": ((ratio > self.epsilon_high) & (a > 0)).float().sum()}
+        totals = self.accelerator.reduce(
+            torch.stack([*token_sums.values(), tokens, *unit_sums.values(), units]), reduction="sum"
+        )
+        n_token = len(token_sums)
+        means = (totals[:n_token] / totals[n_token].clamp(min=1.0)).tolist()
+        means += (totals[n_token + 1 : -1] / totals[-1].clamp(min=1.0)).tolist()
+        for name, value in zip([*token_sums, *unit_sums], means, strict=True):
             self._metrics[mode][name].append(value)
         if self.loss_type not in _CLIPPED:
             return
         # per sequence (NaN for an empty one, as TRL's masked mean gives), over every process's sequences
-        seq = torch.repeat_interleave(torch.arange(len(lengths), device=low.device), lengths, output_size=low.numel())
+        if self.importance_sampling_level == "sequence":
+            low_seq, high_seq = low, high  # already one per sequence
+        else:
 
-        def per_sequence(flags):
-            return torch.zeros(len(lengths), device=flags.device).index_add_(0, seq, flags) / lengths.float()
+            def per_sequence(flags):
+                return torch.zeros(len(lengths), device=flags.device).index_add_(0, seq, flags) / lengths.float()
 
-        low_seq = self.accelerator.gather(per_sequence(low))
-        high_seq = self.accelerator.gather(per_sequence(high))
-        self._metrics[mode]["clip_ratio/low_min"].append(nanmin(low_seq).item())
-        self._metrics[mode]["clip_ratio/high_max"].append(nanmax(high_seq).item())
+            low_seq, high_seq = per_sequence(low), per_sequence(high)
+        self._metrics[mode]["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(low_seq)).item())
+        self._metrics[mode]["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(high_seq)).item())
 
 
 def _unpack(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

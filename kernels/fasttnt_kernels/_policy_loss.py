@@ -15,11 +15,14 @@ from ._common import SettingError
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-PolicyLoss = Literal["vanilla", "cispo", "sapo"]
-POLICY_LOSSES = ("vanilla", "cispo", "sapo")
-"""The per-token policy-gradient terms (``clipped_policy_loss``'s module docstring has each one's formula): the
-clipped surrogate (PPO/GRPO, DAPO, Dr. GRPO), CISPO's clipped and detached importance weight times the log-prob,
-SAPO's soft gate. Their names are verl's ``policy_loss.loss_mode`` names."""
+PolicyLoss = Literal["vanilla", "gspo", "cispo", "sapo"]
+POLICY_LOSSES = ("vanilla", "gspo", "cispo", "sapo")
+"""The policy-gradient terms (``clipped_policy_loss``'s module docstring has each one's formula): the clipped
+surrogate (PPO/GRPO, DAPO, Dr. GRPO), the same with each sequence's ratio (GSPO), CISPO's clipped and detached
+importance weight times the log-prob, SAPO's soft gate. Their names are verl's ``policy_loss.loss_mode`` names."""
+GSPO_LOG_RATIO_MAX = 10.0
+"""GSPO's sequence log-ratio is clamped above at this (verl 0.9.1's ``compute_policy_loss_gspo``), its gradient 0
+past it; the token-level ratio's clamp is ``LOG_RATIO_CLAMP``."""
 
 
 @dataclass(frozen=True)
@@ -72,8 +75,8 @@ class PolicyLossConfig:
             f"must be > 0 with agg={self.agg!r} (usually the max response length)",
         )
         need(math.isfinite(self.entropy_coef) and self.entropy_coef >= 0.0, "entropy_coef", finite_nonnegative)
-        need(dual is None or self.policy_loss == "vanilla", "dual_clip", "bounds the clipped surrogate only "
-             f"(policy_loss='vanilla'), not policy_loss={self.policy_loss!r}")  # fmt: skip
+        need(dual is None or self.policy_loss in ("vanilla", "gspo"), "dual_clip", "bounds the clipped surrogate "
+             f"only (policy_loss 'vanilla' or 'gspo'), not policy_loss={self.policy_loss!r}")  # fmt: skip
         for key in ("sapo_tau_pos", "sapo_tau_neg"):
             need(math.isfinite(getattr(self, key)) and getattr(self, key) > 0.0, key, "must be a finite number > 0")
 
@@ -162,6 +165,16 @@ class PolicyLossInputs:
         if config.agg == "seq-mean-token-mean":
             return 0.0, 1.0 / seqs
         return 1.0 / (seqs * config.norm_length), 0.0
+
+
+def sequence_log_ratios(logp: torch.Tensor, old_logp: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """GSPO's per-sequence log-ratio (S,) float32, detached: each sequence's mean of logp - old_logp (0 for an empty
+    one), summed in float64 through a cumulative sum (deterministic on CUDA, where index_add_'s atomics are not)."""
+    diff = (logp.detach().double() - old_logp.detach().double()).cumsum(0)  # (N,)
+    ends = torch.cat([diff.new_zeros(1), diff])  # (N+1,): ends[i] = the sum of the first i tokens
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # (S,)
+    sums = ends[cu_seqlens[1:].long()] - ends[cu_seqlens[:-1].long()]  # (S,)
+    return (sums / lengths.clamp(min=1).double()).float()
 
 
 _INPUT_FIELDS = frozenset(f.name for f in fields(PolicyLossInputs))

@@ -19,14 +19,20 @@ and the loss is sum_t w_t l_t with the aggregation's weights:
 ``config.policy_loss`` picks the policy-gradient term pg_t in place of the clipped surrogate above (the ratio, the
 weights, the KL term and the aggregation as above; verl's names and formulas, verl 0.9.1 ``core_algos``):
 
+    gspo    pg_t the surrogate's, r_t = exp(sg(log s_s) + logp_t - sg(logp_t)): the value of the sequence's ratio,
+            log s_s = mean over s of (logp - old_logp), clamped above at 10  (arXiv 2507.18071; verl's GSPO-token)
     cispo   pg_t = -sg(clip(r_t, 1 - clip_low, 1 + clip_high)) A_s logp_t     (MiniMax-M1, arXiv 2506.13585)
     sapo    pg_t = -(4 / tau) sigmoid(tau (r_t - 1)) A_s,  tau = sapo_tau_pos if A_s > 0 else sapo_tau_neg
                                                                               (arXiv 2511.20347)
 
 CISPO's weight is a constant of the gradient (sg: stop-gradient), so every token keeps a gradient, -w A_s, where
 the surrogate's clip zeroes it; TRL 1.16's ``cispo`` caps the weight above only, at ``epsilon_high``: clip_low = 1,
-clip_high = epsilon_high - 1 here. SAPO's gate is TRL 1.16's and verl 0.9.1's alike (verl also forces the
-seq-mean-token-mean aggregation, TRL's ``sapo`` aggregates as its ``grpo``: the same; here ``agg`` decides).
+clip_high = epsilon_high - 1 here. GSPO's token ratio has the value of its sequence's and the gradient of the
+token's own log-prob (d r_t / d logp_t = r_t): under seq-mean-token-mean that is the gradient of the sequence ratio
+itself, s_s / |s| per token, as TRL 1.16's ``importance_sampling_level="sequence"`` differentiates it, and under
+every aggregation equal to TRL's (its token-summing losses count a sequence's one value on each of its tokens).
+SAPO's gate is TRL 1.16's and verl 0.9.1's alike (verl also forces the seq-mean-token-mean aggregation, TRL's
+``sapo`` aggregates as its ``grpo``: the same; here ``agg`` decides).
 
 Both exponents are clamped to +-20 before ``exp`` (as verl does): unclamped, a log-ratio above ~88 is inf in
 float32, and a zero advantage times inf is NaN in the loss and its gradient. Outside the clamp the gradient is
@@ -49,7 +55,13 @@ import triton.language as tl
 
 from . import _common
 from ._common import LOG_RATIO_CLAMP
-from ._policy_loss import PolicyLossConfig, PolicyLossInputs, config_of
+from ._policy_loss import (
+    GSPO_LOG_RATIO_MAX,
+    PolicyLossConfig,
+    PolicyLossInputs,
+    config_of,
+    sequence_log_ratios,
+)
 
 STAT_NAMES = ("clip_frac_low", "clip_frac_high", "dual_clip_frac", "approx_kl", "ratio_mean", "kl_ref")
 # the partials buffer's columns: the loss first, then one per statistic
@@ -57,7 +69,7 @@ _N_PARTIALS = 1 + len(STAT_NAMES)
 _BLOCK = 1024
 _DEFAULT_CONFIG = PolicyLossConfig()
 # the kernel's LOSS_MODE of each PolicyLossConfig.policy_loss
-_LOSS_MODE = {"vanilla": 0, "cispo": 1, "sapo": 2}
+_LOSS_MODE = {"vanilla": 0, "cispo": 1, "sapo": 2, "gspo": 3}
 
 
 @triton.jit
@@ -69,6 +81,7 @@ def _clipped_policy_loss_kernel(
     is_weight_ptr,
     adv_ptr,
     first_adv_ptr,  # (S,) the advantage of each sequence's first token, read only when HAS_FIRST_ADV
+    seq_log_ratio_ptr,  # (S,) GSPO's per-sequence log-ratio (sequence_log_ratios), read only when LOSS_MODE == 3
     cu_seqlens_ptr,
     grad_ptr,  # (N,) dloss/dlogp, written only when COMPUTE_GRAD
     partials_ptr,  # (num_blocks, N_PARTIALS): per-block sums, reduced by the caller in a fixed order
@@ -87,13 +100,14 @@ def _clipped_policy_loss_kernel(
     w_const,  # w_t = w_const + w_per_len / len_s covers all three aggregations
     w_per_len,
     log_ratio_clamp,
+    gspo_log_ratio_max,
     # meta
     HAS_DUAL_CLIP: tl.constexpr,  # off, the bound has no value to compare with (an infinite one gives 0 * inf)
     HAS_REF: tl.constexpr,  # skips the read of ref_logp and the k3 term
     HAS_IS_WEIGHT: tl.constexpr,  # skips the read of the per-token weights
     HAS_FIRST_ADV: tl.constexpr,  # skips the read of the first tokens' advantages
     COMPUTE_GRAD: tl.constexpr,  # skips the gradient write when logp does not require grad (old/ref passes)
-    LOSS_MODE: tl.constexpr,  # _LOSS_MODE: 0 the clipped surrogate, 1 cispo, 2 sapo
+    LOSS_MODE: tl.constexpr,  # _LOSS_MODE: 0 the clipped surrogate, 1 cispo, 2 sapo, 3 gspo
     N_PARTIALS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -140,12 +154,18 @@ def _clipped_policy_loss_kernel(
         low_binds = tl.zeros([BLOCK], dtype=tl.int1)
         high_binds = tl.zeros([BLOCK], dtype=tl.int1)
     else:
-        pg_unclipped = -ratio * a
-        pg_clipped = -clipped * a
+        r = ratio
+        r_moves = ratio_moves
+        if LOSS_MODE == 3:  # gspo: the sequence's ratio, through the token's own log-prob (d r / d logp = r)
+            seq_log_ratio = tl.load(seq_log_ratio_ptr + seq, mask=mask, other=0.0)
+            r = tl.exp(tl.minimum(seq_log_ratio, gspo_log_ratio_max))
+            r_moves = seq_log_ratio <= gspo_log_ratio_max
+        pg_unclipped = -r * a
+        pg_clipped = -tl.minimum(tl.maximum(r, 1.0 - clip_low), 1.0 + clip_high) * a
         # the clipped branch binds (and stops the gradient) exactly when it is the larger loss
         clip_binds = pg_clipped > pg_unclipped
         pg = tl.where(clip_binds, pg_clipped, pg_unclipped)
-        dpg = tl.where(clip_binds | (ratio_moves == 0), 0.0, -ratio * a)  # dpg/dlogp
+        dpg = tl.where(clip_binds | (r_moves == 0), 0.0, -r * a)  # dpg/dlogp
         low_binds = clip_binds & (a < 0.0)
         high_binds = clip_binds & (a > 0.0)
     dual_binds = tl.zeros([BLOCK], dtype=tl.int1)
@@ -204,9 +224,17 @@ def clipped_policy_loss_reference(
     normalisers = PolicyLossInputs(advantages, cu_seqlens, total_tokens=total_tokens, total_seqs=total_seqs)
     w_const, w_per_len = normalisers.aggregation_weights(config, N)
     a, seq_len = per_token_advantages(advantages, cu_seqlens, N, first_advantages)
+    seq_log_ratio = None
+    if config.policy_loss == "gspo":  # each token's sequence's mean log-ratio, in logp's own dtype, detached
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        seq = torch.repeat_interleave(torch.arange(len(lengths), device=logp.device), lengths, output_size=N)
+        diff = (logp - old_logp.to(logp.dtype)).detach()
+        sums = torch.zeros(len(lengths), dtype=diff.dtype, device=diff.device).index_add_(0, seq, diff)
+        seq_log_ratio = (sums / lengths.clamp(min=1).to(diff.dtype))[seq]  # (N,)
     loss_t, indicators = token_terms_reference(
-        logp, old_logp, a, seq_len, config=config, ref_logp=ref_logp, is_weights=is_weights
-    )
+        logp, old_logp, a, seq_len, config=config, ref_logp=ref_logp, is_weights=is_weights,
+        seq_log_ratio=seq_log_ratio,
+    )  # fmt: skip
     loss = (loss_t * (w_const + w_per_len / seq_len.to(loss_t.dtype))).sum()
     n = max(N, 1)
     stats = {name: value.sum() / n for name, value in indicators.items()}
@@ -236,10 +264,12 @@ def token_terms_reference(
     config: PolicyLossConfig,
     ref_logp: torch.Tensor | None = None,
     is_weights: torch.Tensor | None = None,
+    seq_log_ratio: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per token: the unweighted loss l_t (differentiable w.r.t. ``logp``) and each statistic's summand, for
-    tokens given with their sequence's advantage ``a`` (N,) (``per_token_advantages``). ``seq_len`` is unused
-    here but keeps the signature of a chunk's view of the batch."""
+    tokens given with their sequence's advantage ``a`` (N,) (``per_token_advantages``) and, for GSPO, their
+    sequence's log-ratio ``seq_log_ratio`` (N,), a constant. ``seq_len`` is unused here but keeps the signature of a
+    chunk's view of the batch."""
     del seq_len
     dtype = _common.compute_dtype(logp.dtype)
     a = a.to(dtype)
@@ -255,8 +285,12 @@ def token_terms_reference(
         pg = -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * a
         low_binds = high_binds = torch.zeros_like(ratio, dtype=torch.bool)
     else:
-        pg_unclipped = -ratio * a
-        pg_clipped = -clipped * a
+        r = ratio
+        if config.policy_loss == "gspo":  # the sequence's value, the token's own gradient (GSPO-token)
+            log_r = seq_log_ratio.to(dtype).detach() + logp - logp.detach()
+            r = torch.exp(torch.clamp(log_r, max=GSPO_LOG_RATIO_MAX))
+        pg_unclipped = -r * a
+        pg_clipped = -torch.clamp(r, 1.0 - config.clip_low, 1.0 + config.clip_high) * a
         pg = torch.maximum(pg_unclipped, pg_clipped)
         clip_binds = pg_clipped > pg_unclipped
         low_binds, high_binds = clip_binds & (a < 0), clip_binds & (a > 0)
@@ -289,14 +323,30 @@ class TokenTerms:
     and statistic sums (N_PARTIALS,), with dloss/dlogp written into ``grad`` when given. The Triton kernel finds each
     token's sequence in the whole batch's ``cu_seqlens``; the reference path (autograd through
     ``token_terms_reference``, the CPU's) reads per-token advantages made here once. ``clipped_policy_loss`` runs
-    it over all N tokens at once, ``linear_policy_loss`` over each chunk of rows as its log-probs are made."""
+    it over all N tokens at once, ``linear_policy_loss`` over each chunk of rows as its log-probs are made.
+    ``seq_log_ratio`` (S,): GSPO's sequence log-ratios (``sequence_log_ratios``), needed with policy_loss="gspo"."""
 
-    def __init__(self, inputs: PolicyLossInputs, config: PolicyLossConfig, N: int, *, use_triton: bool) -> None:
+    def __init__(
+        self,
+        inputs: PolicyLossInputs,
+        config: PolicyLossConfig,
+        N: int,
+        *,
+        use_triton: bool,
+        seq_log_ratio: torch.Tensor | None = None,
+    ) -> None:
+        if (config.policy_loss == "gspo") != (seq_log_ratio is not None):
+            raise ValueError("policy_loss='gspo' takes the sequences' log-ratios, and no other loss does")
         self.inputs, self.config, self.use_triton = inputs, config, use_triton
+        self.seq_log_ratio = seq_log_ratio
         self.w_const, self.w_per_len = inputs.aggregation_weights(config, N)
         if not use_triton:  # the reference's per-token view of the batch, made once for every range
             x = inputs
             self.a_t, self.seq_len_t = per_token_advantages(x.advantages, x.cu_seqlens, N, x.first_advantages)
+            self.seq_log_ratio_t = None
+            if seq_log_ratio is not None:  # (N,) each token's sequence's
+                lengths = x.cu_seqlens[1:] - x.cu_seqlens[:-1]
+                self.seq_log_ratio_t = torch.repeat_interleave(seq_log_ratio, lengths, output_size=N)
 
     def __call__(self, rows: slice, logp: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor:
         """The sums of tokens ``rows`` of the batch, whose log-probs are ``logp`` (n,); an on-policy loss (no
@@ -314,9 +364,11 @@ class TokenTerms:
         seq_len = self.seq_len_t[rows]
         with torch.enable_grad():
             x = logp.detach().requires_grad_()
+            seq_log_ratio = self.seq_log_ratio_t[rows] if self.seq_log_ratio_t is not None else None
             loss_t, indicators = token_terms_reference(
-                x, old_logp, self.a_t[rows], seq_len, config=self.config, ref_logp=ref_logp, is_weights=is_weights
-            )
+                x, old_logp, self.a_t[rows], seq_len, config=self.config, ref_logp=ref_logp, is_weights=is_weights,
+                seq_log_ratio=seq_log_ratio,
+            )  # fmt: skip
             weighted = (loss_t * (self.w_const + self.w_per_len / seq_len.to(loss_t.dtype))).sum()
             if grad is not None:
                 (g,) = torch.autograd.grad(weighted, x)
@@ -343,6 +395,7 @@ class TokenTerms:
                 is_weights if is_weights is not None else logp,
                 x.advantages,
                 x.first_advantages if x.first_advantages is not None else x.advantages,
+                self.seq_log_ratio if self.seq_log_ratio is not None else x.advantages,
                 x.cu_seqlens,
                 grad if grad is not None else partials,
                 partials,
@@ -359,6 +412,7 @@ class TokenTerms:
                 self.w_const,
                 self.w_per_len,
                 LOG_RATIO_CLAMP,
+                GSPO_LOG_RATIO_MAX,
                 HAS_DUAL_CLIP=config.dual_clip is not None,
                 HAS_REF=ref_logp is not None,
                 HAS_IS_WEIGHT=is_weights is not None,
@@ -376,7 +430,10 @@ class ClippedPolicyLossFunction(torch.autograd.Function):
     def forward(ctx, logp, inputs: PolicyLossInputs, config: PolicyLossConfig):
         N = logp.shape[0]
         grad = _common.new_empty(N, dtype=torch.float32, device=logp.device) if logp.requires_grad else None  # (N,)
-        sums = TokenTerms(inputs, config, N, use_triton=True)(slice(0, N), logp, grad)
+        seq_log_ratio = None
+        if config.policy_loss == "gspo":  # the whole batch's log-probs are here: the sequences' means first
+            seq_log_ratio = sequence_log_ratios(logp, inputs.old_logp, inputs.cu_seqlens)  # (S,)
+        sums = TokenTerms(inputs, config, N, use_triton=True, seq_log_ratio=seq_log_ratio)(slice(0, N), logp, grad)
         ctx.save_for_backward(grad)
         ctx.logp_dtype = logp.dtype
         stats = sums[1:] / max(N, 1)

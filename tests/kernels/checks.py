@@ -53,6 +53,27 @@ def off_the_bounds(logp: torch.Tensor, old: torch.Tensor, *, spread: float, marg
     raise AssertionError("could not draw log-ratios off the clip bounds: the margin is too wide for the spread")
 
 
+def sequences_off_the_bounds(logp: torch.Tensor, old: torch.Tensor, cu_seqlens: torch.Tensor, *, margin: float):
+    """``old`` with each sequence shifted as a whole (every token by one constant) wherever the sequence's mean
+    log-ratio (GSPO's log s) lies within ``margin`` of the log of a RATIO_BOUNDS entry, until none does: the same for
+    the sequence ratio as ``off_the_bounds`` for the token's. Shifting a sequence moves each of its token ratios too,
+    which GSPO's loss does not read (its token ratios enter the statistics only, which are smooth)."""
+    old = old.clone()
+    bounds = torch.tensor(RATIO_BOUNDS, dtype=torch.float64, device=old.device).log()
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    seq = torch.repeat_interleave(torch.arange(len(lengths), device=old.device), lengths, output_size=old.shape[0])
+    for _ in range(200):
+        diff = logp.double() - old.double()
+        mean = torch.zeros(len(lengths), dtype=torch.float64, device=old.device).index_add_(0, seq, diff)
+        mean = mean / lengths.clamp(min=1)
+        near = ((mean[:, None] - bounds).abs() < margin).any(-1) & (lengths > 0)  # (S,)
+        if not near.any():
+            return old
+        shift = torch.where(near, torch.rand(len(lengths), device=old.device) * 0.2 - 0.1, 0.0)  # (S,)
+        old = old + shift[seq].to(old.dtype)
+    raise AssertionError("could not draw sequence log-ratios off the clip bounds")
+
+
 # -- 16-bit logits: first-order bounds on what their rounding does --------------------------------------------
 # The lm_head ops with 16-bit inputs compute each logit z in float32 and round it to bfloat16 (|dz| <= EPS16 |z|:
 # a whole ulp, since the interpreter truncates), store the logit gradient g = dL/dz in bfloat16 for the matmuls

@@ -17,7 +17,14 @@ from fasttnt_kernels import (
     clipped_policy_loss_reference,
 )
 
-from checks import DEVICE, FP32_LOG_RATIO_MARGIN, assert_close, hand_worked_case, off_the_bounds
+from checks import (
+    DEVICE,
+    FP32_LOG_RATIO_MARGIN,
+    assert_close,
+    hand_worked_case,
+    off_the_bounds,
+    sequences_off_the_bounds,
+)
 
 
 def _packed_batch(lengths, dtype=torch.float32, *, spread=0.4):
@@ -93,15 +100,18 @@ def test_matches_float64_reference(triton_path, lengths, agg, dual_clip, with_re
 
 @pytest.mark.parametrize("lengths", list(LENGTHS))
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
-@pytest.mark.parametrize("policy_loss", ["cispo", "sapo"])
+@pytest.mark.parametrize("policy_loss", ["gspo", "cispo", "sapo"])
 def test_other_policy_losses_match_float64_reference(triton_path, lengths, agg, policy_loss):
-    # with what composes with them (the KL term, importance weights); the ratios are kept off the clip bounds
-    # (CISPO's weight has a kink there), SAPO's gate is smooth
+    # with what composes with them (the KL term, importance weights; GSPO's dual clip); the ratios are kept off the
+    # clip bounds (CISPO's weight has a kink there; GSPO's sequence ratios too), SAPO's gate is smooth
     lens = LENGTHS[lengths] or torch.randint(1, 21, (300,)).tolist()
     logp, old, ref, adv, cu = _packed_batch(lens)
+    if policy_loss == "gspo":  # a float32 mean of up to 1,500 log-ratios errs by ~1e-4 relative at worst
+        old = sequences_off_the_bounds(logp, old, cu, margin=1e-3)
     weights = torch.rand(logp.shape[0], device=DEVICE) * 2
     kw = dict(policy_loss=policy_loss, clip_low=0.2, clip_high=0.28, agg=agg, ref_logp=ref, kl_coef=0.05,
-              is_weights=weights, sapo_tau_pos=1.0, sapo_tau_neg=1.05)  # fmt: skip
+              is_weights=weights, sapo_tau_pos=1.0, sapo_tau_neg=1.05,
+              dual_clip=1.5 if policy_loss == "gspo" else None)  # fmt: skip
     loss, stats, grad = _run(logp, old, adv, cu, **kw)
     t_loss, t_stats, t_grad = _truth(logp, old, adv, cu, **kw)
     assert_close(loss, t_loss, name="loss")
@@ -109,10 +119,31 @@ def test_other_policy_losses_match_float64_reference(triton_path, lengths, agg, 
     for name in STAT_NAMES:
         assert_close(stats[name], t_stats[name], name=name)
     assert not grad.isnan().any() and grad.abs().sum() > 0
-    if lengths == "many-short" and policy_loss == "cispo":  # the weight clipped on both sides, its tokens kept
-        assert 0 < stats["clip_frac_low"] < 1 and 0 < stats["clip_frac_high"] < 1, "the grid must clip the weight"
+    if lengths == "many-short" and policy_loss in ("cispo", "gspo"):  # the ratios clipped on both sides
+        assert 0 < stats["clip_frac_low"] < 1 and 0 < stats["clip_frac_high"] < 1, "the grid must clip"
     if policy_loss == "sapo":  # no clip: a soft gate
         assert stats["clip_frac_low"] == 0 and stats["clip_frac_high"] == 0
+
+
+def test_gspo_by_hand(triton_path):
+    # token-mean over 6 tokens, logp -1. Sequence 0 (2 tokens, log-ratios 0.2, 0.4: s = e^0.3 = 1.35 > 1.28, A = 1):
+    # clipped, pg = -1.28 on each token, no gradient. Sequence 2 (3 tokens, 0.1, -0.1, 0.3: s = e^0.1, A = -2):
+    # pg = 2 s on each, dloss/dlogp_t = 2 s / 6 (the sequence's value through the token's own log-prob). Sequence 3
+    # (1 token, -0.5: s = e^-0.5 < 0.8, A = -1): clipped below, pg = 0.8, no gradient. Sequence 1 is empty
+    logp = torch.full((6,), -1.0, device=DEVICE)
+    old = logp - torch.tensor([0.2, 0.4, 0.1, -0.1, 0.3, -0.5], device=DEVICE)
+    adv = torch.tensor([1.0, 5.0, -2.0, -1.0], device=DEVICE)
+    cu = torch.tensor([0, 2, 2, 5, 6], device=DEVICE)
+    loss, stats, grad = _run(logp, old, adv, cu, policy_loss="gspo", clip_low=0.2, clip_high=0.28)
+    s = math.exp(0.1)
+    assert math.isclose(loss.item(), (2 * -1.28 + 3 * 2 * s + 0.8) / 6, rel_tol=1e-6)
+    expected = torch.tensor([0.0, 0.0, 2 * s, 2 * s, 2 * s, 0.0], dtype=torch.float64) / 6
+    torch.testing.assert_close(grad.double().cpu(), expected, rtol=1e-6, atol=1e-7)
+    assert math.isclose(stats["clip_frac_high"].item(), 2 / 6, rel_tol=1e-6)  # sequence 0's tokens
+    assert math.isclose(stats["clip_frac_low"].item(), 1 / 6, rel_tol=1e-6)  # sequence 3's
+    # seq-mean-token-mean: sequence 2's gradient is that of its ratio itself, d s / d logp_t = s / 3, over 4 sequences
+    _, _, grad = _run(logp, old, adv, cu, policy_loss="gspo", clip_low=0.2, clip_high=0.28, agg="seq-mean-token-mean")
+    torch.testing.assert_close(grad.double().cpu()[2:5], torch.full((3,), 2 * s / 3 / 4, dtype=torch.float64))
 
 
 def test_cispo_by_hand(triton_path):
@@ -157,7 +188,8 @@ def test_sapo_by_hand(triton_path):
 
 def test_policy_loss_settings_are_checked():
     with pytest.raises(SettingError, match="policy_loss"):
-        PolicyLossConfig(policy_loss="gspo")
+        PolicyLossConfig(policy_loss="vespo")
+    assert PolicyLossConfig(policy_loss="gspo", dual_clip=3.0).dual_clip == 3.0  # a surrogate: its dual clip too
     with pytest.raises(SettingError, match="dual_clip"):
         PolicyLossConfig(policy_loss="cispo", dual_clip=3.0)
     with pytest.raises(SettingError, match="clip_low"):

@@ -28,6 +28,7 @@ from checks import (
     bf16_logit_bounds,
     hand_worked_case,
     off_the_bounds,
+    sequences_off_the_bounds,
 )
 
 V, H = 300, 24
@@ -55,7 +56,14 @@ def _batch(dtype=torch.float32, *, spread=0.5, logits_dtype=None):
         margin = bf16_logit_bounds(hidden.bfloat16(), weight.bfloat16(), ids, a=torch.zeros(n, device=DEVICE))["logp"]
     else:
         margin = 10 * FP32_LOG_RATIO_MARGIN
-    old = off_the_bounds(logp, old, spread=spread, margin=margin)
+    for _ in range(50):  # each token's ratio, and each sequence's (GSPO's), off the bounds
+        old = off_the_bounds(logp, old, spread=spread, margin=margin)
+        shifted = sequences_off_the_bounds(logp, old, cu, margin=1e-3)
+        if torch.equal(shifted, old):
+            break
+        old = shifted
+    else:
+        raise AssertionError("could not draw the token and sequence log-ratios off the clip bounds together")
     ref = logp + torch.randn(n, device=DEVICE) * spread
     is_w = torch.rand(n, device=DEVICE) * 1.5
     adv = torch.randn(len(LENGTHS), device=DEVICE)
@@ -145,6 +153,9 @@ VARIANTS = {
     # the other policy-gradient terms, with what composes with them: weights, the KL term, the entropy bonus
     "cispo": dict(policy_loss="cispo", clip_high=0.28, use_is=True, use_ref=True, kl_coef=0.05),
     "sapo": dict(policy_loss="sapo", agg="seq-mean-token-mean", total_seqs=9.0, entropy_coef=0.02, use_first=True),
+    # sequences across chunks: their ratios from a first pass of log-probs; on-policy none (every ratio 1)
+    "gspo": dict(policy_loss="gspo", agg="seq-mean-token-mean", use_ref=True, kl_coef=0.05, dual_clip=3.0),
+    "gspo-on-policy": dict(policy_loss="gspo", on_policy=True, clip_high=0.28),
 }
 
 
@@ -187,7 +198,7 @@ def test_equals_the_composition_in_float32(monkeypatch, variant, path):
 
 
 @pytest.mark.parametrize(
-    "variant", ["token-mean", "is-weights+everything", "on-policy", "first-advantages", "cispo", "sapo"]
+    "variant", ["token-mean", "is-weights+everything", "on-policy", "first-advantages", "cispo", "sapo", "gspo"]
 )
 @pytest.mark.parametrize("path", ["triton", "torch"])
 def test_matches_the_float64_reference(monkeypatch, variant, path):
