@@ -257,8 +257,8 @@ def run_turns(args, workers: dict[str, Callable]) -> dict[str, dict]:
 
         try:
             for i in range(total):
-                for name in names if i % 2 == 0 else names[::-1]:
-                    rows[name].append(ask(name, "step"))
+                for turn, name in enumerate(names if i % 2 == 0 else names[::-1]):
+                    rows[name].append({**ask(name, "step"), "turn": turn})
                 walls = ", ".join(f"{name} {rows[name][-1]['wall']:.2f} s" for name in names)
                 print(f"step {i + 1}/{total}{' (warm-up)' if i < args.warmup_steps else ''}: {walls}", file=sys.stderr)
             finals = {name: ask(name, "stop") for name in names}
@@ -286,6 +286,7 @@ def summarise(args, rows: list[dict], final: dict) -> dict:
         "update_peak_mib": med("update_peak_mib"),
         "update_rise_mib": med("update_rise_mib"),
         "peak_rss_mib": final["peak_rss_mib"],
+        "went_first": sum(r["turn"] == 0 for r in rows),  # steps in which this trainer took the first turn
     }
     if "time_update" in timed[0]:  # fasttnt's own split: the step's time by phase, the sequences the update skipped
         phases = sorted({k for r in timed for k in r if k.startswith("time_") and k != "time_step"})

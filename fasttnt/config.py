@@ -102,7 +102,7 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class LossConfig:
-    # clip_low, clip_high, dual_clip, kl_coef, entropy_coef, agg, norm_length, policy_loss and the SAPO
+    # clip_low, clip_high, dual_clip, kl_coef, kl_max, entropy_coef, agg, norm_length, policy_loss and the SAPO
     # temperatures are the kernel's PolicyLossConfig, by name: the trainer builds that one object from them
     # (PolicyLossConfig.of) and hands it to the loss, and validate() runs the kernel type's own checks on them (one
     # set of checks, from the config to the kernel)
@@ -112,6 +112,7 @@ class LossConfig:
     clip_high: float = 0.28  # clip-higher (DAPO)
     dual_clip: float | None = None
     kl_coef: float = 0.0
+    kl_max: float | None = 10.0  # the k3 KL term's value capped here, its gradient 0 above (verl's clamp; null: none)
     entropy_coef: float = 0.0
     agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     norm_length: float | None = None

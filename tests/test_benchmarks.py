@@ -115,6 +115,9 @@ def test_bench_kernels_skips_what_does_not_fit_and_stops_at_its_deadline(tmp_pat
     rows = _csv_rows(tmp_path / "small.csv")
     assert len({r["op"] for r in rows}) == 7 and made == []
     assert all(r["status"] == "skipped" and "GiB free" in r["note"] and not r["fwd_ms"] for r in rows)
+    # said as skipped, once per reason, so a summary never counts them as measured (gpu_check.sh)
+    skipped_lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("SKIPPED:")]
+    assert skipped_lines and sum(int(line.split()[1]) for line in skipped_lines) == len(rows), skipped_lines
     # a deadline already past: nothing starts, and the run lists (and writes) what it did not run
     assert bench.main(["--smoke", "--max-seconds", "0", "--csv", str(tmp_path / "late.csv")]) == 0
     rows = _csv_rows(tmp_path / "late.csv")
@@ -245,6 +248,8 @@ def test_e2e_against_trl_smoke(tmp_path):
     numbers = json.loads((tmp_path / "e2e.json").read_text())
     assert numbers["fasttnt"]["step_s"] > 0 and numbers["trl"]["step_s"] > 0
     assert len(numbers["fasttnt"]["steps_s"]) == len(numbers["trl"]["steps_s"]) == 3  # turn by turn, every step
+    # the order reversed every other step: over 3 steps one trainer went first twice, the other once
+    assert sorted([numbers["fasttnt"]["went_first"], numbers["trl"]["went_first"]]) == [1, 2]
     assert numbers["ratio_steps_per_s"] > 0
     assert "fasttnt steps/s / TRL steps/s" in out
 

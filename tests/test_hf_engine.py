@@ -314,8 +314,10 @@ from fasttnt.engines.hf import HFEngine
 
 give_back = sys.argv[1] == "1"
 tok = build_char_tokenizer()
+# without the setting, the default: no give-back (an engine made outside run_setup, as in a benchmark)
+setting = {"give_back_heap": True} if give_back else {}
 engine = HFEngine(build_tiny_model(tok, TinyModelConfig(**TINY_GQA)), tok,
-                  EngineSettings(max_new_tokens=8, temperature=1.0, top_p=1.0, give_back_heap=give_back))
+                  EngineSettings(max_new_tokens=8, temperature=1.0, top_p=1.0, **setting))
 # what a rollout leaves: many small freed blocks (KV caches and logits) in glibc's free lists, still resident.
 # 64 KiB blocks are under glibc's mmap threshold (at least 128 KiB): they come from the heap, not from mmap
 blocks = [torch.ones(16 * 1024) for _ in range(3200)]  # 3200 x 64 KiB = 200 MiB, touched

@@ -217,6 +217,9 @@ def test_the_warm_up_cache_key_follows_the_code(tmp_path):
     assert tiny.warmup_code_key(tmp_path) == tiny.warmup_code_key()
     (tmp_path / "data.py").write_bytes((package / "data.py").read_bytes() + b"\n")
     assert tiny.warmup_code_key(tmp_path) != tiny.warmup_code_key()
+    # and the cache entry's name carries it: the same configs under other code name another folder
+    path = tiny.warmup_cache_path(tmp_path, TinyModelConfig(**TINY_4_HEADS), tiny.WarmupConfig())
+    assert path.name.endswith("-" + tiny.warmup_code_key()) and path.parent == tmp_path
 
 
 def test_a_warm_up_cached_by_other_code_is_trained_again_and_said(tmp_path, capsys):
@@ -230,6 +233,11 @@ def test_a_warm_up_cached_by_other_code_is_trained_again_and_said(tmp_path, caps
     interrupted = path.with_name(path.name + ".tmp")  # this code's warm-up, cut short before its rename: no entry
     interrupted.mkdir()
     (interrupted / "config.json").write_text("{}")
+    # a folder of the same configs holding no model (left by hand, say): no entry either; named to sort last, so
+    # that a listing which counted it would name it
+    empty = path.with_name(path.name.rsplit("-", 1)[0] + "-zzzzzzzzzzzz")
+    empty.mkdir()
+    assert sorted([stale, empty, path])[-1] == empty, "precondition: the empty folder sorts after the stale entry"
     _, _, got = warmed_up_model(tmp_path, model_cfg, warmup_cfg)
     assert got == path and (path / "config.json").is_file() and (path / "warmup.json").is_file()
     said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fasttnt:")]

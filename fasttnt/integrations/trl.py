@@ -266,6 +266,7 @@ class FastTNTGRPOTrainer(GRPOTrainer):
             **loss_options(self.loss_type, self.epsilon_low, self.epsilon_high, self.args.delta, self.args),
             ref_logp=None if ref is None else ref[valid],
             kl_coef=self.beta,
+            kl_max=None,  # TRL's k3 is uncapped (fasttnt's default caps it at 10, as verl)
             is_weights=is_weights,
             agg=_AGGREGATION[self.loss_type],
             **self._loss_normalisers(inputs, int(valid.sum()), len(advantages), mode),

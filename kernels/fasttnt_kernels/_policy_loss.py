@@ -43,6 +43,8 @@ class PolicyLossConfig:
     agg: Aggregation = "token-mean"
     norm_length: float | None = None
     entropy_coef: float = 0.0
+    # the k3 KL term's value is capped here, its gradient 0 above (verl's low_var_kl clamp; None: uncapped, TRL's)
+    kl_max: float | None = 10.0
     policy_loss: PolicyLoss = "vanilla"
     # SAPO's gate temperatures for tokens of a positive advantage and of the others (TRL's and verl's defaults)
     sapo_tau_pos: float = 1.0
@@ -68,6 +70,7 @@ class PolicyLossConfig:
         need(dual is None or dual > 1.0, "dual_clip", "must be > 1 (it bounds the loss of negative advantages)")
         finite_nonnegative = "must be a finite number >= 0"
         need(math.isfinite(self.kl_coef) and self.kl_coef >= 0.0, "kl_coef", finite_nonnegative)
+        need(self.kl_max is None or self.kl_max > 0.0, "kl_max", "must be > 0 (or None: uncapped)")
         need(self.agg in AGGREGATIONS, "agg", f"must be one of {AGGREGATIONS}")
         need(
             self.agg != "seq-mean-token-sum-norm" or (self.norm_length is not None and self.norm_length > 0),

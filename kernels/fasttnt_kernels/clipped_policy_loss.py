@@ -8,7 +8,8 @@ Sequence s owns tokens cu_seqlens[s]:cu_seqlens[s+1] and one advantage A_s (its 
     pg_t = min(pg_t, -dual_clip A_s)                            when dual_clip is set and A_s < 0
     pg_t = w_t pg_t                                             when is_weights w (N,) are given
     d_t  = clamp(ref_t - logp_t, -20, 20)
-    l_t  = pg_t + kl_coef (exp(d_t) - d_t - 1)                  when ref_logp is given (k3)
+    k_t  = min(exp(d_t) - d_t - 1, kl_max)                      the k3 estimate, capped (kl_max None: not)
+    l_t  = pg_t + kl_coef k_t                                   when ref_logp is given
 
 and the loss is sum_t w_t l_t with the aggregation's weights:
 
@@ -34,6 +35,11 @@ every aggregation equal to TRL's (its token-summing losses count a sequence's on
 SAPO's gate is TRL 1.16's and verl 0.9.1's alike (verl also forces the seq-mean-token-mean aggregation, TRL's
 ``sapo`` aggregates as its ``grpo``: the same; here ``agg`` decides).
 
+The cap on k3 is verl's (its low_var_kl clamps the value at 10): a token whose reference log-prob is far above its
+own (d = 20 is e^20 - 21 = 4.9e8) would otherwise outweigh the whole batch's loss, and its gradient
+kl_coef (1 - e^d) every other token's; above the cap the term is a constant, as the surrogate's clip makes the
+policy term one. TRL clamps neither d nor k3: its drop-in (``fasttnt.integrations.trl``) passes kl_max=None.
+
 Both exponents are clamped to +-20 before ``exp`` (as verl does): unclamped, a log-ratio above ~88 is inf in
 float32, and a zero advantage times inf is NaN in the loss and its gradient. Outside the clamp the gradient is
 0, as ``torch.clamp``'s is. ``is_weights`` are constants of the update, e.g. the truncated importance weights
@@ -42,7 +48,7 @@ float32, and a zero advantage times inf is NaN in the loss and its gradient. Out
 The kernel writes dloss/dlogp_t beside the loss, so the backward is one multiply by the upstream gradient.
 The statistics are token means: clip fractions (low: A < 0 and r < 1 - clip_low; high: A > 0 and
 r > 1 + clip_high; for cispo, the weight clipped: r below its band, r above it; none for sapo; dual), the k3 estimate
-of KL(old || new), the mean ratio and the mean k3 KL to the reference.
+of KL(old || new), the mean ratio and the mean k3 KL to the reference (capped as the loss's term).
 """
 
 from __future__ import annotations
@@ -95,6 +101,7 @@ def _clipped_policy_loss_kernel(
     clip_high,
     dual_clip,
     kl_coef,
+    kl_max,  # inf when uncapped: k3 is finite (d is clamped), so min(k3, inf) = k3 and no 0 * inf arises
     sapo_tau_pos,
     sapo_tau_neg,
     w_const,  # w_t = w_const + w_per_len / len_s covers all three aggregations
@@ -186,9 +193,10 @@ def _clipped_policy_loss_kernel(
         raw_d = ref - logp
         d = tl.minimum(tl.maximum(raw_d, -log_ratio_clamp), log_ratio_clamp)
         e = tl.exp(d)
-        kl_ref = e - d - 1.0
+        k3 = e - d - 1.0
+        kl_ref = tl.minimum(k3, kl_max)
         loss_t += kl_coef * kl_ref
-        d_moves = (raw_d >= -log_ratio_clamp) & (raw_d <= log_ratio_clamp)
+        d_moves = (raw_d >= -log_ratio_clamp) & (raw_d <= log_ratio_clamp) & (k3 <= kl_max)
         dpg += tl.where(d_moves, kl_coef * (1.0 - e), 0.0)  # d/dlogp of exp(d) - d - 1, d = ref - logp
     if COMPUTE_GRAD:
         tl.store(grad_ptr + t, weight * dpg, mask=mask)
@@ -305,6 +313,8 @@ def token_terms_reference(
     if ref_logp is not None:
         d = torch.clamp(ref_logp.to(dtype) - logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         kl_ref = torch.exp(d) - d - 1.0
+        if config.kl_max is not None:
+            kl_ref = torch.clamp(kl_ref, max=config.kl_max)
         loss_t = loss_t + config.kl_coef * kl_ref
     with torch.no_grad():
         indicators = {
@@ -407,6 +417,7 @@ class TokenTerms:
                 config.clip_high,
                 config.dual_clip if config.dual_clip is not None else 0.0,
                 config.kl_coef,
+                config.kl_max if config.kl_max is not None else math.inf,
                 config.sapo_tau_pos,
                 config.sapo_tau_neg,
                 self.w_const,

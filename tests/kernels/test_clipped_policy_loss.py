@@ -186,9 +186,32 @@ def test_sapo_by_hand(triton_path):
     assert stats["clip_frac_low"].item() == 0 and stats["clip_frac_high"].item() == 0
 
 
+@pytest.mark.parametrize("kl_max", [10.0, None])
+def test_the_kl_term_at_extreme_log_ratios(triton_path, kl_max):
+    # d = ref - logp of +-5 and +-20, one token each, A = 0 (the KL term alone), token-mean over 4, kl_coef 0.1.
+    # k3 = e^d - d - 1: 142.4 (d = 5), 4.0067 (-5), 4.85e8 (20), 19.0 (-20). Capped at 10 the three above it are
+    # constants (no gradient); uncapped each keeps kl_coef (1 - e^d): -4.85e7 at d = 20, finite
+    logp = torch.full((4,), -30.0, device=DEVICE)
+    d = torch.tensor([5.0, -5.0, 20.0, -20.0], dtype=torch.float64)
+    ref = (logp.double().cpu() + d).float().to(DEVICE)
+    cu = torch.tensor([0, 4], device=DEVICE)
+    loss, stats, grad = _run(logp, logp, torch.zeros(1, device=DEVICE), cu, ref_logp=ref, kl_coef=0.1, kl_max=kl_max)
+    k3 = d.exp() - d - 1
+    moves = torch.ones(4, dtype=torch.bool) if kl_max is None else k3 <= kl_max
+    if kl_max is not None:
+        k3 = k3.clamp(max=kl_max)
+        assert moves.tolist() == [False, True, False, False], "precondition: the cap binds on three of the four"
+    assert math.isclose(loss.item(), 0.1 * k3.mean().item(), rel_tol=1e-5)
+    expected = torch.where(moves, 0.1 * (1 - d.exp()), 0.0) / 4
+    torch.testing.assert_close(grad.double().cpu(), expected, rtol=1e-5, atol=1e-6)
+    assert torch.isfinite(grad).all() and math.isclose(stats["kl_ref"].item(), k3.mean().item(), rel_tol=1e-5)
+
+
 def test_policy_loss_settings_are_checked():
     with pytest.raises(SettingError, match="policy_loss"):
         PolicyLossConfig(policy_loss="vespo")
+    with pytest.raises(SettingError, match="kl_max"):
+        PolicyLossConfig(kl_max=0.0)
     assert PolicyLossConfig(policy_loss="gspo", dual_clip=3.0).dual_clip == 3.0  # a surrogate: its dual clip too
     with pytest.raises(SettingError, match="dual_clip"):
         PolicyLossConfig(policy_loss="cispo", dual_clip=3.0)

@@ -88,6 +88,10 @@ def test_pytorch_path_over_many_blocks(monkeypatch):
     monkeypatch.setattr(module, "_TORCH_BLOCK_BYTES", 3 * 1000 * 4)
     assert module._torch_block_rows(1000, torch.float32) == 3
     _check(*_inputs(37, 1000, torch.float32), temperature=0.7)
+    # a row wider than the block's bytes still makes a block of one row (not zero: a loop that never advances)
+    monkeypatch.setattr(module, "_TORCH_BLOCK_BYTES", 999 * 4)
+    assert module._torch_block_rows(1000, torch.float32) == 1
+    _check(*_inputs(5, 1000, torch.float32), temperature=0.7)
 
 
 @pytest.mark.parametrize("temperature", [0.6, 1.7])
