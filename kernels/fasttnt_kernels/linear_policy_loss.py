@@ -84,11 +84,10 @@ def _gspo_log_ratios(hidden, w, ids, inputs: PolicyLossInputs, config: PolicyLos
         return torch.zeros(inputs.advantages.shape[0], dtype=torch.float32, device=hidden.device)  # (S,)
     N = hidden.shape[0]
     logp = _common.new_empty(N, dtype=torch.float32, device=hidden.device)  # (N,)
-    scratch = _common.new_empty(N, dtype=torch.float32, device=hidden.device)  # (N,) lse, entropy: unread
-    entropy = _common.new_empty(N, dtype=torch.float32, device=hidden.device)  # (N,)
+    lse = _common.new_empty(N, dtype=torch.float32, device=hidden.device)  # (N,) written, unread
     for rows, _, logits in chunks(hidden, w, plan.chunk_rows):
         plan.logprobs_forward(logits, ids[rows], inv_temperature=1.0 / plan.temperature, logp=logp[rows],
-                              lse=scratch[rows], entropy=entropy[rows])  # fmt: skip
+                              lse=lse[rows], entropy=None)  # fmt: skip
         del logits
     return sequence_log_ratios(logp, inputs.old_logp, inputs.cu_seqlens)
 
