@@ -113,7 +113,7 @@ def check_grpo_config(args) -> None:
             )
 
 
-def loss_options(loss_type: str, epsilon_low: float, epsilon_high: float, delta: float | None, args=None) -> dict:
+def loss_options(loss_type: str, epsilon_low: float, epsilon_high: float, delta: float | None, args) -> dict:
     """TRL's loss_type, clip range, two-sided clip and SAPO temperatures as fasttnt's ``PolicyLossConfig`` fields
     (module docstring): the clipped surrogate's (``clip_options``), CISPO's cap, SAPO's gate."""
     if loss_type == "cispo":  # TRL: clamp(r, max=epsilon_high), no bound below
@@ -122,7 +122,7 @@ def loss_options(loss_type: str, epsilon_low: float, epsilon_high: float, delta:
         return {"policy_loss": "sapo", "clip_low": epsilon_low, "clip_high": epsilon_high, "dual_clip": None,
                 "sapo_tau_pos": args.sapo_temperature_pos, "sapo_tau_neg": args.sapo_temperature_neg}  # fmt: skip
     options = clip_options(epsilon_low, epsilon_high, delta)
-    if args is not None and getattr(args, "importance_sampling_level", "token") == "sequence":
+    if getattr(args, "importance_sampling_level", "token") == "sequence":
         options["policy_loss"] = "gspo"
     return options
 

@@ -66,6 +66,18 @@ def _truth(logp, old, adv, cu, *, ref_logp=None, is_weights=None, total_tokens=N
     return loss.detach(), stats, x.grad
 
 
+def _against_truth(logp, old, adv, cu, **kw):
+    """The op and its float64 reference on the same batch: loss, gradient and every statistic close; the op's
+    ``(loss, stats, grad)``."""
+    loss, stats, grad = _run(logp, old, adv, cu, **kw)
+    t_loss, t_stats, t_grad = _truth(logp, old, adv, cu, **kw)
+    assert_close(loss, t_loss, name="loss")
+    assert_close(grad, t_grad, name="grad")
+    for name in STAT_NAMES:
+        assert_close(stats[name], t_stats[name], name=name)
+    return loss, stats, grad
+
+
 # sequence lengths: empty ones between and at both ends; one sequence crossing the 1024-token block; 300
 # sequences of 1-20 tokens (many per block, a 9-step search); a single token
 LENGTHS = {
@@ -85,15 +97,10 @@ def test_matches_float64_reference(triton_path, lengths, agg, dual_clip, with_re
     kw = dict(clip_low=0.2, clip_high=0.28, dual_clip=dual_clip, agg=agg, norm_length=2048.0)
     if with_ref:
         kw.update(ref_logp=ref, kl_coef=0.05)
-    loss, stats, grad = _run(logp, old, adv, cu, **kw)
-    t_loss, t_stats, t_grad = _truth(logp, old, adv, cu, **kw)
+    loss, stats, _ = _against_truth(logp, old, adv, cu, **kw)
     assert loss.dtype == torch.float32 and loss.dim() == 0
-    assert_close(loss, t_loss, name="loss")
-    assert_close(grad, t_grad, name="grad")
     assert set(stats) == set(STAT_NAMES)
-    for name in STAT_NAMES:
-        assert stats[name].device == logp.device
-        assert_close(stats[name], t_stats[name], name=name)
+    assert all(stats[name].device == logp.device for name in STAT_NAMES)
     if lengths == "many-short":  # ~3,000 tokens with ratios spread around both bounds: both clips must bind
         assert 0 < stats["clip_frac_low"] < 1 and 0 < stats["clip_frac_high"] < 1, "the grid must exercise clipping"
 
@@ -112,12 +119,7 @@ def test_other_policy_losses_match_float64_reference(triton_path, lengths, agg, 
     kw = dict(policy_loss=policy_loss, clip_low=0.2, clip_high=0.28, agg=agg, ref_logp=ref, kl_coef=0.05,
               is_weights=weights, sapo_tau_pos=1.0, sapo_tau_neg=1.05,
               dual_clip=1.5 if policy_loss == "gspo" else None)  # fmt: skip
-    loss, stats, grad = _run(logp, old, adv, cu, **kw)
-    t_loss, t_stats, t_grad = _truth(logp, old, adv, cu, **kw)
-    assert_close(loss, t_loss, name="loss")
-    assert_close(grad, t_grad, name="grad")
-    for name in STAT_NAMES:
-        assert_close(stats[name], t_stats[name], name=name)
+    _, stats, grad = _against_truth(logp, old, adv, cu, **kw)
     assert not grad.isnan().any() and grad.abs().sum() > 0
     if lengths == "many-short" and policy_loss in ("cispo", "gspo"):  # the ratios clipped on both sides
         assert 0 < stats["clip_frac_low"] < 1 and 0 < stats["clip_frac_high"] < 1, "the grid must clip"
@@ -234,12 +236,7 @@ def test_importance_weights_match_float64_reference(triton_path, agg):
     weights = torch.rand(logp.shape[0], device=DEVICE) * 3
     weights[torch.rand(logp.shape[0], device=DEVICE) < 0.1] = 0.0
     kw = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0, agg=agg, norm_length=2048.0, ref_logp=ref, kl_coef=0.05)
-    loss, stats, grad = _run(logp, old, adv, cu, is_weights=weights, **kw)
-    t_loss, t_stats, t_grad = _truth(logp, old, adv, cu, is_weights=weights, **kw)
-    assert_close(loss, t_loss, name="loss")
-    assert_close(grad, t_grad, name="grad")
-    for name in STAT_NAMES:
-        assert_close(stats[name], t_stats[name], name=name)
+    _against_truth(logp, old, adv, cu, is_weights=weights, **kw)
     # the weights scale the policy-gradient term only: with unit weights the loss is the unweighted one
     unit, _, _ = _run(logp, old, adv, cu, is_weights=torch.ones_like(weights), **kw)
     assert_close(unit, _truth(logp, old, adv, cu, **kw)[0], name="unit weights")
@@ -279,12 +276,7 @@ def test_extreme_log_ratios_stay_finite(triton_path, with_ref):
         assert torch.isfinite(loss), path
         assert torch.isfinite(grad).all(), path
         assert all(torch.isfinite(v) for v in stats.values()), path
-    loss, stats, grad = _run(logp, old, adv, cu, **kw)
-    t_loss, t_stats, t_grad = _truth(logp, old, adv, cu, **kw)
-    assert_close(loss, t_loss, name="loss")
-    assert_close(grad, t_grad, name="grad")
-    for name in STAT_NAMES:
-        assert_close(stats[name], t_stats[name], name=name)
+    _, _, grad = _against_truth(logp, old, adv, cu, **kw)
     # outside the clamp the ratio does not move with logp: the only gradient left is the (unclamped) k3's inside
     assert grad[:6].abs().max() == 0
 
