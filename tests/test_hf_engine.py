@@ -35,7 +35,7 @@ from fasttnt.data import Prompt, PromptMode, build_prompt
 from fasttnt.embedded.char_tokenizer import THINK_END, USER, build_char_tokenizer
 from fasttnt.embedded.synthetic import held_out
 from fasttnt.embedded.tiny import TinyModelConfig, build_tiny_model
-from fasttnt.engines import EngineSettings, RolloutBatch, decode_responses, pack_sequences
+from fasttnt.engines import EngineSettings, RolloutBatch, decode_responses, decode_step, pack_sequences
 from fasttnt.engines.batch import eos_ids_of
 from fasttnt.engines.hf import _COMPACT_SHARE, HFEngine
 from fasttnt.engines.sampler import row_seeds, seeded_sample
@@ -150,10 +150,11 @@ def _model(arch: str, *, think_end_bias: float = 0.0, seed: int = 3):
 
 
 def _forward_shapes(model) -> tuple[list[tuple[int, ...]], object]:
-    """The input_ids shape of every forward of ``model``, and the hook's handle."""
+    """The input_ids shape of every forward of ``model`` (transformers' or the written-out decode step: both embed
+    the input ids through the model's embedding module), and the hook's handle."""
     shapes = []
-    handle = model.register_forward_pre_hook(
-        lambda _module, _args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    handle = model.get_input_embeddings().register_forward_pre_hook(
+        lambda _module, args: shapes.append(tuple(args[0].shape))
     )
     return shapes, handle
 
@@ -174,6 +175,14 @@ def _expected_compactions(batch: RolloutBatch, prefix_lengths: list[int], max_ne
     return kept
 
 
+def _counting(function, calls: list):
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return function(*args, **kwargs)
+
+    return counted
+
+
 # -- equality with the reference ------------------------------------------------------------------------------------
 
 
@@ -187,20 +196,26 @@ class Case:
     per_level: int  # synthetic problems per level (4 levels: prompts of 4 lengths, left-padded to the longest)
     first_row: int = 0
     packed: bool = False  # fasttnt's packed attention installed (generation runs its fallback)
+    written_out: bool = True  # the decode step of engines.decode_step, else transformers' forward
 
 
 # K=4 (one prefill per prompt for four rows) in free mode; K=1 with top-p and a low temperature under forced thinking
 # (the first token may not be </think>, which is biased up here); Llama, K=3 with a pre-filled </think> (forced
-# non-thinking), a high temperature and a rank's later share of the rows; and the model with packed attention
+# non-thinking), a high temperature and a rank's later share of the rows; the model with packed attention; and the
+# first two through transformers' forward at each step
 CASES = [
     Case("qwen2", 4, 1.0, 1.0, PromptMode.FREE, per_level=2),
     Case("qwen2", 1, 0.7, 0.9, PromptMode.THINKING, per_level=6),
     Case("llama", 3, 1.3, 0.8, PromptMode.NON_THINKING, per_level=3, first_row=7),
     Case("qwen2", 2, 1.0, 0.95, PromptMode.FREE, per_level=3, packed=True),
+    Case("qwen2", 4, 1.0, 1.0, PromptMode.FREE, per_level=2, written_out=False),
+    Case("llama", 3, 1.3, 0.8, PromptMode.NON_THINKING, per_level=3, first_row=7, written_out=False),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.arch}-K{c.group_size}-{c.mode.value}-packed{c.packed}")
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: f"{c.arch}-K{c.group_size}-{c.mode.value}-packed{c.packed}-written{c.written_out}"
+)
 def test_generation_equals_the_generate_reference(monkeypatch, case):
     tok, model = _model(case.arch, think_end_bias=2.0)
     if case.packed:
@@ -211,6 +226,10 @@ def test_generation_equals_the_generate_reference(monkeypatch, case):
     engine = HFEngine(
         model, tok, EngineSettings(max_new_tokens=max_new_tokens, temperature=case.temperature, top_p=case.top_p)
     )
+    assert engine.written_out_step, "precondition: Qwen2 and Llama take the written-out decode step"
+    engine.written_out_step = case.written_out
+    written_steps = []
+    monkeypatch.setattr(decode_step, "step", _counting(decode_step.step, written_steps))
     prompts = [build_prompt(tok, p.problem, case.mode) for p in held_out(case.per_level)]
     expected = _reference(engine, prompts, case.group_size, seed=11, first_row=case.first_row)
 
@@ -241,6 +260,7 @@ def test_generation_equals_the_generate_reference(monkeypatch, case):
     assert shapes[0] == (len(prompts), max(len(ids) for ids in encoded))
     decode_rows = [rows for rows, width in shapes[1:] if width == 1]
     assert len(decode_rows) == len(shapes) - 1 <= max_new_tokens - 1
+    assert len(written_steps) == (len(decode_rows) if case.written_out else 0)
     assert decode_rows[0] == len(prompts) * case.group_size
     assert decode_rows == sorted(decode_rows, reverse=True)
     # finished rows left the batch and the cache where the rule says, and stopped costing rows
@@ -257,6 +277,66 @@ def test_generation_equals_the_generate_reference(monkeypatch, case):
     if case.mode is PromptMode.NON_THINKING:
         assert all(r[0] == engine.think_end_id for r in got.responses)
         assert (got.rollout_logp[got.cu_seqlens[:-1]] == 0).all()  # the pre-filled prefix was not sampled
+
+
+def test_the_written_out_step_only_where_it_is_the_models_forward():
+    tok, model = _model("qwen2")
+    assert decode_step.supports(model) and decode_step.supports(_model("llama")[1])  # precondition
+
+    class Adapted(torch.nn.Linear):  # what a LoRA or quantised projection is to the check: not a plain nn.Linear
+        pass
+
+    attn = model.model.layers[-1].self_attn
+    plain = attn.v_proj
+    attn.v_proj = Adapted(plain.in_features, plain.out_features)
+    assert not decode_step.supports(model)
+    assert not HFEngine(model, tok, EngineSettings(max_new_tokens=4)).written_out_step
+    attn.v_proj = plain
+    model.config.layer_types = ["full_attention", "sliding_attention"]  # Qwen2's use_sliding_window
+    assert not decode_step.supports(model)
+    model.config.layer_types = ["full_attention"] * 2
+    model.config.hidden_act = "gelu"
+    assert not decode_step.supports(model)
+
+
+@torch.no_grad()
+def _teacher_forced_logits(model, written_out: bool, bf16: bool, ids, mask, fed) -> torch.Tensor:
+    """The logits (T, B, V) of T decode steps after a prefill of ``ids`` (B, W) under ``mask``, each step fed the
+    tokens ``fed[t]`` (B,): through the written-out step or transformers' forward, under bf16 autocast or not."""
+    keyword = HFEngine(model, build_char_tokenizer(), EngineSettings(max_new_tokens=1)).cache_keyword
+    cache = DynamicCache(config=model.config)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, W)
+    logits = []
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{keyword: cache})
+        weights, position = decode_step.Weights.of(model), positions[:, -1]
+        for tokens in fed:
+            mask, position = torch.cat([mask, torch.ones_like(mask[:, :1])], 1), position + 1
+            if written_out:
+                out = decode_step.step(model, weights, cache, tokens, position, mask)
+            else:
+                kwargs = {"attention_mask": mask, "position_ids": position[:, None], keyword: cache}
+                out = model(input_ids=tokens[:, None], use_cache=True, **kwargs).logits[:, -1]
+            logits.append(out.double())
+    return torch.stack(logits)
+
+
+def test_under_bf16_autocast_the_written_out_step_is_as_close_to_float64_as_transformers():
+    # the hf engine decodes under bf16 autocast where the run trains in bfloat16 (on a GPU by default): the written-
+    # out step must round no worse than transformers' forward does, against the same model in float64
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, TinyModelConfig(**TINY_GQA), seed=5).eval()
+    ids = torch.randint(4, len(tok), (3, 9))  # (B, W)
+    mask = torch.ones_like(ids)
+    mask[0, :4], mask[2, :1] = 0, 0  # left padding
+    fed = torch.randint(4, len(tok), (6, 3))  # (T, B)
+    truth = _teacher_forced_logits(model.double(), False, False, ids, mask, fed)
+    model.float()
+    transformers_error = (_teacher_forced_logits(model, False, True, ids, mask, fed) - truth).abs().max()
+    written_out_error = (_teacher_forced_logits(model, True, True, ids, mask, fed) - truth).abs().max()
+    assert transformers_error > 1e-4, "precondition: autocast rounded the forward to bfloat16"
+    # each path's error is bf16 rounding of the same products; twice transformers' leaves room for the order of them
+    assert written_out_error <= 2 * transformers_error
 
 
 # -- row independence -------------------------------------------------------------------------------------------------
@@ -294,7 +374,7 @@ def test_training_mode_is_restored_when_generation_fails():
         if len(calls) == 3:
             raise RuntimeError("out of memory (simulated)")
 
-    model.register_forward_pre_hook(fail_on_the_third_forward)
+    model.get_input_embeddings().register_forward_pre_hook(fail_on_the_third_forward)  # a forward of each step
     model.train()
     with pytest.raises(RuntimeError, match="simulated"):
         engine.generate([build_prompt(tok, p.problem) for p in held_out(1)], 2, seed=0)

@@ -16,6 +16,7 @@ from transformers import DynamicCache
 from .. import distributed
 from ..data import Prompt, think_end_token_id
 from ..host_memory import give_back_freed_heap
+from . import decode_step
 from .base import ENGINES, EngineSettings, Requests
 from .batch import RolloutBatch, eos_ids_of
 from .sampler import row_seeds, seeded_sample
@@ -79,6 +80,8 @@ class HFEngine:
         self.cache_keyword = "cache" if "cache" in forward else "past_key_values"
         # the prefill needs the last position's logits only, not (P, W, V): generate asks the same where it can
         self.last_logits_only = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
+        # a decode step written out for Qwen2 and Llama (engines.decode_step); transformers' forward otherwise
+        self.written_out_step = decode_step.supports(model)
 
     @torch.no_grad()
     def generate(
@@ -121,13 +124,14 @@ class HFEngine:
         (``generate``'s logits processor forbade it for every row of a batch in which any prompt asked)."""
         steps, device = self.max_new_tokens, seeds.device
         rows, logits = self._prefill(encoded, counts, seeds)
+        weights = decode_step.Weights.of(self.model) if self.written_out_step else None
         sampled = torch.full((len(seeds), steps), self.pad_id, dtype=torch.int64, device=device)  # (S, T)
         sampled_logp = torch.zeros((len(seeds), steps), dtype=torch.float32, device=device)  # (S, T)
         lengths = torch.full((len(seeds),), steps, dtype=torch.int64, device=device)  # (S,) the budget, unless EOS
         eos_ids = torch.tensor(sorted(self.eos_ids), device=device)  # (E,)
         for t in range(steps):
             if t > 0:
-                logits = self._step(rows)
+                logits = self._step(rows, weights)
             elif self.think_end_id is not None:
                 logits[:, self.think_end_id].masked_fill_(forbid, -float("inf"))
             tokens, logp = seeded_sample(logits, rows.seeds, t, temperature=self.temperature, top_p=self.top_p)
@@ -187,12 +191,16 @@ class HFEngine:
         )
         return rows, logits
 
-    def _step(self, rows: _DecodeRows) -> torch.Tensor:
-        """Feed each row its last token (the pad token once finished) and return the next logits (B, V)."""
+    def _step(self, rows: _DecodeRows, weights: decode_step.Weights | None) -> torch.Tensor:
+        """Feed each row its last token (the pad token once finished) and return the next logits (B, V): through
+        ``decode_step`` given its ``weights``, else through transformers' forward."""
         rows.mask = torch.cat([rows.mask, rows.mask.new_ones((len(rows.mask), 1))], 1)  # (B, W + t)
         rows.positions = rows.positions + 1  # (B,)
+        tokens = rows.tokens.masked_fill(rows.done, self.pad_id)  # (B,)
+        if weights is not None:
+            return decode_step.step(self.model, weights, rows.cache, tokens, rows.positions, rows.mask).float()
         out = self.model(
-            input_ids=rows.tokens.masked_fill(rows.done, self.pad_id)[:, None],  # (B, 1)
+            input_ids=tokens[:, None],  # (B, 1)
             attention_mask=rows.mask,
             position_ids=rows.positions[:, None],
             use_cache=True,
