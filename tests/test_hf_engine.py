@@ -310,6 +310,8 @@ def _teacher_forced_logits(model, written_out: bool, bf16: bool, ids, mask, fed)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{keyword: cache})
         weights, position = decode_step.Weights.of(model), positions[:, -1]
+        if written_out:
+            decode_step.reserve(cache, len(fed))
         for tokens in fed:
             mask, position = torch.cat([mask, torch.ones_like(mask[:, :1])], 1), position + 1
             if written_out:

@@ -93,14 +93,27 @@ class Weights:
         ])  # fmt: skip
 
 
+def reserve(cache: DynamicCache, steps: int) -> None:
+    """Give every layer of ``cache`` room for ``steps`` more positions (one copy of the prefill's keys and values),
+    which ``step`` writes in place: appending by concatenation copied the whole cache at every step. From here on
+    the cache is ``step``'s: its length is the decode mask's, not the buffers'."""
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            filled = getattr(layer, name)  # (B, kv heads, W, D)
+            rows, heads, width, dim = filled.shape
+            buffer = filled.new_empty((rows, heads, width + steps, dim))  # past the mask's length: never read
+            buffer[:, :, :width] = filled
+            setattr(layer, name, buffer)
+
+
 @torch.no_grad()
 def step(model, weights: Weights, cache: DynamicCache, tokens: torch.Tensor, positions: torch.Tensor,
          mask: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """The next-token logits (B, V) of ``model`` (its ``weights`` joined by ``Weights.of``) fed ``tokens`` (B,) at
     ``positions`` (B,), attending to the cached keys and values where ``mask`` (B, L + 1, the new token's column
-    included) is 1; the new keys and values are appended to ``cache``, as transformers' forward appends them."""
+    included) is 1; the new keys and values are written at position L of ``cache`` (made room in by ``reserve``)."""
     body, cfg = model.model, model.config
-    rows = len(tokens)
+    rows, length = mask.shape  # L + 1
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     x = body.embed_tokens(tokens[:, None])[:, 0]  # (B, H): the module call, so that its hooks see a (B, 1) input
     cos, sin = body.rotary_emb(x, positions[:, None])  # (B, 1, D) each: the model's own rotary (its scaling too)
@@ -111,16 +124,15 @@ def step(model, weights: Weights, cache: DynamicCache, tokens: torch.Tensor, pos
         attn, mlp = layer.self_attn, layer.mlp
         dim = attn.head_dim
         qkv = F.linear(_rms_norm(x, layer.input_layernorm), *joined.qkv).view(rows, heads + 2 * kv_heads, dim)
-        q, k, v = qkv.split([heads, kv_heads, kv_heads], 1)  # (B, heads or kv heads, D)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        # the cache layout: (B, kv heads, L + 1, D)
-        cached.keys = torch.cat([cached.keys, k[:, :, None].to(cached.keys.dtype)], 2)
-        cached.values = torch.cat([cached.values, v[:, :, None].to(cached.values.dtype)], 2)
+        qk = _rotate(qkv[:, : heads + kv_heads], cos, sin)  # the queries and keys rotated at once
+        cached.keys[:, :, length - 1] = qk[:, heads:]  # (B, kv heads, D) into (B, kv heads, L + 1 + room, D)
+        cached.values[:, :, length - 1] = qkv[:, heads + kv_heads :]
+        keys, values = cached.keys[:, :, :length], cached.values[:, :, :length]  # (B, kv heads, L + 1, D)
         # each kv head's group of query heads attends to its keys: (B, kv heads, group, L + 1)
-        q = q.reshape(rows, kv_heads, heads // kv_heads, dim)
-        scores = torch.matmul(q, cached.keys.transpose(2, 3)) * attn.scaling + bias
-        weights_ = torch.softmax(scores, -1).to(cached.values.dtype)  # float32 under bf16 autocast
-        out = torch.matmul(weights_, cached.values).reshape(rows, heads * dim)  # (B, heads x D)
+        q = qk[:, :heads].reshape(rows, kv_heads, heads // kv_heads, dim)
+        scores = torch.matmul(q, keys.transpose(2, 3)) * attn.scaling + bias
+        probs = torch.softmax(scores, -1).to(values.dtype)  # float32 under bf16 autocast
+        out = torch.matmul(probs, values).reshape(rows, heads * dim)  # (B, heads x D)
         x = x + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
         gate, up = F.linear(_rms_norm(x, layer.post_attention_layernorm), *joined.gate_up).chunk(2, -1)
         x = x + F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)

@@ -124,7 +124,10 @@ class HFEngine:
         (``generate``'s logits processor forbade it for every row of a batch in which any prompt asked)."""
         steps, device = self.max_new_tokens, seeds.device
         rows, logits = self._prefill(encoded, counts, seeds)
-        weights = decode_step.Weights.of(self.model) if self.written_out_step else None
+        weights = None
+        if self.written_out_step:
+            weights = decode_step.Weights.of(self.model)
+            decode_step.reserve(rows.cache, steps - 1)  # the steps after the first token, sampled from the prefill
         sampled = torch.full((len(seeds), steps), self.pad_id, dtype=torch.int64, device=device)  # (S, T)
         sampled_logp = torch.zeros((len(seeds), steps), dtype=torch.float32, device=device)  # (S, T)
         lengths = torch.full((len(seeds),), steps, dtype=torch.int64, device=device)  # (S,) the budget, unless EOS
