@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     cmp.add_argument("--steps", type=int, default=80, help="GRPO steps per run")
     cmp.add_argument("--uniform-limit", type=float, default=32.0, help="the uniform-limit scheme's cap, in tokens")
     cmp.add_argument("--samples", type=int, default=4, help="evaluation samples per held-out problem")
+    cmp.add_argument("--eval-per-level", type=int, default=50, help="held-out problems per level of the embedded "
+                     "task (level 1 has 10); fewer: a quick, noisier comparison (default: %(default)s)")  # fmt: skip
     cmp.add_argument("--temperatures", default="0.6", help="comma-separated evaluation temperatures; the first's "
                      "report is compare.md, each other's compare_T<t>.md (0.6,1.0: eval's and training's)")  # fmt: skip
     cmp.add_argument("--eval-steps", default="", help="comma-separated steps whose models are evaluated, a run's "
@@ -231,7 +233,7 @@ def _compare(args) -> int:
     problems = [] if variants else ["--variants is empty"]
     problems += [
         f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}"
-        for name in ("seeds", "warmup_seeds", "steps", "samples", "jobs")
+        for name in ("seeds", "warmup_seeds", "steps", "samples", "eval_per_level", "jobs")
         if getattr(args, name) is not None and getattr(args, name) < 1
     ]
     if not args.uniform_limit >= 0:
@@ -283,7 +285,12 @@ def _compare(args) -> int:
         steps=args.steps,
         uniform_limit=args.uniform_limit,
         jobs=args.jobs or default_jobs(),
-        eval=replace(base.eval, samples=args.samples, temperature=temperatures[0] if temperatures else 0.6),
+        eval=replace(
+            base.eval,
+            samples=args.samples,
+            synthetic_per_level=args.eval_per_level,
+            temperature=temperatures[0] if temperatures else 0.6,
+        ),
         temperatures=temperatures[1:],
         eval_steps=eval_steps,
     )

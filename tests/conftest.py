@@ -26,6 +26,11 @@ def pytest_configure(config):
     import varied
 
     varied.register()
+    # under pytest-xdist (the README's -n auto: a worker per core) each worker and the processes it starts take one
+    # thread: two torch processes of two threads each on two cores spin in OpenMP and run several times slower
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 
 def pytest_report_header(config):

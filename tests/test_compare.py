@@ -29,11 +29,15 @@ def _args(tmp_path, *extra):
         "3",
         "--samples",
         "1",
+        "--eval-per-level",
+        "4",
         "--output-dir",
         str(tmp_path / "cmp"),
         *extra,
         f"cache_dir={tmp_path / 'cache'}",
         *SMALL,
+        "warmup.steps=3",
+        "warmup.batch_size=8",
     ]
 
 
@@ -44,6 +48,7 @@ def test_compare_writes_the_table_the_json_and_the_figure(tmp_path, monkeypatch)
     # a report per evaluation temperature, from the same trained runs
     at_1 = json.loads((out / "compare_T1.json").read_text())
     assert summary["settings"]["eval"]["temperature"] == 0.6 and at_1["settings"]["eval"]["temperature"] == 1.0
+    assert summary["settings"]["eval"]["synthetic_per_level"] == 4  # --eval-per-level
     assert (out / "compare_T1.md").is_file() and (out / "runs" / "w0-seed0" / "tnt" / "eval_T1" / "eval.json").is_file()
     assert list(at_1["variants"]) == list(summary["variants"])
     assert list(summary["variants"]) == ["tnt", "tnt:omega=1", "tnt+dapo"]
@@ -211,6 +216,8 @@ def test_bad_arguments_fail_before_training(tmp_path, capsys):
     assert "tnt:omega=-1: reward.omega: must be > 0" in capsys.readouterr().err
     assert cli_main(["compare", "--warmup-seeds", "0", "--output-dir", str(tmp_path / "x")]) == 2
     assert "--warmup-seeds: must be >= 1" in capsys.readouterr().err
+    assert cli_main(["compare", "--eval-per-level", "0", "--output-dir", str(tmp_path / "x")]) == 2
+    assert "--eval-per-level: must be >= 1, got 0" in capsys.readouterr().err
     assert cli_main(["compare", "--variants-file", str(tmp_path / "no.yaml"), "--output-dir", str(tmp_path / "x")]) == 2
     assert "--variants-file: " in capsys.readouterr().err
     assert cli_main(["compare", "--output-dir", str(tmp_path / "x"), "rollout.group_size=one"]) == 2

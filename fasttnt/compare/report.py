@@ -218,7 +218,7 @@ def markdown(summary: dict) -> str:
         "",
         f"Mean ± standard error over {n_runs} runs per variant ({s['warmup_seeds']} warm-up(s) x {s['seeds']} "
         f"seed(s)); each run: its warm-up, then {s['steps']} GRPO steps, evaluated on the synthetic held-out split "
-        f"({e['synthetic_per_level']} problems per level, 10 at level 1; {e['samples']} samples each, temperature "
+        f"({_per_level(e['synthetic_per_level'])}; {e['samples']} samples each, temperature "
         f"{e['temperature']}){_evaluated(s)}. acc - first's and len / first's: each run against the first "
         "variant's of the same warm-up and seed. "
         f"uniform-limit caps every non-thinking response at {s['uniform_limit']:.0f} tokens "
@@ -373,3 +373,8 @@ def plot(summary: dict, path: Path) -> None:
         ax.grid(alpha=0.3, axis="y")
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _per_level(n: int) -> str:
+    """The held-out problems per level: level 1 has about 10 in the test split (``synthetic.held_out``)."""
+    return f"{n} problems per level, 10 at level 1" if n > 10 else f"{n} problems per level"
