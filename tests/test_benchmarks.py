@@ -194,12 +194,14 @@ def test_train_throughput_smoke():
 
 
 def test_rollout_engines_smoke(tmp_path):
-    # the hf engine alone (the vllm one needs vLLM: the README's vLLM environment runs the full comparison)
+    # the hf engine with and without its written-out decode step (the vllm one needs vLLM: the README's vLLM
+    # environment runs the full comparison)
     overrides = [*SMALL, "warmup.steps=3", "warmup.batch_size=8", f"cache_dir={tmp_path}"]
-    out = _run("benchmarks/rollout_engines.py", "--engines", "hf", "--rounds", "1", *overrides)
+    out = _run("benchmarks/rollout_engines.py", "--engines", "hf,hf-transformers", "--rounds", "1", *overrides)
     lines = out.splitlines()
-    assert "tokens/s median" in out and lines[-2].startswith("hf ")
-    assert lines[-1].startswith("hf: forwards ") and "generate / forward" in lines[-1]  # the hf engine's time split
+    assert "tokens/s median" in out and lines[-4].startswith("hf ") and lines[-3].startswith("hf-transformers ")
+    assert lines[-2].startswith("hf: forwards ") and "generate / forward" in lines[-2]  # the hf engine's time split
+    assert lines[-1].startswith("ratio hf-transformers / hf: ")
 
 
 def test_lm_head_floor_smoke(tmp_path):

@@ -41,8 +41,15 @@ def _args(tmp_path, *extra):
     ]
 
 
+def _two_seeds(tmp_path, *extra):
+    """_args with one warm-up and two training seeds (the test below this one runs two warm-ups of one seed)."""
+    args = _args(tmp_path, *extra)
+    args[args.index("--seeds") + 1], args[args.index("--warmup-seeds") + 1] = "2", "1"
+    return args
+
+
 def test_compare_writes_the_table_the_json_and_the_figure(tmp_path, monkeypatch):
-    assert cli_main(_args(tmp_path, "--jobs", "2", "--temperatures", "0.6,1.0")) == 0  # runs in 2 worker processes
+    assert cli_main(_two_seeds(tmp_path, "--jobs", "2", "--temperatures", "0.6,1.0")) == 0  # in 2 worker processes
     out = tmp_path / "cmp"
     summary = json.loads((out / "compare.json").read_text())
     # a report per evaluation temperature, from the same trained runs
@@ -52,13 +59,13 @@ def test_compare_writes_the_table_the_json_and_the_figure(tmp_path, monkeypatch)
     assert (out / "compare_T1.md").is_file() and (out / "runs" / "w0-seed0" / "tnt" / "eval_T1" / "eval.json").is_file()
     assert list(at_1["variants"]) == list(summary["variants"])
     assert list(summary["variants"]) == ["tnt", "tnt:omega=1", "tnt+dapo"]
-    assert set(summary["warmups"]) == {"0", "1"}
-    for wu in summary["warmups"].values():  # each warm-up forced into each mode
+    assert set(summary["warmups"]) == {"0"}
+    for wu in summary["warmups"].values():  # the warm-up forced into each mode
         assert set(wu["p_think"]) == set(wu["p_direct"]) == {"1", "2", "3", "4"}
         assert all(0 <= p <= 1 for p in [*wu["p_think"].values(), *wu["p_direct"].values()])
     for variant, data in summary["variants"].items():
         runs = data["runs"]
-        assert [(r["warmup"], r["seed"]) for r in runs] == [(0, 0), (1, 0)]
+        assert [(r["warmup"], r["seed"]) for r in runs] == [(0, 0), (0, 1)]
         for key in ("acc", "len", "te", "non_thinking_ratio", "hack_rate", "len_non_thinking"):
             values = [r[key] for r in runs]
             stat = data["stats"][key]
@@ -67,7 +74,8 @@ def test_compare_writes_the_table_the_json_and_the_figure(tmp_path, monkeypatch)
         cfg = load_config(out / "runs" / "w0-seed0" / variant.replace(":", "_") / "config.yaml")
         for run in runs:
             wu = summary["warmups"][str(run["warmup"])]
-            rows = read_jsonl(out / "runs" / f"w{run['warmup']}-seed0" / variant.replace(":", "_") / "metrics.jsonl")
+            folder = out / "runs" / f"w{run['warmup']}-seed{run['seed']}" / variant.replace(":", "_")
+            rows = read_jsonl(folder / "metrics.jsonl")
             for lv, b in run["by_level"].items():
                 assert b["threshold"] == pytest.approx(compare.direct_threshold(cfg, wu["p_think"][lv]))
                 assert b["direct_pays"] == (wu["p_direct"][lv] > b["threshold"])
@@ -89,8 +97,8 @@ def test_compare_writes_the_table_the_json_and_the_figure(tmp_path, monkeypatch)
     # a rerun trains nothing again (inline, one job)
     real_trainer = compare.jobs.Trainer
     monkeypatch.setattr(compare.jobs, "Trainer", lambda *a, **k: pytest.fail("a finished run was trained again"))
-    assert cli_main(_args(tmp_path, "--jobs", "1")) == 0
-    # other settings are other runs: --steps 4 retrains them (tnt's, from both warm-ups), and the evaluation follows
+    assert cli_main(_two_seeds(tmp_path, "--jobs", "1")) == 0
+    # other settings are other runs: --steps 4 retrains them (tnt's, both seeds), and the evaluation follows
     trained = []
 
     def counted(cfg, out, **kw):
@@ -98,7 +106,7 @@ def test_compare_writes_the_table_the_json_and_the_figure(tmp_path, monkeypatch)
         return real_trainer(cfg, out, **kw)
 
     monkeypatch.setattr(compare.jobs, "Trainer", counted)
-    args = _args(tmp_path, "--jobs", "1")
+    args = _two_seeds(tmp_path, "--jobs", "1")
     args[args.index("--steps") + 1] = "4"
     args[args.index("--variants") + 1] = "tnt"
     assert cli_main(args) == 0

@@ -12,6 +12,7 @@ trl = pytest.importorskip("trl")
 
 from datasets import Dataset  # noqa: E402
 from small import TINY_4_HEADS  # noqa: E402
+from transformers import set_seed  # noqa: E402
 
 from fasttnt.data import build_prompt  # noqa: E402
 from fasttnt.embedded.char_tokenizer import build_char_tokenizer  # noqa: E402
@@ -198,6 +199,44 @@ def test_a_few_grpo_trainer_steps_with_the_tnt_reward(tmp_path):
     assert all("rewards/tnt_reward/mean" in log and "entropy" in log for log in logs)
     moved = [n for n, p in fast.model.named_parameters() if not torch.equal(p.detach(), before[n])]
     assert moved  # the optimizer stepped on fasttnt's gradients
+
+
+# the loss types past TRL's clipped family, each in real GRPOTrainer steps (steps_per_generation 2: an old policy that
+# differs from the current one at the second optimizer step, so each loss's ratio is not 1 everywhere)
+REAL_STEP_CASES = [
+    dict(loss_type="cispo", epsilon_high=1.1),
+    dict(loss_type="sapo"),
+    dict(loss_type="luspo", importance_sampling_level="sequence"),
+    dict(loss_type="grpo", importance_sampling_level="sequence"),  # GSPO
+]
+
+
+@pytest.mark.parametrize("case", REAL_STEP_CASES, ids=lambda c: "-".join(f"{v}" for v in c.values()))
+def test_real_grpo_trainer_steps_train_as_stock_trl(tmp_path, case):
+    # the same seed samples the same completions in both trainers; fasttnt's loss then moves
+    # the weights as TRL's does: float rounding apart (the losses' sums in another order, ~1e-7 relative, which
+    # Adam's normalised step passes on as the same relative error of each step), bounded at 1e-4 of the movement
+    # as in tests/test_distributed.py; a wrong loss or gradient is off by a whole step's worth
+    sampled = []
+
+    def alternating_and_recorded(completions, **kwargs):
+        sampled.append(list(completions))
+        return _alternating(completions, **kwargs)
+
+    options = dict(max_steps=2, steps_per_generation=2, per_device_train_batch_size=4, **case)
+    _, trainers = _trainers(tmp_path, extra_rewards=[alternating_and_recorded], **options)
+    start = {n: p.detach().clone() for n, p in trainers[0].model.named_parameters()}
+    set_seed(0)
+    trainers[0].train()
+    stock_sampled = list(sampled)
+    set_seed(0)  # the same draws again (generate samples from the global generator, which train() does not seed)
+    trainers[1].train()
+    assert stock_sampled and sampled[len(stock_sampled) :] == stock_sampled  # the same completions
+    stock, fast = ({n: p.detach() for n, p in t.model.named_parameters()} for t in trainers)
+    moved = sum(((stock[n].double() - start[n].double()) ** 2).sum() for n in start).sqrt()
+    diff = sum(((fast[n].double() - stock[n].double()) ** 2).sum() for n in start).sqrt()
+    assert moved > 0, "stock TRL did not move the weights: the comparison would be vacuous"
+    assert diff <= 1e-4 * moved, f"the weights differ by {float(diff / moved):.2e} of the distance TRL moved them"
 
 
 def _completion(tok, text: str, eos: bool = True) -> list[int]:
