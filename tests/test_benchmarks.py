@@ -169,7 +169,8 @@ def test_bench_kernels_csv_is_written_row_by_row(tmp_path):
 def test_quickstart_spread_runs_each_seed_from_an_empty_cache_once(tmp_path):
     # a short run per seed, one thread: each trains its own warm-up (its cache folder starts empty), and the table
     # holds each run's last-5 means and their range; a second call runs nothing again
-    overrides = [o for o in SMALL if not o.startswith("warmup.seed=")] + ["steps=10", "save_every=10"]
+    overrides = [o for o in SMALL if not o.startswith("warmup.seed=")]
+    overrides += ["warmup.steps=3", "warmup.batch_size=8", "steps=10", "save_every=10"]  # the first and last 5 steps
     args = ["benchmarks/quickstart_spread.py", "--seeds", "0", "1", "--out", str(tmp_path), *overrides]
     _run(*args)
     spread = json.loads((tmp_path / "spread.json").read_text())
