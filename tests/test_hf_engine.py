@@ -292,6 +292,10 @@ def test_the_written_out_step_only_where_it_is_the_models_forward():
     assert not decode_step.supports(model)
     assert not HFEngine(model, tok, EngineSettings(max_new_tokens=4)).written_out_step
     attn.v_proj = plain
+    handle = model.model.layers[0].mlp.register_forward_hook(lambda *_: None)  # a hook the step would pass by
+    assert not decode_step.supports(model)
+    handle.remove()
+    assert decode_step.supports(model)
     model.config.layer_types = ["full_attention", "sliding_attention"]  # Qwen2's use_sliding_window
     assert not decode_step.supports(model)
     model.config.layer_types = ["full_attention"] * 2
@@ -310,8 +314,6 @@ def _teacher_forced_logits(model, written_out: bool, bf16: bool, ids, mask, fed)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{keyword: cache})
         weights, position = decode_step.Weights.of(model), positions[:, -1]
-        if written_out:
-            decode_step.reserve(cache, len(fed))
         for tokens in fed:
             mask, position = torch.cat([mask, torch.ones_like(mask[:, :1])], 1), position + 1
             if written_out:

@@ -80,7 +80,8 @@ class HFEngine:
         self.cache_keyword = "cache" if "cache" in forward else "past_key_values"
         # the prefill needs the last position's logits only, not (P, W, V): generate asks the same where it can
         self.last_logits_only = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
-        # a decode step written out for Qwen2 and Llama (engines.decode_step); transformers' forward otherwise
+        # a decode step written out for Qwen2 and Llama (engines.decode_step) where it supports the model, asked again
+        # at each rollout; transformers' forward otherwise, and always once this is set False
         self.written_out_step = decode_step.supports(model)
 
     @torch.no_grad()
@@ -124,10 +125,8 @@ class HFEngine:
         (``generate``'s logits processor forbade it for every row of a batch in which any prompt asked)."""
         steps, device = self.max_new_tokens, seeds.device
         rows, logits = self._prefill(encoded, counts, seeds)
-        weights = None
-        if self.written_out_step:
-            weights = decode_step.Weights.of(self.model)
-            decode_step.reserve(rows.cache, steps - 1)  # the steps after the first token, sampled from the prefill
+        written_out = self.written_out_step and decode_step.supports(self.model)
+        weights = decode_step.Weights.of(self.model) if written_out else None
         sampled = torch.full((len(seeds), steps), self.pad_id, dtype=torch.int64, device=device)  # (S, T)
         sampled_logp = torch.zeros((len(seeds), steps), dtype=torch.float32, device=device)  # (S, T)
         lengths = torch.full((len(seeds),), steps, dtype=torch.int64, device=device)  # (S,) the budget, unless EOS
