@@ -1,6 +1,7 @@
-"""fasttnt's kernels inside verl (fasttnt.integrations.verl) against verl's own functions: the policy loss against
-``compute_policy_loss_vanilla`` for every ``loss_agg_mode`` (local and global normalisers, rollout importance
-weights), the GRPO advantages against ``compute_grpo_outcome_advantage``, the registrations, the TNT scores.
+"""fasttnt's kernels inside verl (fasttnt.integrations.verl) against verl's own functions: the policy losses against
+``compute_policy_loss_vanilla``, ``_gspo``, ``_sapo`` and ``_cispo`` for every ``loss_agg_mode`` (local and global
+normalisers, rollout importance weights), the GRPO advantages against ``compute_grpo_outcome_advantage``, the
+registrations, the TNT scores.
 
 Needs verl, which is not in the test extra (it pins transformers<5.11 and pulls Ray): skipped without it. The
 README's command runs it in an environment of its own: ``pip install -e ".[test,verl]"`` there, then
@@ -44,30 +45,58 @@ def _batch(seed: int, b: int = 6, t: int = 9):
 
 
 def _config(**global_batch_info) -> ActorConfig:
+    # SAPO's temperatures off verl's defaults (1.0, 1.05), so that reading them is tested
     config = ActorConfig(strategy="fsdp", rollout_n=2, ppo_micro_batch_size_per_gpu=1, clip_ratio_low=0.2,
-                         clip_ratio_high=0.28, clip_ratio_c=2.0)  # fmt: skip
+                         clip_ratio_high=0.28, clip_ratio_c=2.0, tau_pos=1.3, tau_neg=2.0)  # fmt: skip
     config.global_batch_info.update(global_batch_info)
     return config
 
 
+# fasttnt's registered loss of each of verl's loss modes, and verl's own function
+LOSSES = {
+    "vanilla": (fasttnt_verl.policy_loss, core_algos.compute_policy_loss_vanilla),
+    "gspo": (fasttnt_verl.gspo_policy_loss, core_algos.compute_policy_loss_gspo),
+    "sapo": (fasttnt_verl.sapo_policy_loss, core_algos.compute_policy_loss_sapo),
+    "cispo": (fasttnt_verl.cispo_policy_loss, core_algos.compute_policy_loss_cispo),
+    "gpg": (fasttnt_verl.gpg_policy_loss, core_algos.compute_policy_loss_gpg),
+}
+
+
+@pytest.mark.parametrize("loss", list(LOSSES))
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("global_counts", [False, True], ids=["local", "global"])
 @pytest.mark.parametrize("weighted", [False, True], ids=["", "is_weights"])
-def test_the_policy_loss_equals_verls_vanilla(mode, global_counts, weighted):
+def test_the_policy_losses_equal_verls(loss, mode, global_counts, weighted):
+    ours, theirs = LOSSES[loss]
     old, new, advantages, mask, weights = _batch(seed=MODES.index(mode))
     info = dict(dp_size=2, batch_num_tokens=80, global_batch_size=16, loss_scale_factor=12) if global_counts else {}
     kwargs = dict(old_log_prob=old, advantages=advantages, response_mask=mask, loss_agg_mode=mode,
                   rollout_is_weights=weights if weighted else None)  # fmt: skip
-    want, want_metrics = core_algos.compute_policy_loss_vanilla(log_prob=new, config=_config(**info), **kwargs)
+    want, want_metrics = theirs(log_prob=new, config=_config(**info), **kwargs)
     (want_grad,) = torch.autograd.grad(want, new)
-    got, got_metrics = fasttnt_verl.policy_loss(log_prob=new, config=_config(**info), **kwargs)
+    got, got_metrics = ours(log_prob=new, config=_config(**info), **kwargs)
     (got_grad,) = torch.autograd.grad(got, new)
+    assert want_grad.abs().sum() > 0  # precondition
+    if loss not in ("sapo", "gpg"):  # SAPO's gate and GPG have no clip; the others' binds, vanilla's dual clip too
+        assert want_metrics["actor/pg_clipfrac"] > 0
+        assert (want_metrics["actor/pg_clipfrac_lower"] > 0) == (loss == "vanilla")
     torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-6)
-    assert want_metrics["actor/pg_clipfrac"] > 0 and want_metrics["actor/pg_clipfrac_lower"] > 0  # both bind
     assert got_metrics.keys() == want_metrics.keys()
     for name, value in want_metrics.items():
         assert got_metrics[name] == pytest.approx(float(value), rel=1e-5, abs=1e-6), name
+
+
+def test_cispo_with_the_lower_clip_turned_off_as_verl_turns_it_off():
+    # clip_ratio_low above 1: a lower bound of 1 - 1.5 < 0, which no ratio is under (the kernel's clip_low of 1)
+    old, new, advantages, mask, _ = _batch(seed=7)
+    config = ActorConfig(strategy="fsdp", rollout_n=2, ppo_micro_batch_size_per_gpu=1, clip_ratio_low=1.5,
+                         clip_ratio_high=0.28)  # fmt: skip
+    kwargs = dict(old_log_prob=old, advantages=advantages, response_mask=mask, loss_agg_mode="token-mean")
+    want, want_metrics = core_algos.compute_policy_loss_cispo(log_prob=new, config=config, **kwargs)
+    got, got_metrics = fasttnt_verl.cispo_policy_loss(log_prob=new, config=config, **kwargs)
+    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-6)
+    assert got_metrics["actor/pg_clipfrac"] == pytest.approx(want_metrics["actor/pg_clipfrac"], rel=1e-5, abs=1e-6)
 
 
 def test_the_policy_loss_refuses_advantages_that_vary_within_a_response():
@@ -105,6 +134,8 @@ def test_the_registrations_are_verls():
     fasttnt_verl.register()  # and again: nothing changes
     fasttnt_verl.register()
     assert core_algos.get_policy_loss_fn("fasttnt") is fasttnt_verl.policy_loss
+    for loss in ("gspo", "sapo", "cispo", "gpg"):
+        assert core_algos.get_policy_loss_fn(f"fasttnt_{loss}") is LOSSES[loss][0]
     assert core_algos.get_adv_estimator_fn("fasttnt") is fasttnt_verl.grpo_advantages
 
 

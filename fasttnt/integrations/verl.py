@@ -4,21 +4,25 @@ for verl's registries, and the TNT reward over a verl batch.
     import fasttnt.integrations.verl as fasttnt_verl
     fasttnt_verl.register()  # or, in every Ray worker: VERL_USE_EXTERNAL_MODULES=fasttnt.integrations.verl_plugin
 
-    actor_rollout_ref.actor.policy_loss.loss_mode=fasttnt    # policy_loss below
+    actor_rollout_ref.actor.policy_loss.loss_mode=fasttnt    # policy_loss below (fasttnt_gspo, _sapo, _cispo, _gpg)
     algorithm.adv_estimator=fasttnt                          # grpo_advantages below
 
 With fasttnt installed, verl also loads ``fasttnt.integrations.verl_plugin`` itself through its ``verl.plugins``
 entry point. ``policy_loss`` computes verl's ``compute_policy_loss_vanilla`` (clip_ratio_low/high, the dual clip
-clip_ratio_c on negative advantages, the log-ratio clamped to +-20, rollout importance weights) and its
-``agg_loss`` for every ``loss_agg_mode`` and global normaliser, with ``clipped_policy_loss`` on the packed valid
-tokens; it returns verl's metrics. verl's advantages arrive per token; the loss takes one per sequence, so per-token
+clip_ratio_c on negative advantages, the log-ratio clamped to +-20, rollout importance weights) and its ``agg_loss``
+for every ``loss_agg_mode`` and global normaliser, with ``clipped_policy_loss`` on the packed valid tokens; it
+returns verl's metrics. ``gspo_policy_loss``, ``sapo_policy_loss`` and ``cispo_policy_loss`` (registered as
+``fasttnt_gspo``, ``fasttnt_sapo``, ``fasttnt_cispo``) compute verl's ``compute_policy_loss_gspo``, ``_sapo`` and
+``_cispo`` the same way, with their settings (SAPO's ``tau_pos``/``tau_neg``) and metrics, and ``gpg_policy_loss``
+(``fasttnt_gpg``) its ``_gpg``. verl's advantages arrive per token; the loss takes one per sequence, so per-token
 advantages that vary within a response (GAE) are refused. ``grpo_advantages`` is verl's GRPO outcome advantage
 (unbiased std, epsilon, ``norm_adv_by_std_in_grpo``) from ``group_advantages``, grouping by verl's ``uid``; every
 group must have the same size, and a group of one gets 0 (verl's gives the score itself: no baseline exists).
 ``TNTRewardManager`` (registered as ``fasttnt`` among verl's reward managers) scores a whole batch, each response
-against the thinking responses sharing its ``uid``; ``tnt_token_scores`` is its core on plain tensors, the configured
-reward scheme's (``fasttnt.rewards.compute_rewards``: a scheme registered in ``REWARD_SCHEMES`` reaches verl too).
-``compute_score`` is verl's per-response reward function, each answer verified under the trainer's timeout.
+against the thinking responses sharing its ``uid``; ``tnt_token_scores`` is its core on plain tensors, the
+configured reward scheme's (``fasttnt.rewards.compute_rewards``: a scheme registered in ``REWARD_SCHEMES`` reaches
+verl too). ``compute_score`` is verl's per-response reward function, each answer verified under the trainer's
+timeout.
 """
 
 from __future__ import annotations
@@ -42,12 +46,15 @@ NAME = "fasttnt"
 
 
 def register(name: str = NAME) -> None:
-    """Register ``policy_loss`` and ``grpo_advantages`` with verl under ``name`` (both registries), and
-    ``TNTRewardManager`` in verl's reward-manager registry (the batch-level one). Imports verl."""
+    """Register ``policy_loss`` and ``grpo_advantages`` with verl under ``name`` (both registries), the GSPO, SAPO,
+    CISPO and GPG losses as ``<name>_gspo``, ``<name>_sapo``, ``<name>_cispo`` and ``<name>_gpg``
+    (``POLICY_LOSSES``), and ``TNTRewardManager`` in verl's reward-manager registry (the batch-level one). Imports
+    verl."""
     from verl.trainer.ppo import core_algos
     from verl.workers import reward_manager
 
-    core_algos.register_policy_loss(name)(policy_loss)
+    for loss_mode, function in POLICY_LOSSES.items():
+        core_algos.register_policy_loss(loss_mode.replace(NAME, name, 1))(function)
     if core_algos.ADV_ESTIMATOR_REGISTRY.get(name) is not grpo_advantages:  # verl refuses a second function
         core_algos.register_adv_est(name)(grpo_advantages)
     reward_manager.register(name)(TNTRewardManager)  # the same class again is accepted
@@ -113,12 +120,82 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """verl's policy-loss interface (all (B, T), padded): ``(loss, metrics)`` as ``compute_policy_loss_vanilla``
     returns them, computed by ``clipped_policy_loss`` on the valid tokens."""
+    return _policy_loss("vanilla", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                        rollout_is_weights)  # fmt: skip
+
+
+def gspo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="seq-mean-token-mean",
+                     config=None, rollout_is_weights=None) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
+    """``compute_policy_loss_gspo`` (GSPO-token: each sequence's mean log-ratio, each token's own gradient; no dual
+    clip) through the kernel; registered as ``fasttnt_gspo``."""
+    return _policy_loss("gspo", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                        rollout_is_weights)  # fmt: skip
+
+
+def sapo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="seq-mean-token-mean",
+                     config=None, rollout_is_weights=None) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
+    """``compute_policy_loss_sapo`` (the soft gate at verl's ``tau_pos``/``tau_neg``) through the kernel; like
+    verl's, it aggregates by seq-mean-token-mean whatever ``loss_agg_mode`` says. Registered as ``fasttnt_sapo``."""
+    return _policy_loss("sapo", old_log_prob, log_prob, advantages, response_mask, "seq-mean-token-mean", config,
+                        rollout_is_weights)  # fmt: skip
+
+
+def cispo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+                      rollout_is_weights=None) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
+    """``compute_policy_loss_cispo`` (the importance weight clipped to [1 - clip_ratio_low, 1 + clip_ratio_high],
+    detached, times A and log pi) through the kernel; registered as ``fasttnt_cispo``."""
+    return _policy_loss("cispo", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                        rollout_is_weights)  # fmt: skip
+
+
+def gpg_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+                    rollout_is_weights=None) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
+    """``compute_policy_loss_gpg`` (-A log pi, no ratio: CISPO's loss with its weights clipped to the band [1, 1])
+    through the kernel, with verl's metrics for it (none); registered as ``fasttnt_gpg``."""
+    loss, _ = _policy_loss("cispo", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                           rollout_is_weights, band=(0.0, 0.0))  # fmt: skip
+    return loss, {}
+
+
+# verl's loss_mode name of each policy loss registered here (``register``): one name per loss, as verl's own. Left
+# out of verl's set: geo_mean (GMPO: the exp of a sequence's mean clipped log-ratio, its loss a plain mean over the
+# micro-batch's sequences whatever loss_agg_mode says), clip_cov and kl_cov (which tokens train is chosen over the
+# whole batch by the covariance of log-prob and advantage, clip_cov at random), dppo_tv, dppo_kl and dro
+POLICY_LOSSES = {NAME: policy_loss, f"{NAME}_gspo": gspo_policy_loss, f"{NAME}_sapo": sapo_policy_loss,
+                 f"{NAME}_cispo": cispo_policy_loss, f"{NAME}_gpg": gpg_policy_loss}  # fmt: skip
+
+
+def _settings_read(mode: str, config, clip: float, band: tuple[float, float] | None) -> dict:
+    """The kernel's settings that verl's ``mode`` reads from its config, and only those (a value another loss would
+    refuse, which verl accepts because this loss ignores it, stays unread): SAPO's temperatures, the others' clip
+    ratios; CISPO's lower ratio above 1 (verl's way to turn the lower clip off) as 1, the same bound of 0."""
+    if mode == "sapo":
+        return {"sapo_tau_pos": _option(config, "tau_pos", 1.0), "sapo_tau_neg": _option(config, "tau_neg", 1.05)}
+    low, high = band or (_option(config, "clip_ratio_low", clip), _option(config, "clip_ratio_high", clip))
+    return {"clip_low": min(low, 1.0) if mode == "cispo" else low, "clip_high": high}
+
+
+def _policy_loss(
+    mode: str,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    config,
+    rollout_is_weights: torch.Tensor | None,
+    band: tuple[float, float] | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """verl's ``compute_policy_loss_<mode>`` for mode vanilla, gspo, sapo or cispo, and its metrics; ``band``: the
+    clip ratios (low, high) in place of the config's."""
     if config is None:
         raise ValueError("fasttnt's verl policy loss needs verl's actor config (clip ratios, global_batch_info)")
     clip = _option(config, "clip_ratio", 0.2)
-    dual = _option(config, "clip_ratio_c", 3.0)
-    if dual <= 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1.0, got {dual}")
+    dual = None  # verl's gspo, sapo and cispo have no dual clip
+    if mode == "vanilla":
+        dual = _option(config, "clip_ratio_c", 3.0)
+        if dual <= 1.0:
+            raise ValueError(f"clip_ratio_c must be > 1.0, got {dual}")
     mask, cu_seqlens = _packed(response_mask)
     info = dict(_option(config, "global_batch_info", {}) or {})
     loss, stats = clipped_policy_loss(
@@ -126,18 +203,22 @@ def policy_loss(
         old_log_prob[mask],
         _sequence_advantages(advantages, mask),
         cu_seqlens,
-        clip_low=_option(config, "clip_ratio_low", clip),
-        clip_high=_option(config, "clip_ratio_high", clip),
+        policy_loss=mode,
         dual_clip=dual,
+        **_settings_read(mode, config, clip, band),
         is_weights=None if rollout_is_weights is None else rollout_is_weights[mask],
         **_normalisers(loss_agg_mode, mask, info),
     )
-    # verl's metrics: masked means (its + 1e-8 in the denominator), the KL as the mean of old - new log-probs
+    # verl's metrics: masked means (its + 1e-8 in the denominator), the KL as the mean of old - new log-probs (its
+    # gspo's unclamped, the others' clamped to +-20); the clip fractions each loss reports, 0 where it has none
     n = mask.sum() + 1e-8
-    log_ratio = torch.clamp(log_prob.detach() - old_log_prob, -20.0, 20.0)
+    log_ratio = log_prob.detach() - old_log_prob
+    if mode != "gspo":
+        log_ratio = torch.clamp(log_ratio, -20.0, 20.0)
     tokens = float(mask.sum())
+    clipped = 0.0 if mode == "sapo" else float((stats["clip_frac_low"] + stats["clip_frac_high"]) * tokens / n)
     metrics = {
-        "actor/pg_clipfrac": float((stats["clip_frac_low"] + stats["clip_frac_high"]) * tokens / n),
+        "actor/pg_clipfrac": clipped,
         "actor/ppo_kl": float(torch.where(mask, -log_ratio, 0).sum() / n),
         "actor/pg_clipfrac_lower": float(stats["dual_clip_frac"] * tokens / n),
     }
