@@ -194,6 +194,26 @@ def test_train_throughput_smoke():
     assert abs(entropy - uniform) < 0.1 * uniform, out
 
 
+def test_decode_step_ab_smoke(tmp_path):
+    # this checkout's written-out step, transformers' forward and (in a git checkout) the first commit that had one
+    from fasttnt.embedded.char_tokenizer import build_char_tokenizer
+    from fasttnt.embedded.tiny import TinyModelConfig, build_tiny_model
+
+    tok = build_char_tokenizer()
+    build_tiny_model(
+        tok, TinyModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1), seed=0
+    ).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    against = ["--against", "86124f2"] if (ROOT / ".git").exists() else []
+    shape = ["--rounds", "1", "--prompts", "2", "--samples", "2", "--max-new-tokens", "6"]
+    out = _run("benchmarks/decode_step_ab.py", str(tmp_path), *shape, *against)
+    lines = out.splitlines()
+    assert lines[1].startswith("this checkout ") and lines[2].startswith("transformers ")
+    assert "this checkout / it" in lines[2] and lines[-1].startswith("the same tokens every round: ")
+    if against:
+        assert lines[3].startswith("86124f2 ")
+
+
 def test_rollout_engines_smoke(tmp_path):
     # the hf engine with and without its written-out decode step (the vllm one needs vLLM: the README's vLLM
     # environment runs the full comparison)
