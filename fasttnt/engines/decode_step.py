@@ -5,9 +5,10 @@ arithmetic of a step is a few milliseconds and transformers' forward adds as muc
 attention mask from the padding mask, the cache's update protocol, the attention interface's dispatch (and
 ``repeat_kv``'s copy of every key and value for grouped-query attention), the decoder layers' keyword plumbing and
 output records. This module computes the same function directly: the model's own modules and weights, the keys and
-values appended to the same ``DynamicCache`` the prefill filled, attention over the unpadded keys through one
-additive bias, grouped-query attention without copying keys. transformers' forward stays the prefill's and every
-other model's; ``tests/test_hf_engine.py`` checks both against transformers ``generate`` in float64.
+values written in place into the layers of the ``DynamicCache`` the prefill filled (grown by half when full),
+attention over the unpadded keys through one additive bias, grouped-query attention without copying keys.
+transformers' forward stays the prefill's and every other model's; ``tests/test_hf_engine.py`` checks both against
+transformers ``generate`` in float64.
 """
 
 from __future__ import annotations
