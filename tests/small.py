@@ -135,6 +135,14 @@ def launch_command(launcher: str, module: str, *args: str) -> list[str]:
     return [*torchrun, "--master-port", str(free_port()), "-m", module, *args]
 
 
+def weights_apart(ours: dict, theirs: dict, start: dict) -> tuple[float, float]:
+    """How far apart two runs' weights ended (the L2 norm over every tensor, in float64), and how far ``theirs``
+    moved from ``start``: a comparison of two trainings bounds the first relative to the second."""
+    moved = sum(((theirs[k].double() - start[k].double()) ** 2).sum() for k in theirs) ** 0.5
+    apart = sum(((ours[k].double() - theirs[k].double()) ** 2).sum() for k in theirs) ** 0.5
+    return float(apart), float(moved)
+
+
 def biased_lm_head(model, token_id: int, bias: float = 50.0):
     """Replace ``model``'s lm_head by a copy with a bias of ``bias`` on ``token_id`` (0 elsewhere) and return it: at
     +50 every sampled token is that one, at -50 none is, so an engine's stop or truncation is certain, not drawn.

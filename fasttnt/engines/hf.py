@@ -32,7 +32,8 @@ class _DecodeRows:
     """The rows of the decode batch (B of them, on the model's device): the S responses after the prefill, the
     unfinished ones after each compaction."""
 
-    cache: DynamicCache  # per layer: keys and values (B, kv heads, W + t, head dim)
+    # per layer: keys and values (B, kv heads, W + t, head dim); under decode_step, buffers with room past W + t
+    cache: DynamicCache
     mask: torch.Tensor  # (B, W + t) int64: 0 on the prompts' left padding
     positions: torch.Tensor  # (B,) int64: the position of each row's last token
     seeds: torch.Tensor  # (B,) int64
