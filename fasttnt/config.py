@@ -102,10 +102,10 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class LossConfig:
-    # clip_low, clip_high, dual_clip, kl_coef, kl_max, entropy_coef, agg, norm_length, policy_loss and the SAPO
-    # temperatures are the kernel's PolicyLossConfig, by name: the trainer builds that one object from them
-    # (PolicyLossConfig.of) and hands it to the loss, and validate() runs the kernel type's own checks on them (one
-    # set of checks, from the config to the kernel)
+    # clip_low, clip_high, dual_clip, kl_coef, kl_max, entropy_coef, agg, norm_length, policy_loss, the SAPO
+    # temperatures and the VESPO shapes are the kernel's PolicyLossConfig, by name: the trainer builds that one
+    # object from them (PolicyLossConfig.of) and hands it to the loss, and validate() runs the kernel type's own
+    # checks on them (one set of checks, from the config to the kernel)
     adv_scale: Literal["std", "none"] = "std"
     adv_eps: float = 1e-6
     clip_low: float = 0.2
@@ -118,10 +118,16 @@ class LossConfig:
     norm_length: float | None = None
     # the policy-gradient term (fasttnt_kernels.clipped_policy_loss: verl's names): "vanilla", the clipped surrogate;
     # "gspo", the same with each sequence's ratio; "cispo", the clipped importance weight, detached, times A log pi;
-    # "sapo", a soft gate in place of the clip
-    policy_loss: Literal["vanilla", "gspo", "cispo", "sapo"] = "vanilla"
+    # "sapo", a soft gate in place of the clip; "vespo", a gamma weight of each sequence's ratio, detached, times
+    # A log pi
+    policy_loss: Literal["vanilla", "gspo", "cispo", "sapo", "vespo"] = "vanilla"
     sapo_tau_pos: float = 1.0  # SAPO's gate temperature for a positive advantage
     sapo_tau_neg: float = 1.05  # and for the others
+    # VESPO's weight e^lambda w^k e^(-lambda w) of a sequence's ratio w, for an advantage >= 0 and for the others
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer steps per rollout batch and epoch
     # importance weights exp(old - rollout) for the engine/trainer mismatch (fasttnt_kernels.rollout_correction_

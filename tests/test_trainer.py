@@ -142,7 +142,7 @@ def test_mini_batches_epochs_and_kl_run(tmp_path):
     assert all(r["loss"] == r["loss"] for r in rows)
 
 
-@pytest.mark.parametrize("policy_loss", ["gspo", "cispo", "sapo"])
+@pytest.mark.parametrize("policy_loss", ["gspo", "cispo", "sapo", "vespo"])
 def test_each_policy_loss_trains_through_the_loop(tmp_path, policy_loss):
     # the other policy-gradient terms through the trainer's fused update, with old log-probs (2 epochs) and the KL
     _, rows = train(
@@ -151,8 +151,8 @@ def test_each_policy_loss_trains_through_the_loop(tmp_path, policy_loss):
     )  # fmt: skip
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["grad_norm"] > 0 and math.isfinite(r["loss"]) for r in rows)
-    if policy_loss == "sapo":
-        assert all(r["clip_frac"] == 0 for r in rows)  # a soft gate: nothing is clipped
+    if policy_loss in ("sapo", "vespo"):
+        assert all(r["clip_frac"] == 0 for r in rows)  # a soft gate, a smooth weight: nothing is clipped
 
 
 def test_resume_from_a_dataset_file(tmp_path):

@@ -86,8 +86,9 @@ def _inputs(trainer, *, old: bool, beta: float, is_ratio: bool, seed: int = 0) -
         inputs["old_per_token_logps"] = logps + 0.4 * torch.randn(b, c, generator=g)
     if beta:
         inputs["ref_per_token_logps"] = logps + 0.3 * torch.randn(b, c, generator=g)
-    if is_ratio:
-        inputs["importance_sampling_ratio"] = torch.rand(b, c, generator=g) + 0.5
+    if is_ratio:  # 1 where padded, as TRL makes it (exp of a masked difference; VESPO's sum would read it)
+        ratio = torch.rand(b, c, generator=g) + 0.5
+        inputs["importance_sampling_ratio"] = torch.where(completion_mask.bool(), ratio, 1.0)
     return inputs
 
 
@@ -115,9 +116,21 @@ CASES = [
     dict(loss_type="grpo", beta=0.0, importance_sampling_level="sequence"),
     dict(loss_type="dapo", beta=0.04, importance_sampling_level="sequence", delta=1.5, is_ratio=True),
     dict(loss_type="luspo", beta=0.0, importance_sampling_level="sequence", steps_per_generation=2),
+    # VESPO: the rollout ratios inside each sequence's weight; its shapes; the level, which its loss does not read
+    dict(loss_type="vespo", beta=0.04, is_ratio=True, steps_per_generation=2),
+    dict(
+        loss_type="vespo",
+        beta=0.0,
+        vespo_k_pos=0.5,
+        vespo_lambda_pos=0.0,
+        vespo_k_neg=1.0,
+        vespo_lambda_neg=4.0,
+        importance_sampling_level="sequence",
+        is_ratio=True,
+    ),
 ]
 # the metrics TRL's loss logs beside entropy and kl, by loss type
-_CLIP_METRICS = {"cispo": ["cispo_clip_ratio"], "sapo": []}
+_CLIP_METRICS = {"cispo": ["cispo_clip_ratio"], "sapo": [], "vespo": ["vespo/phi_seq_mean"]}
 _SURROGATE_METRICS = ["clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_mean", "clip_ratio/high_max",
                       "clip_ratio/region_mean"]  # fmt: skip
 
@@ -168,7 +181,8 @@ def test_old_and_reference_logprobs_equal_trls(tmp_path):
 @pytest.mark.parametrize(
     ("option", "message"),
     [
-        (dict(loss_type="vespo"), "loss_type='vespo' is not supported.*'dapo', 'luspo', 'cispo', 'sapo'"),
+        (dict(loss_type="gspo"), "loss_type='gspo' is not supported.*'luspo', 'cispo', 'sapo', 'vespo'"),
+        (dict(loss_type="vespo", vespo_k_neg=-1.0), "vespo_k_neg=-1.0 .*not TRL's: it must be >= 0"),
         (dict(importance_sampling_level="sequence", loss_type="cispo"), "importance_sampling_level.*cispo"),
         (dict(entropy_coef=0.01), "entropy_coef"),
         (dict(beta=0.04), "use_bias_correction_kl=True .*set it to False"),
@@ -208,6 +222,7 @@ REAL_STEP_CASES = [
     dict(loss_type="sapo"),
     dict(loss_type="luspo", importance_sampling_level="sequence"),
     dict(loss_type="grpo", importance_sampling_level="sequence"),  # GSPO
+    dict(loss_type="vespo"),
 ]
 
 

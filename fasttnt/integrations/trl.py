@@ -22,11 +22,13 @@ optimizer) is TRL's. The semantics are TRL's own ``_compute_loss``'s, option for
                   which is fasttnt's policy_loss="cispo" with clip_low = 1 and clip_high = epsilon_high - 1; delta
                   does not apply), sapo (normalised as grpo: the soft gate at sapo_temperature_pos/_neg, fasttnt's
                   policy_loss="sapo"), luspo (per-sequence token sum, batch mean: fasttnt's seq-mean-token-sum-norm
-                  at norm_length 1); vespo is refused
+                  at norm_length 1), vespo (normalised as dapo: each sequence's gamma weight of its summed
+                  log-ratio, detached, times -A log pi, fasttnt's policy_loss="vespo" at vespo_k_pos,
+                  vespo_lambda_pos, vespo_k_neg and vespo_lambda_neg; a lambda below 1e-4 is 1e-4, as TRL clamps it)
     importance_sampling_level   "sequence" (GSPO: one ratio per sequence from its mean log-ratio) with grpo,
                   bnpo, dr_grpo, dapo or luspo is fasttnt's policy_loss="gspo" under the loss type's aggregation
-                  (TRL counts a sequence's one value on each of its tokens, as fasttnt's GSPO does); with cispo or
-                  sapo it is refused
+                  (TRL counts a sequence's one value on each of its tokens, as fasttnt's GSPO does); vespo reads
+                  its own sequence weights whatever the level (TRL's too); with cispo or sapo it is refused
     epsilon, epsilon_high   the clip range
     delta         TRL's two-sided clip, which caps the ratio at delta in both of its loss's branches. With
                   delta >= 1 + epsilon_high (what TRL recommends) that is fasttnt's dual clip at delta; with
@@ -37,21 +39,26 @@ optimizer) is TRL's. The semantics are TRL's own ``_compute_loss``'s, option for
                   use_bias_correction_kl=False: TRL's default weights it by the ratio, which is refused)
     temperature   the sampling temperature the log-probs are taken at
     vLLM's importance-sampling correction (use_vllm with vllm_importance_sampling_correction): TRL's
-                  ``importance_sampling_ratio`` as the per-token weight of the clipped term
+                  ``importance_sampling_ratio`` as the per-token weight of the clipped term; with vespo, inside each
+                  sequence's weight (the completion's tokens': TRL makes a padded position's ratio 1)
 
 TRL's metrics are logged under its names: entropy, kl, clip_ratio/low_mean, low_min, high_mean, high_max and
-region_mean, each computed as TRL computes it (the last two from per-sequence means over all processes).
+region_mean, cispo_clip_ratio, vespo/phi_seq_mean, each computed as TRL computes it (low_min and high_max from
+per-sequence means over all processes).
 
 Importing this module imports TRL (>= 1.16.0, whose private methods it replaces; an older one is refused here);
 ``fasttnt.integrations`` itself does not.
 
-Refused, with the option named: importance_sampling_level="sequence" with cispo or sapo, top_entropy_quantile < 1,
+Refused, with the option named: importance_sampling_level="sequence" with cispo or sapo, a negative vespo_k_pos or
+vespo_k_neg (phi = w^k e^(lambda (1 - w)) is then unbounded as w falls, which TRL meets by zeroing the infinities
+its float32 exp makes: a weight that jumps from its largest to 0), top_entropy_quantile < 1,
 off_policy_mask_threshold, use_bias_correction_kl with beta > 0, an entropy bonus, MoE auxiliary losses, tool
 masks inside a completion, a lm_head bias, logit scaling or soft-capping, multimodal inputs to the loss.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 from collections.abc import Callable, Collection
@@ -62,7 +69,13 @@ from packaging.version import Version
 from trl import GRPOTrainer
 from trl.trainer.utils import maybe_gather_lm_head_ctx, nanmax, nanmin
 
-from fasttnt_kernels import linear_policy_loss, linear_token_logprobs
+from fasttnt_kernels import (
+    PolicyLossConfig,
+    linear_policy_loss,
+    linear_token_logprobs,
+    sequence_log_ratios,
+    vespo_weights,
+)
 
 from .. import scoring
 from ..data import think_end_token_id
@@ -75,14 +88,15 @@ TRL_VERSION = "1.16.0"
 if Version(version("trl")) < Version(TRL_VERSION):
     raise ImportError(f"fasttnt.integrations.trl needs trl>={TRL_VERSION} (found {version('trl')})")
 
-SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
+_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(PolicyLossConfig))
+SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
 # the loss types of the clipped surrogate (TRL's two-sided clip, delta, and its sequence-level ratios apply to these)
 _CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 # per loss_type: fasttnt's aggregation (the normalisers are set per call in _loss_normalisers)
 _AGGREGATION = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dr_grpo": "seq-mean-token-sum-norm",
                 "dapo": "token-mean", "luspo": "seq-mean-token-sum-norm", "cispo": "token-mean",
-                "sapo": "seq-mean-token-mean"}  # fmt: skip
+                "sapo": "seq-mean-token-mean", "vespo": "token-mean"}  # fmt: skip
 
 
 def check_grpo_config(args) -> None:
@@ -94,7 +108,9 @@ def check_grpo_config(args) -> None:
     option = functools.partial(getattr, args)  # options a TRL release may not have read as off
     refused = {
         "importance_sampling_level": option("importance_sampling_level", "token") != "token"
-        and args.loss_type not in _CLIPPED,
+        and args.loss_type not in (*_CLIPPED, "vespo"),
+        "vespo_k_pos": args.loss_type == "vespo" and option("vespo_k_pos", 0.0) < 0.0,
+        "vespo_k_neg": args.loss_type == "vespo" and option("vespo_k_neg", 0.0) < 0.0,
         "top_entropy_quantile": option("top_entropy_quantile", 1.0) < 1.0,
         "off_policy_mask_threshold": option("off_policy_mask_threshold", None) is not None,
         # TRL's default; it weights the KL term by the ratio (with its gradient), which fasttnt's loss does not
@@ -110,17 +126,23 @@ def check_grpo_config(args) -> None:
                 + ("; fasttnt's limit, not TRL's: delta must be > 1" if option == "delta" else "")
                 + ("; set it to False with beta > 0" if option == "use_bias_correction_kl" else "")
                 + (f" with loss_type={args.loss_type!r}" if option == "importance_sampling_level" else "")
+                + ("; fasttnt's limit, not TRL's: it must be >= 0" if option.startswith("vespo_k") else "")
             )
 
 
 def loss_options(loss_type: str, epsilon_low: float, epsilon_high: float, delta: float | None, args) -> dict:
-    """TRL's loss_type, clip range, two-sided clip and SAPO temperatures as fasttnt's ``PolicyLossConfig`` fields
-    (module docstring): the clipped surrogate's (``clip_options``), CISPO's cap, SAPO's gate."""
+    """TRL's loss_type, clip range, two-sided clip, SAPO temperatures and VESPO shapes as fasttnt's
+    ``PolicyLossConfig`` fields (module docstring): the clipped surrogate's (``clip_options``), CISPO's cap, SAPO's
+    gate, VESPO's weight."""
     if loss_type == "cispo":  # TRL: clamp(r, max=epsilon_high), no bound below
         return {"policy_loss": "cispo", "clip_low": 1.0, "clip_high": epsilon_high - 1.0, "dual_clip": None}
     if loss_type == "sapo":
         return {"policy_loss": "sapo", "clip_low": epsilon_low, "clip_high": epsilon_high, "dual_clip": None,
                 "sapo_tau_pos": args.sapo_temperature_pos, "sapo_tau_neg": args.sapo_temperature_neg}  # fmt: skip
+    if loss_type == "vespo":  # TRL clamps each lambda at 1e-4 from below; the clip range is not read
+        return {"policy_loss": "vespo", "dual_clip": None, "vespo_k_pos": args.vespo_k_pos,
+                "vespo_lambda_pos": max(args.vespo_lambda_pos, 1e-4), "vespo_k_neg": args.vespo_k_neg,
+                "vespo_lambda_neg": max(args.vespo_lambda_neg, 1e-4)}  # fmt: skip
     options = clip_options(epsilon_low, epsilon_high, delta)
     if getattr(args, "importance_sampling_level", "token") == "sequence":
         options["policy_loss"] = "gspo"
@@ -249,7 +271,7 @@ class FastTNTGRPOTrainer(GRPOTrainer):
         is_weights = None
         if self.use_vllm and self.vllm_importance_sampling_correction:
             ratio = inputs["importance_sampling_ratio"].expand_as(completion_mask)  # (B, C)
-            if self.importance_sampling_level == "sequence":
+            if self.importance_sampling_level == "sequence" and self.loss_type != "vespo":
                 # TRL differentiates a sequence's ratio through the mean of its log-ratios, so a token's gradient
                 # carries the sequence's mean weight, not its own; its loss counts the weights' sum: both are
                 # fasttnt's GSPO (each token's own gradient) with each weight replaced by its sequence's mean
@@ -286,7 +308,12 @@ class FastTNTGRPOTrainer(GRPOTrainer):
                 fasttnt=loss_fn,
             )
         old_logp = logp if old is None else old[valid].float()
-        self._log_loss_stats(stats, logp - old_logp, advantages, cu_seqlens, mode)
+        phi = None
+        if self.loss_type == "vespo":  # TRL's vespo/phi_seq_mean: each sequence's weight, as the loss computed it
+            config = PolicyLossConfig(**{k: v for k, v in loss_kwargs.items() if k in _CONFIG_FIELDS})
+            log_w = sequence_log_ratios(config, logp, old_logp, cu_seqlens, is_weights)  # (B,)
+            phi = vespo_weights(log_w, advantages.float(), config)
+        self._log_loss_stats(stats, logp - old_logp, advantages, cu_seqlens, mode, phi)
         return loss
 
     def _loss_normalisers(self, inputs, tokens: int, sequences: int, mode: str) -> dict:
@@ -306,10 +333,11 @@ class FastTNTGRPOTrainer(GRPOTrainer):
             normaliser = normaliser * self.current_gradient_accumulation_steps / self.args.steps_per_generation
         return {"total_tokens": float(normaliser)}
 
-    def _log_loss_stats(self, stats: dict, log_ratio, advantages, cu_seqlens, mode: str) -> None:
+    def _log_loss_stats(self, stats: dict, log_ratio, advantages, cu_seqlens, mode: str, phi=None) -> None:
         """TRL's metrics under its names, computed as TRL computes them: token means over all processes (entropy,
-        kl), the clip ratios (from the ratio capped at delta) as means over tokens, or over sequences with
-        importance_sampling_level="sequence" (one ratio each), and the extremes of per-sequence clip ratios."""
+        kl), the mean of VESPO's sequence weights ``phi`` (B,) over all processes, the clip ratios (from the ratio
+        capped at delta) as means over tokens, or over sequences with importance_sampling_level="sequence" (one
+        ratio each), and the extremes of per-sequence clip ratios."""
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # (B,)
         index = torch.arange(len(lengths), device=advantages.device)
         seq = torch.repeat_interleave(index, lengths, output_size=log_ratio.numel())  # (N,) each token's sequence
@@ -334,6 +362,8 @@ class FastTNTGRPOTrainer(GRPOTrainer):
                          "clip_ratio/region_mean": torch.maximum(low, high).sum()}  # fmt: skip
         elif self.loss_type == "cispo":  # TRL's: the weight above its cap with A > 0 (sapo logs no clip)
             unit_sums = {"cispo_clip_ratio": ((ratio > self.epsilon_high) & (a > 0)).float().sum()}
+        elif phi is not None:  # TRL's: a mean over sequences, empty ones included
+            unit_sums, units = {"vespo/phi_seq_mean": phi.sum()}, torch.tensor(float(len(phi)), device=phi.device)
         totals = self.accelerator.reduce(
             torch.stack([*token_sums.values(), tokens, *unit_sums.values(), units]), reduction="sum"
         )

@@ -8,7 +8,7 @@ Triton kernels for CUDA tensors and the reference elsewhere; ``FASTTNT_KERNELS=t
 """
 
 from ._common import SettingError
-from ._policy_loss import PolicyLossConfig, PolicyLossInputs
+from ._policy_loss import PolicyLossConfig, PolicyLossInputs, sequence_log_ratios, vespo_weights
 from .clipped_policy_loss import STAT_NAMES, clipped_policy_loss, clipped_policy_loss_reference
 from .group_advantages import group_advantages, group_advantages_reference
 from .linear_policy_loss import LINEAR_STAT_NAMES, linear_policy_loss, linear_policy_loss_reference
@@ -55,8 +55,10 @@ __all__ = [
     "mode_advantages_reference",
     "rollout_correction_weights",
     "rollout_correction_weights_reference",
+    "sequence_log_ratios",
     "tnt_rewards",
     "tnt_rewards_reference",
     "token_logprobs",
     "token_logprobs_reference",
+    "vespo_weights",
 ]

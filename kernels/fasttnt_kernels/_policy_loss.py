@@ -11,18 +11,25 @@ from typing import Any, Literal
 import torch
 
 from . import _common
-from ._common import SettingError
+from ._common import LOG_RATIO_CLAMP, SettingError
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-PolicyLoss = Literal["vanilla", "gspo", "cispo", "sapo"]
-POLICY_LOSSES = ("vanilla", "gspo", "cispo", "sapo")
+PolicyLoss = Literal["vanilla", "gspo", "cispo", "sapo", "vespo"]
+POLICY_LOSSES = ("vanilla", "gspo", "cispo", "sapo", "vespo")
 """The policy-gradient terms (``clipped_policy_loss``'s module docstring has each one's formula): the clipped
 surrogate (PPO/GRPO, DAPO, Dr. GRPO), the same with each sequence's ratio (GSPO), CISPO's clipped and detached
-importance weight times the log-prob, SAPO's soft gate. Their names are verl's ``policy_loss.loss_mode`` names."""
+importance weight times the log-prob, SAPO's soft gate, VESPO's gamma weight of each sequence's ratio times the
+log-prob. Their names are verl's ``policy_loss.loss_mode`` names (VESPO's, which verl lacks, TRL's ``loss_type``)."""
+SEQUENCE_LOSSES = ("gspo", "vespo")
+"""The losses whose per-token terms read a per-sequence log-ratio (``sequence_log_ratios``)."""
 GSPO_LOG_RATIO_MAX = 10.0
 """GSPO's sequence log-ratio is clamped above at this (verl 0.9.1's ``compute_policy_loss_gspo``), its gradient 0
 past it; the token-level ratio's clamp is ``LOG_RATIO_CLAMP``."""
+VESPO_LOG_W_MIN = math.log(1e-8)
+VESPO_LOG_W_MAX = 20.0
+"""VESPO's sequence log-weight and each rollout log-weight in it are clamped to [log 1e-8, 20] (TRL 1.16's
+``get_gamma_weights``)."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,12 @@ class PolicyLossConfig:
     # SAPO's gate temperatures for tokens of a positive advantage and of the others (TRL's and verl's defaults)
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
+    # VESPO's gamma weight phi(w) = e^lambda w^k e^(-lambda w) for tokens of an advantage >= 0 and of the others
+    # (TRL 1.16's vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg defaults)
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
 
     def __post_init__(self) -> None:
         def need(ok: bool, key: str, why: str) -> None:
@@ -80,8 +93,11 @@ class PolicyLossConfig:
         need(math.isfinite(self.entropy_coef) and self.entropy_coef >= 0.0, "entropy_coef", finite_nonnegative)
         need(dual is None or self.policy_loss in ("vanilla", "gspo"), "dual_clip", "bounds the clipped surrogate "
              f"only (policy_loss 'vanilla' or 'gspo'), not policy_loss={self.policy_loss!r}")  # fmt: skip
-        for key in ("sapo_tau_pos", "sapo_tau_neg"):
+        for key in ("sapo_tau_pos", "sapo_tau_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
             need(math.isfinite(getattr(self, key)) and getattr(self, key) > 0.0, key, "must be a finite number > 0")
+        # k >= 0 keeps phi finite: its largest value is e^(lambda - k) (k / lambda)^k, at w = k / lambda
+        for key in ("vespo_k_pos", "vespo_k_neg"):
+            need(math.isfinite(getattr(self, key)) and getattr(self, key) >= 0.0, key, finite_nonnegative)
 
     @classmethod
     def of(cls, settings: Any) -> PolicyLossConfig:
@@ -170,14 +186,50 @@ class PolicyLossInputs:
         return 1.0 / (seqs * config.norm_length), 0.0
 
 
-def sequence_log_ratios(logp: torch.Tensor, old_logp: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """GSPO's per-sequence log-ratio (S,) float32, detached: each sequence's mean of logp - old_logp (0 for an empty
-    one), summed in float64 through a cumulative sum (deterministic on CUDA, where index_add_'s atomics are not)."""
-    diff = (logp.detach().double() - old_logp.detach().double()).cumsum(0)  # (N,)
-    ends = torch.cat([diff.new_zeros(1), diff])  # (N+1,): ends[i] = the sum of the first i tokens
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # (S,)
-    sums = ends[cu_seqlens[1:].long()] - ends[cu_seqlens[:-1].long()]  # (S,)
-    return (sums / lengths.clamp(min=1).double()).float()
+def sequence_log_ratios(
+    config: PolicyLossConfig,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    is_weights: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """The per-sequence log-ratio (S,) float32, detached, that ``config.policy_loss``'s token terms read, or None for
+    a token-level loss; ``old_logp`` None is on-policy (every log-ratio 0). Summed in float64 through a cumulative
+    sum (deterministic on CUDA, where index_add_'s atomics are not).
+
+        gspo    log s_s = mean over s of (logp - old_logp)    (0 for an empty sequence)
+        vespo   log w_s = clamp(sum over s of clamp(logp - old_logp, -20, 20) + clamp(log is_w, log 1e-8, 20),
+                                log 1e-8, 20)                 (TRL 1.16's ``get_gamma_weights``)
+
+    VESPO's rollout weights ``is_weights`` enter the sequence's weight here (TRL's vespo), not each token's term."""
+    if config.policy_loss not in SEQUENCE_LOSSES:
+        return None
+    diff = torch.zeros_like(logp, dtype=torch.float64) if old_logp is None else logp.double() - old_logp.double()
+    diff = diff.detach()  # (N,)
+    if config.policy_loss == "gspo":
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # (S,)
+        return (_sequence_sums(diff, cu_seqlens) / lengths.clamp(min=1).double()).float()
+    diff = diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if is_weights is not None:
+        diff = diff + is_weights.detach().double().log().clamp(VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)
+    return _sequence_sums(diff, cu_seqlens).clamp(VESPO_LOG_W_MIN, VESPO_LOG_W_MAX).float()
+
+
+def _sequence_sums(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Each sequence's sum (S,) of the per-token ``values`` (N,), through a cumulative sum in their dtype."""
+    ends = torch.cat([values.new_zeros(1), values.cumsum(0)])  # (N+1,): ends[i] = the sum of the first i tokens
+    return ends[cu_seqlens[1:].long()] - ends[cu_seqlens[:-1].long()]
+
+
+def vespo_weights(log_w: torch.Tensor, advantages: torch.Tensor, config: PolicyLossConfig) -> torch.Tensor:
+    """VESPO's gamma weights phi = exp(lambda + k log w - lambda w), elementwise over log-weights ``log_w`` and the
+    advantages beside them (k, lambda: ``config``'s _pos where the advantage is >= 0, _neg elsewhere); in their
+    dtype, detached. phi(1) = 1: an on-policy sequence is weighted as the plain policy gradient."""
+    log_w, a = log_w.detach(), advantages.detach()
+    nonneg = a >= 0
+    k = torch.where(nonneg, config.vespo_k_pos, config.vespo_k_neg).to(log_w.dtype)
+    lam = torch.where(nonneg, config.vespo_lambda_pos, config.vespo_lambda_neg).to(log_w.dtype)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w))
 
 
 _INPUT_FIELDS = frozenset(f.name for f in fields(PolicyLossInputs))

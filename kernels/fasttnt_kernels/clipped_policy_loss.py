@@ -25,6 +25,9 @@ weights, the KL term and the aggregation as above; verl's names and formulas, ve
     cispo   pg_t = -sg(clip(r_t, 1 - clip_low, 1 + clip_high)) A_s logp_t     (MiniMax-M1, arXiv 2506.13585)
     sapo    pg_t = -(4 / tau) sigmoid(tau (r_t - 1)) A_s,  tau = sapo_tau_pos if A_s > 0 else sapo_tau_neg
                                                                               (arXiv 2511.20347)
+    vespo   pg_t = -sg(phi_s) A_s logp_t,  phi_s = exp(lambda + k log w_s - lambda w_s)  (TRL 1.16's vespo)
+            log w_s = clamp(sum over s of clamp(logp - old_logp, -20, 20) + clamp(log is_w, log 1e-8, 20),
+                            log 1e-8, 20),  (k, lambda) = vespo_k_pos, vespo_lambda_pos if A_s >= 0, else _neg
 
 CISPO's weight is a constant of the gradient (sg: stop-gradient), so every token keeps a gradient, -w A_s, where
 the surrogate's clip zeroes it; TRL 1.16's ``cispo`` caps the weight above only, at ``epsilon_high``: clip_low = 1,
@@ -32,7 +35,11 @@ clip_high = epsilon_high - 1 here. GSPO's token ratio has the value of its seque
 token's own log-prob (d r_t / d logp_t = r_t): under seq-mean-token-mean that is the gradient of the sequence ratio
 itself, s_s / |s| per token, as TRL 1.16's ``importance_sampling_level="sequence"`` differentiates it, and under
 every aggregation equal to TRL's (its token-summing losses count a sequence's one value on each of its tokens).
-SAPO's gate is TRL 1.16's and verl 0.9.1's alike (verl also forces the seq-mean-token-mean aggregation, TRL's
+VESPO's
+gamma weight of the sequence's summed log-ratio is 1 on-policy and falls off on both sides, so stale sequences
+fade out rather than being clipped; it is a constant of the gradient, as CISPO's weight, and the rollout weights
+``is_weights`` enter w_s (as TRL's ``importance_sampling_ratio``), not each token's term. SAPO's gate is TRL
+1.16's and verl 0.9.1's alike (verl also forces the seq-mean-token-mean aggregation, TRL's
 ``sapo`` aggregates as its ``grpo``: the same; here ``agg`` decides).
 
 The cap on k3 is verl's (its low_var_kl clamps the value at 10): a token whose reference log-prob is far above its
@@ -63,10 +70,14 @@ from . import _common
 from ._common import LOG_RATIO_CLAMP
 from ._policy_loss import (
     GSPO_LOG_RATIO_MAX,
+    SEQUENCE_LOSSES,
+    VESPO_LOG_W_MAX,
+    VESPO_LOG_W_MIN,
     PolicyLossConfig,
     PolicyLossInputs,
     config_of,
     sequence_log_ratios,
+    vespo_weights,
 )
 
 STAT_NAMES = ("clip_frac_low", "clip_frac_high", "dual_clip_frac", "approx_kl", "ratio_mean", "kl_ref")
@@ -75,7 +86,7 @@ _N_PARTIALS = 1 + len(STAT_NAMES)
 _BLOCK = 1024
 _DEFAULT_CONFIG = PolicyLossConfig()
 # the kernel's LOSS_MODE of each PolicyLossConfig.policy_loss
-_LOSS_MODE = {"vanilla": 0, "cispo": 1, "sapo": 2, "gspo": 3}
+_LOSS_MODE = {"vanilla": 0, "cispo": 1, "sapo": 2, "gspo": 3, "vespo": 4}
 
 
 @triton.jit
@@ -87,7 +98,7 @@ def _clipped_policy_loss_kernel(
     is_weight_ptr,
     adv_ptr,
     first_adv_ptr,  # (S,) the advantage of each sequence's first token, read only when HAS_FIRST_ADV
-    seq_log_ratio_ptr,  # (S,) GSPO's per-sequence log-ratio (sequence_log_ratios), read only when LOSS_MODE == 3
+    seq_log_ratio_ptr,  # (S,) the per-sequence log-ratio (sequence_log_ratios), read only when LOSS_MODE is 3 or 4
     cu_seqlens_ptr,
     grad_ptr,  # (N,) dloss/dlogp, written only when COMPUTE_GRAD
     partials_ptr,  # (num_blocks, N_PARTIALS): per-block sums, reduced by the caller in a fixed order
@@ -104,6 +115,10 @@ def _clipped_policy_loss_kernel(
     kl_max,  # inf when uncapped: k3 is finite (d is clamped), so min(k3, inf) = k3 and no 0 * inf arises
     sapo_tau_pos,
     sapo_tau_neg,
+    vespo_k_pos,
+    vespo_lambda_pos,
+    vespo_k_neg,
+    vespo_lambda_neg,
     w_const,  # w_t = w_const + w_per_len / len_s covers all three aggregations
     w_per_len,
     log_ratio_clamp,
@@ -114,7 +129,7 @@ def _clipped_policy_loss_kernel(
     HAS_IS_WEIGHT: tl.constexpr,  # skips the read of the per-token weights
     HAS_FIRST_ADV: tl.constexpr,  # skips the read of the first tokens' advantages
     COMPUTE_GRAD: tl.constexpr,  # skips the gradient write when logp does not require grad (old/ref passes)
-    LOSS_MODE: tl.constexpr,  # _LOSS_MODE: 0 the clipped surrogate, 1 cispo, 2 sapo, 3 gspo
+    LOSS_MODE: tl.constexpr,  # _LOSS_MODE: 0 the clipped surrogate, 1 cispo, 2 sapo, 3 gspo, 4 vespo
     N_PARTIALS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -158,6 +173,16 @@ def _clipped_policy_loss_kernel(
         gate_s = tl.sigmoid(tau * (ratio - 1.0))
         pg = -gate_s * (4.0 / tau) * a
         dpg = tl.where(ratio_moves, -4.0 * gate_s * (1.0 - gate_s) * ratio * a, 0.0)
+        low_binds = tl.zeros([BLOCK], dtype=tl.int1)
+        high_binds = tl.zeros([BLOCK], dtype=tl.int1)
+    elif LOSS_MODE == 4:  # vespo: the gamma weight of the sequence's log-weight, a constant, times -A logp
+        log_w = tl.load(seq_log_ratio_ptr + seq, mask=mask, other=0.0)
+        nonneg = a >= 0.0
+        k = tl.where(nonneg, vespo_k_pos, vespo_k_neg)
+        lam = tl.where(nonneg, vespo_lambda_pos, vespo_lambda_neg)
+        phi = tl.exp(lam + k * log_w - lam * tl.exp(log_w))
+        pg = -phi * a * logp
+        dpg = -phi * a
         low_binds = tl.zeros([BLOCK], dtype=tl.int1)
         high_binds = tl.zeros([BLOCK], dtype=tl.int1)
     else:
@@ -233,12 +258,20 @@ def clipped_policy_loss_reference(
     w_const, w_per_len = normalisers.aggregation_weights(config, N)
     a, seq_len = per_token_advantages(advantages, cu_seqlens, N, first_advantages)
     seq_log_ratio = None
-    if config.policy_loss == "gspo":  # each token's sequence's mean log-ratio, in logp's own dtype, detached
+    if config.policy_loss in SEQUENCE_LOSSES:  # each token's sequence's log-ratio, in logp's own dtype, detached
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
         seq = torch.repeat_interleave(torch.arange(len(lengths), device=logp.device), lengths, output_size=N)
         diff = (logp - old_logp.to(logp.dtype)).detach()
+        if config.policy_loss == "vespo":  # the sum of clamped log-ratios and rollout log-weights, clamped
+            diff = diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+            if is_weights is not None:
+                diff = diff + is_weights.to(diff.dtype).log().clamp(VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)
         sums = torch.zeros(len(lengths), dtype=diff.dtype, device=diff.device).index_add_(0, seq, diff)
-        seq_log_ratio = (sums / lengths.clamp(min=1).to(diff.dtype))[seq]  # (N,)
+        if config.policy_loss == "gspo":
+            seq_log_ratio = (sums / lengths.clamp(min=1).to(diff.dtype))[seq]  # (N,)
+        else:
+            seq_log_ratio = sums.clamp(VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)[seq]  # (N,)
+            is_weights = None  # in the sequence's weight, not each token's term
     loss_t, indicators = token_terms_reference(
         logp, old_logp, a, seq_len, config=config, ref_logp=ref_logp, is_weights=is_weights,
         seq_log_ratio=seq_log_ratio,
@@ -275,10 +308,13 @@ def token_terms_reference(
     seq_log_ratio: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per token: the unweighted loss l_t (differentiable w.r.t. ``logp``) and each statistic's summand, for
-    tokens given with their sequence's advantage ``a`` (N,) (``per_token_advantages``) and, for GSPO, their
-    sequence's log-ratio ``seq_log_ratio`` (N,), a constant. ``seq_len`` is unused here but keeps the signature of a
-    chunk's view of the batch."""
+    tokens given with their sequence's advantage ``a`` (N,) (``per_token_advantages``) and, for GSPO and VESPO,
+    their sequence's log-ratio ``seq_log_ratio`` (N,), a constant (VESPO's holds its rollout weights: then
+    ``is_weights`` must be None). ``seq_len`` is unused here but keeps the signature of a chunk's view of the
+    batch."""
     del seq_len
+    if config.policy_loss == "vespo" and is_weights is not None:
+        raise ValueError("policy_loss='vespo' takes the rollout weights in seq_log_ratio, not as is_weights")
     dtype = _common.compute_dtype(logp.dtype)
     a = a.to(dtype)
     logp = logp.to(dtype)
@@ -291,6 +327,9 @@ def token_terms_reference(
     elif config.policy_loss == "sapo":
         tau = torch.where(a > 0, config.sapo_tau_pos, config.sapo_tau_neg).to(dtype)
         pg = -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * a
+        low_binds = high_binds = torch.zeros_like(ratio, dtype=torch.bool)
+    elif config.policy_loss == "vespo":
+        pg = -vespo_weights(seq_log_ratio.to(dtype), a, config) * a * logp
         low_binds = high_binds = torch.zeros_like(ratio, dtype=torch.bool)
     else:
         r = ratio
@@ -334,7 +373,8 @@ class TokenTerms:
     token's sequence in the whole batch's ``cu_seqlens``; the reference path (autograd through
     ``token_terms_reference``, the CPU's) reads per-token advantages made here once. ``clipped_policy_loss`` runs
     it over all N tokens at once, ``linear_policy_loss`` over each chunk of rows as its log-probs are made.
-    ``seq_log_ratio`` (S,): GSPO's sequence log-ratios (``sequence_log_ratios``), needed with policy_loss="gspo"."""
+    ``seq_log_ratio`` (S,): the sequences' log-ratios (``sequence_log_ratios``), needed with GSPO and VESPO; VESPO's
+    hold the rollout weights, which its token terms then do not read."""
 
     def __init__(
         self,
@@ -345,8 +385,8 @@ class TokenTerms:
         use_triton: bool,
         seq_log_ratio: torch.Tensor | None = None,
     ) -> None:
-        if (config.policy_loss == "gspo") != (seq_log_ratio is not None):
-            raise ValueError("policy_loss='gspo' takes the sequences' log-ratios, and no other loss does")
+        if (config.policy_loss in SEQUENCE_LOSSES) != (seq_log_ratio is not None):
+            raise ValueError(f"the sequences' log-ratios are taken with policy_loss in {SEQUENCE_LOSSES}, only")
         self.inputs, self.config, self.use_triton = inputs, config, use_triton
         self.seq_log_ratio = seq_log_ratio
         self.w_const, self.w_per_len = inputs.aggregation_weights(config, N)
@@ -364,7 +404,8 @@ class TokenTerms:
         x = self.inputs
         old = logp if x.old_logp is None else x.old_logp[rows]
         ref = x.ref_logp[rows] if x.ref_logp is not None else None
-        is_w = x.is_weights[rows] if x.is_weights is not None else None
+        # VESPO's rollout weights are in its sequences' log-weights
+        is_w = x.is_weights[rows] if x.is_weights is not None and self.config.policy_loss != "vespo" else None
         if self.use_triton:
             return self._launch(rows.start, logp, old, ref, is_w, grad)
         return self._autograd(rows, logp, old, ref, is_w, grad)
@@ -420,6 +461,10 @@ class TokenTerms:
                 config.kl_max if config.kl_max is not None else math.inf,
                 config.sapo_tau_pos,
                 config.sapo_tau_neg,
+                config.vespo_k_pos,
+                config.vespo_lambda_pos,
+                config.vespo_k_neg,
+                config.vespo_lambda_neg,
                 self.w_const,
                 self.w_per_len,
                 LOG_RATIO_CLAMP,
@@ -441,9 +486,8 @@ class ClippedPolicyLossFunction(torch.autograd.Function):
     def forward(ctx, logp, inputs: PolicyLossInputs, config: PolicyLossConfig):
         N = logp.shape[0]
         grad = _common.new_empty(N, dtype=torch.float32, device=logp.device) if logp.requires_grad else None  # (N,)
-        seq_log_ratio = None
-        if config.policy_loss == "gspo":  # the whole batch's log-probs are here: the sequences' means first
-            seq_log_ratio = sequence_log_ratios(logp, inputs.old_logp, inputs.cu_seqlens)  # (S,)
+        # GSPO and VESPO: the whole batch's log-probs are here, the sequences' log-ratios first (S,); else None
+        seq_log_ratio = sequence_log_ratios(config, logp, inputs.old_logp, inputs.cu_seqlens, inputs.is_weights)
         sums = TokenTerms(inputs, config, N, use_triton=True, seq_log_ratio=seq_log_ratio)(slice(0, N), logp, grad)
         ctx.save_for_backward(grad)
         ctx.logp_dtype = logp.dtype

@@ -16,8 +16,8 @@ of the hidden states and of the weight (``_lm_head``, shared with ``linear_token
 accumulates in float32). The composition above spends four: its backward recomputes the logits. The same order as
 Liger-Kernel's fused linear losses (``liger_kernel/chunked_loss``).
 
-GSPO (``policy_loss="gspo"``) off-policy is the exception: a token's gradient needs its sequence's mean log-ratio,
-so one pass of logits computes every log-prob first (four matmuls per chunk).
+GSPO and VESPO (``policy_loss="gspo"``, ``"vespo"``) off-policy are the exception: a token's gradient needs its
+sequence's log-ratio, so one pass of logits computes every log-prob first (four matmuls per chunk).
 
 The gradients are kept from the forward and scaled in place by the upstream gradient in the backward, so the
 backward holds no logits and reads no weight (under ZeRO-3 the weight need not be gathered again), and runs once
@@ -33,7 +33,7 @@ import torch
 
 from . import _common
 from ._lm_head import LmHeadGrads, LmHeadPlan, check_lm_head_inputs, chunks, matmul_dtype
-from ._policy_loss import PolicyLossConfig, PolicyLossInputs, resolve, sequence_log_ratios
+from ._policy_loss import SEQUENCE_LOSSES, PolicyLossConfig, PolicyLossInputs, resolve, sequence_log_ratios
 from .clipped_policy_loss import STAT_NAMES, TokenTerms, clipped_policy_loss_reference
 from .linear_token_logprobs import linear_token_logprobs_reference
 
@@ -73,23 +73,24 @@ def linear_policy_loss_reference(
     return loss, stats
 
 
-def _gspo_log_ratios(hidden, w, ids, inputs: PolicyLossInputs, config: PolicyLossConfig, plan: LmHeadPlan):
-    """GSPO's sequence log-ratios (S,), or None for the other losses. A token's gradient needs its sequence's mean
-    log-ratio, which needs every token of the sequence, and a sequence may span chunks: off-policy, one pass of
-    logits first (a fourth matmul per chunk), the same chunks and kernels as the loss's pass, so the same log-probs.
-    On-policy the ratio is 1: no pass."""
-    if config.policy_loss != "gspo":
+def _sequence_log_ratios(hidden, w, ids, inputs: PolicyLossInputs, config: PolicyLossConfig, plan: LmHeadPlan):
+    """GSPO's or VESPO's sequence log-ratios (S,) (``sequence_log_ratios``), or None for the other losses. A token's
+    gradient needs its sequence's log-ratio, which needs every token of the sequence, and a sequence may span
+    chunks: off-policy, one pass of logits first (a fourth matmul per chunk), the same chunks and kernels as the
+    loss's pass, so the same log-probs. On-policy every token's log-ratio is 0: no pass."""
+    if config.policy_loss not in SEQUENCE_LOSSES:
         return None
-    if inputs.old_logp is None:
-        return torch.zeros(inputs.advantages.shape[0], dtype=torch.float32, device=hidden.device)  # (S,)
     N = hidden.shape[0]
     logp = _common.new_empty(N, dtype=torch.float32, device=hidden.device)  # (N,)
-    lse = _common.new_empty(N, dtype=torch.float32, device=hidden.device)  # (N,) written, unread
-    for rows, _, logits in chunks(hidden, w, plan.chunk_rows):
-        plan.logprobs_forward(logits, ids[rows], inv_temperature=1.0 / plan.temperature, logp=logp[rows],
-                              lse=lse[rows], entropy=None)  # fmt: skip
-        del logits
-    return sequence_log_ratios(logp, inputs.old_logp, inputs.cu_seqlens)
+    if inputs.old_logp is None:
+        logp.zero_()
+    else:
+        lse = _common.new_empty(N, dtype=torch.float32, device=hidden.device)  # (N,) written, unread
+        for rows, _, logits in chunks(hidden, w, plan.chunk_rows):
+            plan.logprobs_forward(logits, ids[rows], inv_temperature=1.0 / plan.temperature, logp=logp[rows],
+                                  lse=lse[rows], entropy=None)  # fmt: skip
+            del logits
+    return sequence_log_ratios(config, logp, inputs.old_logp, inputs.cu_seqlens, inputs.is_weights)
 
 
 class LinearPolicyLossFunction(torch.autograd.Function):
@@ -99,7 +100,7 @@ class LinearPolicyLossFunction(torch.autograd.Function):
         N = hidden.shape[0]
         device = hidden.device
         w = weight.to(matmul_dtype(hidden))  # (V, H): a copy only under autocast, as autocast's own matmul would make
-        seq_log_ratio = _gspo_log_ratios(hidden, w, ids, inputs, config, plan)
+        seq_log_ratio = _sequence_log_ratios(hidden, w, ids, inputs, config, plan)
         terms = TokenTerms(inputs, config, N, use_triton=plan.use_triton, seq_log_ratio=seq_log_ratio)
         tokens = inputs.tokens(N)
         grad_entropy_value = -config.entropy_coef / tokens if tokens > 0 else 0.0  # d(loss)/d(entropy_t), every token

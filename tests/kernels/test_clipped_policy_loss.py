@@ -107,10 +107,11 @@ def test_matches_float64_reference(triton_path, lengths, agg, dual_clip, with_re
 
 @pytest.mark.parametrize("lengths", list(LENGTHS))
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
-@pytest.mark.parametrize("policy_loss", ["gspo", "cispo", "sapo"])
+@pytest.mark.parametrize("policy_loss", ["gspo", "cispo", "sapo", "vespo"])
 def test_other_policy_losses_match_float64_reference(triton_path, lengths, agg, policy_loss):
     # with what composes with them (the KL term, importance weights; GSPO's dual clip); the ratios are kept off the
-    # clip bounds (CISPO's weight has a kink there; GSPO's sequence ratios too), SAPO's gate is smooth
+    # clip bounds (CISPO's weight has a kink there; GSPO's sequence ratios too), SAPO's gate and VESPO's weight are
+    # smooth (VESPO's clamps bind on the 1,500-token sequence, whose weight is then ~0 on both sides of them)
     lens = LENGTHS[lengths] or torch.randint(1, 21, (300,)).tolist()
     logp, old, ref, adv, cu = _packed_batch(lens)
     if policy_loss == "gspo":  # a float32 mean of up to 1,500 log-ratios errs by ~1e-4 relative at worst
@@ -123,69 +124,54 @@ def test_other_policy_losses_match_float64_reference(triton_path, lengths, agg, 
     assert not grad.isnan().any() and grad.abs().sum() > 0
     if lengths == "many-short" and policy_loss in ("cispo", "gspo"):  # the ratios clipped on both sides
         assert 0 < stats["clip_frac_low"] < 1 and 0 < stats["clip_frac_high"] < 1, "the grid must clip"
-    if policy_loss == "sapo":  # no clip: a soft gate
+    if policy_loss in ("sapo", "vespo"):  # no clip: a soft gate, a smooth weight
         assert stats["clip_frac_low"] == 0 and stats["clip_frac_high"] == 0
 
 
-def test_gspo_by_hand(triton_path):
-    # token-mean over 6 tokens, logp -1. Sequence 0 (2 tokens, log-ratios 0.2, 0.4: s = e^0.3 = 1.35 > 1.28, A = 1):
-    # clipped, pg = -1.28 on each token, no gradient. Sequence 2 (3 tokens, 0.1, -0.1, 0.3: s = e^0.1, A = -2):
-    # pg = 2 s on each, dloss/dlogp_t = 2 s / 6 (the sequence's value through the token's own log-prob). Sequence 3
-    # (1 token, -0.5: s = e^-0.5 < 0.8, A = -1): clipped below, pg = 0.8, no gradient. Sequence 1 is empty
-    logp = torch.full((6,), -1.0, device=DEVICE)
-    old = logp - torch.tensor([0.2, 0.4, 0.1, -0.1, 0.3, -0.5], device=DEVICE)
-    adv = torch.tensor([1.0, 5.0, -2.0, -1.0], device=DEVICE)
-    cu = torch.tensor([0, 2, 2, 5, 6], device=DEVICE)
-    loss, stats, grad = _run(logp, old, adv, cu, policy_loss="gspo", clip_low=0.2, clip_high=0.28)
-    s = math.exp(0.1)
-    assert math.isclose(loss.item(), (2 * -1.28 + 3 * 2 * s + 0.8) / 6, rel_tol=1e-6)
-    expected = torch.tensor([0.0, 0.0, 2 * s, 2 * s, 2 * s, 0.0], dtype=torch.float64) / 6
-    torch.testing.assert_close(grad.double().cpu(), expected, rtol=1e-6, atol=1e-7)
-    assert math.isclose(stats["clip_frac_high"].item(), 2 / 6, rel_tol=1e-6)  # sequence 0's tokens
-    assert math.isclose(stats["clip_frac_low"].item(), 1 / 6, rel_tol=1e-6)  # sequence 3's
-    # seq-mean-token-mean: sequence 2's gradient is that of its ratio itself, d s / d logp_t = s / 3, over 4 sequences
-    _, _, grad = _run(logp, old, adv, cu, policy_loss="gspo", clip_low=0.2, clip_high=0.28, agg="seq-mean-token-mean")
-    torch.testing.assert_close(grad.double().cpu()[2:5], torch.full((3,), 2 * s / 3 / 4, dtype=torch.float64))
+def test_vespo_by_hand(triton_path):
+    # token-mean over 9 tokens, logp -1, so pg_t = -phi_s A_s logp_t = phi_s A_s and dloss/dlogp_t = -phi_s A_s / 9,
+    # phi = exp(lambda + k log w - lambda w) with (k, lambda) = (2, 3) for A >= 0, (3, 2) below.
+    # Sequence 0 (log-ratios 0.2, 0.3, A = 1): log w = 0.5. Sequence 1 is empty. Sequence 2 (one token, log-ratio
+    # 0, A = -2): w = 1, phi = 1, the plain policy gradient. Sequence 3 (15 and 25, A = -1): 15 + 20 (each token's
+    # log-ratio clamped at 20) clamped at 20: phi = exp(2 + 60 - 2 e^20) = 0, a weight, no gradient. Sequence 4 (-19
+    # and 0, A = 0.5): log w clamped at log 1e-8. Sequence 5 (-25 and 12, A = 0.5): log w = -20 + 12 = -8
+    logp = torch.full((9,), -1.0, device=DEVICE)
+    log_ratios = torch.tensor([0.2, 0.3, 0.0, 15.0, 25.0, -19.0, 0.0, -25.0, 12.0], device=DEVICE)
+    old = logp - log_ratios
+    adv = torch.tensor([1.0, 5.0, -2.0, -1.0, 0.5, 0.5], device=DEVICE)
+    cu = torch.tensor([0, 2, 2, 3, 5, 7, 9], device=DEVICE)
+    floor = math.log(1e-8)
 
+    def phi(log_w, a, k_pos=2.0):
+        k, lam = (k_pos, 3.0) if a >= 0 else (3.0, 2.0)
+        return math.exp(lam + k * log_w - lam * math.exp(log_w))
 
-def test_cispo_by_hand(triton_path):
-    # one token per sequence, logp -1, token-mean over 3: a weight above its band (r = e^0.5 = 1.65 > 1.28) with
-    # A = 1, one inside it (r = e^0.1) with A = -2, one below (r = e^-1 = 0.37 < 0.8) with A = 1:
-    # pg_t = -sg(clip(r)) A logp, dloss/dlogp_t = -sg(clip(r)) A / 3, every token a gradient (the surrogate's clip
-    # would zero the first's), and an empty sequence between adds nothing
-    logp = torch.full((3,), -1.0, device=DEVICE)
-    old = logp - torch.tensor([0.5, 0.1, -1.0], device=DEVICE)
-    adv = torch.tensor([1.0, 0.0, -2.0, 1.0], device=DEVICE)
-    cu = torch.tensor([0, 1, 1, 2, 3], device=DEVICE)
-    loss, stats, grad = _run(logp, old, adv, cu, policy_loss="cispo", clip_low=0.2, clip_high=0.28)
-    w = torch.tensor([1.28, math.exp(0.1), 0.8], dtype=torch.float64)
-    a = torch.tensor([1.0, -2.0, 1.0], dtype=torch.float64)
-    assert math.isclose(loss.item(), (-w * a * -1.0).mean().item(), rel_tol=1e-6)
-    torch.testing.assert_close(grad.double().cpu(), -w * a / 3, rtol=1e-6, atol=1e-7)
-    assert math.isclose(stats["clip_frac_low"].item(), 1 / 3, rel_tol=1e-6)
-    assert math.isclose(stats["clip_frac_high"].item(), 1 / 3, rel_tol=1e-6)
-    # TRL 1.16's cispo caps the weight above only: clip_low = 1 leaves a bound of 0 below
-    loss, _, grad = _run(logp, old, adv, cu, policy_loss="cispo", clip_low=1.0, clip_high=0.28)
-    w_trl = torch.tensor([1.28, math.exp(0.1), math.exp(-1.0)], dtype=torch.float64)
-    torch.testing.assert_close(grad.double().cpu(), -w_trl * a / 3, rtol=1e-6, atol=1e-7)
+    def expected(phis):  # per token: each sequence's phi A, from (phi, A, tokens) per sequence
+        return torch.tensor([p * a for p, a, n in phis for _ in range(n)], dtype=torch.float64)
 
-
-def test_sapo_by_hand(triton_path):
-    # on-policy (r = 1): the gate is sigmoid(0) 4 / tau = 2 / tau and its slope 4 s (1 - s) r = 1, so
-    # pg_t = -2 A / tau (tau 1 for A > 0, 1.05 for A < 0) while dloss/dlogp_t = -A / n, the vanilla gradient there.
-    # Off-policy (r = e^0.7 for A = 1): pg = -(4 / 1) sigmoid(r - 1) A, the slope 4 s (1 - s) r
-    logp = torch.full((3,), -1.0, device=DEVICE)
-    old = logp - torch.tensor([0.0, 0.0, 0.7], device=DEVICE)
-    adv = torch.tensor([1.0, -2.0, 1.0], device=DEVICE)
-    cu = torch.tensor([0, 1, 2, 3], device=DEVICE)
-    loss, stats, grad = _run(logp, old, adv, cu, policy_loss="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05)
-    r = math.exp(0.7)
-    s = 1 / (1 + math.exp(-(r - 1)))
-    pg = torch.tensor([-2.0, -2 * -2.0 / 1.05, -4 * s], dtype=torch.float64)
-    dpg = torch.tensor([-1.0, 2.0, -4 * s * (1 - s) * r], dtype=torch.float64)
-    assert math.isclose(loss.item(), pg.mean().item(), rel_tol=1e-6)
-    torch.testing.assert_close(grad.double().cpu(), dpg / 3, rtol=1e-6, atol=1e-7)
+    phis = [(phi(0.5, 1.0), 1.0, 2), (1.0, -2.0, 1), (0.0, -1.0, 2), (phi(floor, 0.5), 0.5, 2), (phi(-8, 0.5), 0.5, 2)]
+    loss, stats, grad = _run(logp, old, adv, cu, policy_loss="vespo")
+    assert math.isclose(loss.item(), expected(phis).sum().item() / 9, rel_tol=1e-6)
+    torch.testing.assert_close(grad.double().cpu(), -expected(phis) / 9, rtol=1e-6, atol=1e-9)
     assert stats["clip_frac_low"].item() == 0 and stats["clip_frac_high"].item() == 0
+    # a small k shows the clamps: sequence 4's floor (e^(3 + 0.1 log 1e-8) = 3.18, not e^(3 - 1.9) = 3.0
+    # unclamped) and sequence 5's token clamp (e^(3 - 0.8), not e^(3 - 1.3))
+    _, _, grad = _run(logp, old, adv, cu, policy_loss="vespo", vespo_k_pos=0.1)
+    phis = [(phi(0.5, 1.0, 0.1), 1.0, 2), *phis[1:3], (phi(floor, 0.5, 0.1), 0.5, 2), (phi(-8, 0.5, 0.1), 0.5, 2)]
+    assert phis[3][0] > 3.1 and phis[4][0] > 8.5, "precondition: the clamps move sequences 4 and 5's weights"
+    torch.testing.assert_close(grad.double().cpu(), -expected(phis) / 9, rtol=1e-6, atol=1e-9)
+    # rollout weights enter each sequence's log w, not each token's term: e^-0.5 on sequence 0's first token makes
+    # its w 1 (phi 1) and leaves the token unscaled; a zero weight is log 1e-8 (sequence 2's w, phi ~ 0)
+    is_w = torch.tensor([math.exp(-0.5), 1.0, 0.0, *[1.0] * 6], device=DEVICE)
+    _, _, grad = _run(logp, old, adv, cu, policy_loss="vespo", is_weights=is_w)
+    phis = [
+        (1.0, 1.0, 2),
+        (phi(floor, -2.0), -2.0, 1),
+        (0.0, -1.0, 2),
+        (phi(floor, 0.5), 0.5, 2),
+        (phi(-8, 0.5), 0.5, 2),
+    ]
+    torch.testing.assert_close(grad.double().cpu(), -expected(phis) / 9, rtol=1e-6, atol=1e-9)
 
 
 @pytest.mark.parametrize("kl_max", [10.0, None])
@@ -211,7 +197,14 @@ def test_the_kl_term_at_extreme_log_ratios(triton_path, kl_max):
 
 def test_policy_loss_settings_are_checked():
     with pytest.raises(SettingError, match="policy_loss"):
-        PolicyLossConfig(policy_loss="vespo")
+        PolicyLossConfig(policy_loss="geo_mean")
+    with pytest.raises(SettingError, match="dual_clip"):
+        PolicyLossConfig(policy_loss="vespo", dual_clip=3.0)
+    for key, bad in (("vespo_k_pos", -1.0), ("vespo_k_neg", math.inf), ("vespo_lambda_pos", 0.0),
+                     ("vespo_lambda_neg", math.nan)):  # fmt: skip
+        with pytest.raises(SettingError, match=key):
+            PolicyLossConfig(policy_loss="vespo", **{key: bad})
+    assert PolicyLossConfig(policy_loss="vespo", vespo_k_pos=0.0).vespo_k_pos == 0.0  # phi = e^(lambda (1 - w))
     with pytest.raises(SettingError, match="kl_max"):
         PolicyLossConfig(kl_max=0.0)
     assert PolicyLossConfig(policy_loss="gspo", dual_clip=3.0).dual_clip == 3.0  # a surrogate: its dual clip too

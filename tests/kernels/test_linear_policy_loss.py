@@ -156,6 +156,9 @@ VARIANTS = {
     # sequences across chunks: their ratios from a first pass of log-probs; on-policy none (every ratio 1)
     "gspo": dict(policy_loss="gspo", agg="seq-mean-token-mean", use_ref=True, kl_coef=0.05, dual_clip=3.0),
     "gspo-on-policy": dict(policy_loss="gspo", on_policy=True, clip_high=0.28),
+    # rollout weights inside the sequences' weights (VESPO), mode tokens' own advantages choosing (k, lambda)
+    "vespo": dict(policy_loss="vespo", use_is=True, use_ref=True, kl_coef=0.05, use_first=True, entropy_coef=0.02),
+    "vespo-on-policy": dict(policy_loss="vespo", on_policy=True, use_is=True),
 }
 
 
@@ -198,8 +201,10 @@ def test_equals_the_composition_in_float32(monkeypatch, variant, path):
 
 
 @pytest.mark.parametrize(
-    "variant", ["token-mean", "is-weights+everything", "on-policy", "first-advantages", "cispo", "sapo", "gspo"]
-)
+    "variant",
+    ["token-mean", "is-weights+everything", "on-policy", "first-advantages", "cispo", "sapo", "gspo", "vespo",
+     "vespo-on-policy"],
+)  # fmt: skip
 @pytest.mark.parametrize("path", ["triton", "torch"])
 def test_matches_the_float64_reference(monkeypatch, variant, path):
     monkeypatch.setenv("FASTTNT_KERNELS", path)
