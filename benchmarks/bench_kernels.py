@@ -4,6 +4,7 @@
     python benchmarks/bench_kernels.py --max-seconds 140    # starts nothing new after 140 s; the rest is listed
     python benchmarks/bench_kernels.py --memory-only        # any Linux machine: peak memory of the fused lm_head path
     python benchmarks/bench_kernels.py --smoke              # tiny shapes, every code path (CPU: interpreter)
+    python benchmarks/bench_kernels.py --losses-only --tokens 4096 --hidden 1536   # the policy losses, any device
 
 What each op is compared with, one CSV row per provider (``--providers`` picks the baselines):
 
@@ -25,6 +26,13 @@ What each op is compared with, one CSV row per provider (``--providers`` picks t
       trl                             ChunkedLogProbFunction -> TRL's token-level GRPO loss in torch
       torch (materialised)            eager per sequence -> the same torch loss
       liger (fused linear CE)         the nearest fused-lm_head peer: its loss is cross-entropy, not the policy loss
+    linear_policy_loss loss=L   the same for the other policy losses, each under TRL's loss_type of it (gspo: grpo
+                                with importance_sampling_level="sequence"; cispo; sapo; vespo)
+      fasttnt                         fasttnt_kernels.linear_policy_loss, policy_loss=L (TRL's settings as the drop-in
+                                      fasttnt.integrations.trl maps them)
+      trl                             ChunkedLogProbFunction -> TRL 1.16's loss of that loss_type in torch
+      liger                           Liger-Kernel's LigerFusedLinearGRPOLoss (liger_kernel.chunked_loss, eager) of that
+                                      loss_type: its own chunked lm_head, on sequences padded to (B, T) in the call
     clipped_policy_loss, group_advantages, mode_advantages, tnt_rewards: fasttnt against its plain-PyTorch reference
       (and compiled)
 
@@ -159,10 +167,13 @@ def _trl_chunked_logprobs():
     return logprobs, f"{_version('trl')}: vocab chunk {TRL_VOCAB_CHUNK}"
 
 
-def _liger_flce():
+def _liger_flce(device):
     """Liger's fused linear cross-entropy: bf16 gradient matmuls (accum_dtype None). Its chunked PPO/GRPO loss
-    (liger_kernel.chunked_loss) is not a like-for-like baseline and is not used: it upcasts every chunk's gradient
-    matmuls to float32 (grad_logits @ weight_chunk.float() in fused_linear_ppo.py), a different precision and cost."""
+    (liger_kernel.chunked_loss) is the family rows' baseline (``loss_family_case``), not these: it upcasts every
+    chunk's gradient matmuls to float32 (grad_logits @ weight_chunk.float() in fused_linear_ppo.py), a different
+    precision and cost from fasttnt's vanilla row's. A Triton kernel: on the CPU only under the interpreter."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ImportError("Liger's fused linear cross-entropy is a Triton kernel: CUDA (or TRITON_INTERPRET=1)")
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
     return liger_fused_linear_cross_entropy, _version("liger-kernel")
@@ -401,7 +412,7 @@ def linear_case(n: int, h: int, v: int, dtype, device, mean_len: int) -> Case:
         return (lambda x: fn(x["hidden"], x["weight"], x["ids"])), ""
 
     def liger():
-        flce, note = _liger_flce()
+        flce, note = _liger_flce(device)
         # reduction="none" defers the gradient to the backward, which recomputes the logits: 4 matmuls, as ours
         return (lambda x: -flce(x["hidden"], x["weight"], x["ids"], reduction="none")), note
 
@@ -498,7 +509,7 @@ def linear_loss_case(n: int, h: int, v: int, dtype, device, mean_len: int) -> Ca
         return call, ""
 
     def liger():
-        flce, note = _liger_flce()
+        flce, note = _liger_flce(device)
         # reduction="mean" makes the gradients inside the forward's chunk loop, as linear_policy_loss does
         return (lambda x: flce(x["hidden"], x["weight"], x["ids"], reduction="mean")), note + ": mean cross-entropy"
 
@@ -520,6 +531,139 @@ def linear_loss_case(n: int, h: int, v: int, dtype, device, mean_len: int) -> Ca
             {"main": policy_loss, "ce": mean_ce},
             {"main": lambda x: float(x["adv_t"].abs().mean()), "ce": lambda x: 0.0},
         ),
+        providers,
+        grads=("hidden", "weight"),
+        input_bytes=2.0 * hv * e + 20.0 * n,
+        truth_bytes=_lm_head_truth_bytes(n, h, v, 2),
+        bytes_fwd=hv * e,
+        flops_fwd=2.0 * n * h * v,
+    )
+
+
+# TRL 1.16's settings of each loss type in the family rows (GRPOConfig's defaults: epsilon 0.2, epsilon_high None =
+# epsilon, the SAPO temperatures and VESPO shapes; CISPO's cap at 1.28) and their fasttnt PolicyLossConfig, mapped as
+# fasttnt.integrations.trl maps them: loss type -> (TRL's loss_type, importance_sampling_level, fasttnt's settings)
+FAMILY = {
+    "gspo": ("grpo", "sequence", dict(policy_loss="gspo", agg="seq-mean-token-mean")),
+    "cispo": ("cispo", "token", dict(policy_loss="cispo", clip_low=1.0, clip_high=0.28)),
+    "sapo": ("sapo", "token", dict(policy_loss="sapo", agg="seq-mean-token-mean")),
+    "vespo": ("vespo", "token", dict(policy_loss="vespo")),
+}
+FAMILY_EPSILON, CISPO_CAP = 0.2, 1.28
+
+
+def trl_family_loss(loss: str, logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, cu: torch.Tensor):
+    """TRL 1.16's loss of ``FAMILY[loss]``'s loss_type in torch (GRPOTrainer._compute_loss and get_gamma_weights,
+    trl/trainer/grpo_trainer.py), on packed tokens: logp, old (N,), adv (S,), cu (S+1,)."""
+    lengths = cu.diff()
+    n, s = logp.shape[0], lengths.shape[0]
+    seq = torch.repeat_interleave(torch.arange(s, device=logp.device), lengths, output_size=n)  # (N,)
+    a = adv[seq]  # (N,)
+
+    def per_sequence_sum(x):  # (N,) -> (S,)
+        return torch.zeros(s, dtype=x.dtype, device=x.device).index_add(0, seq, x)
+
+    log_ratio = logp - old
+    if loss == "gspo":  # grpo with one ratio per sequence from its mean log-ratio
+        coef_1 = torch.exp(per_sequence_sum(log_ratio) / lengths.clamp(min=1))[seq]
+        coef_2 = torch.clamp(coef_1, 1 - FAMILY_EPSILON, 1 + FAMILY_EPSILON)
+        per_token = -torch.min(coef_1 * a, coef_2 * a)
+    elif loss == "cispo":
+        per_token = -torch.clamp(torch.exp(log_ratio), max=CISPO_CAP).detach() * a * logp
+    elif loss == "sapo":
+        tau = torch.where(a > 0, 1.0, 1.05)
+        per_token = -torch.sigmoid(tau * (torch.exp(log_ratio) - 1)) * 4 / tau * a
+    else:  # vespo: the gamma weight of the sequence's summed, clamped log-ratio (k, lambda by the sign of A)
+        with torch.no_grad():
+            log_w = per_sequence_sum(torch.clamp(log_ratio, -20.0, 20.0)).clamp(math.log(1e-8), 20.0)
+            k, lam = torch.where(adv >= 0, 2.0, 3.0), torch.where(adv >= 0, 3.0, 2.0)
+            phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        per_token = -phi[seq] * a * logp
+    if loss in ("gspo", "sapo"):  # grpo's aggregation: each sequence's token mean, then the mean over sequences
+        return (per_sequence_sum(per_token) / lengths.clamp(min=1)).sum() / s
+    return per_token.sum() / n  # dapo's: the tokens' sum over the batch's tokens
+
+
+def loss_family_case(n: int, h: int, v: int, dtype, device, mean_len: int, loss: str) -> Case:
+    """``linear_loss_case`` for one of the other policy losses (``FAMILY``), against TRL's and Liger's."""
+    from fasttnt_kernels import PolicyLossConfig, clipped_policy_loss_reference
+
+    e = torch.empty((), dtype=dtype).element_size()
+    bounds = _packed_layout(n, mean_len, seed=n)
+    loss_type, level, settings = FAMILY[loss]
+    config = PolicyLossConfig(**settings)
+    # log-ratios over [-0.6, 0.6] as linear_loss_case's (both of CISPO's and SAPO's sides act), kept 0.05 from each
+    # kink (CISPO's cap); GSPO's and VESPO's read each sequence's mean or sum: their spread is chosen so that it
+    # lands around 1 (the ratio within a sequence of ~mean_len tokens)
+    spread = {"gspo": 0.6, "vespo": 1.0 / mean_len**0.5}.get(loss, 0.6)
+
+    def make():
+        x = _lm_head_inputs(n, h, v, dtype, device)
+        cu = _cu_seqlens(bounds, device)
+        logp64 = _lm_head_logp64(x["hidden"].detach(), x["weight"].detach(), x["ids"])
+        log_ratio = (torch.rand(n, device=device, dtype=torch.float64) * 2 - 1) * spread  # (N,)
+        near = (log_ratio - math.log(CISPO_CAP)).abs() < 0.05
+        log_ratio = torch.where(near, log_ratio + 0.1 * torch.sign(log_ratio - math.log(CISPO_CAP)), log_ratio)
+        return {**x, "cu": cu, "adv": torch.randn(len(bounds), device=device), "old": (logp64 - log_ratio).float(),
+                "logp64": logp64}  # fmt: skip
+
+    def policy_loss(x, logp64):
+        logp = logp64.clone().requires_grad_()
+        value, _ = clipped_policy_loss_reference(logp, x["old"].double(), x["adv"].double(), x["cu"], config=config)
+        value.backward()
+        return value.detach(), logp.grad
+
+    def fused():
+        from fasttnt_kernels import PolicyLossInputs, linear_policy_loss
+
+        def call(x):
+            inputs = PolicyLossInputs(x["adv"], x["cu"], old_logp=x["old"])
+            return linear_policy_loss(x["hidden"], x["weight"], x["ids"], inputs, config=config)[0]
+
+        return call, ""
+
+    def trl():
+        logprobs, note = _trl_chunked_logprobs()
+
+        def call(x):
+            return trl_family_loss(loss, logprobs(x["hidden"], x["weight"], x["ids"]), x["old"], x["adv"], x["cu"])
+
+        return call, note
+
+    def liger():
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        # eager: Liger compiles only its loss math (elementwise over a chunk's log-probs) and its lm_head chunk loop is
+        # the same either way; a compile per loss type (~20 s) would not fit gpu_check.sh's budget
+        liger_loss = LigerFusedLinearGRPOLoss(
+            beta=0.0, use_ref_model=False, compiled=False, loss_type=loss_type, importance_sampling_level=level,
+            epsilon_low=FAMILY_EPSILON, epsilon_high=CISPO_CAP if loss == "cispo" else FAMILY_EPSILON,
+        )  # fmt: skip
+        lengths = torch.tensor([end - start for start, end in bounds], device=device)
+        valid = torch.arange(int(lengths.max()), device=device)[None, :] < lengths[:, None]  # (B, T)
+
+        def padded(t):  # packed (N, ...) -> (B, T, ...), zeros where padded (differentiable)
+            return t.new_zeros((*valid.shape, *t.shape[1:])).index_put((valid,), t)
+
+        def call(x):
+            out, _ = liger_loss(padded(x["hidden"]), x["weight"], padded(x["ids"]), valid.long(), x["adv"],
+                                old_per_token_logps=padded(x["old"]))  # fmt: skip
+            return out
+
+        return call, f"{_version('liger-kernel')}: LigerFusedLinearGRPOLoss({loss_type}), eager, padded in the call"
+
+    hv = (n + v) * h
+    providers = [
+        Provider("fasttnt", fused, extra_bytes=hv * 4.0 + 2 * 512 * 2**20),
+        Provider("trl", trl, extra_bytes=hv * 4.0 + 2 * 4096 * TRL_VOCAB_CHUNK * e),
+        Provider("liger", liger, extra_bytes=hv * 4.0 + 4 * n * h * e + 2 * mean_len * v * 4.0),
+    ]
+    return Case(
+        "linear_policy_loss",
+        f"loss={loss} N={n} H={h} V={v} S={len(bounds)} {_dtype_name(dtype)}",
+        dtype,
+        make,
+        _lm_head_check({"main": policy_loss}, {"main": lambda x: float(x["adv"].abs().mean())}),
         providers,
         grads=("hidden", "weight"),
         input_bytes=2.0 * hv * e + 20.0 * n,
@@ -989,22 +1133,34 @@ def _print_row(row: dict) -> None:
 
 def build_cases(args, device) -> list[Case]:
     """Every case, in the order they run, most telling first so that a deadline drops the rest: at the first token
-    count the lm_head ops width by width (the fused loss first, the logits op after the first width), the cheap
-    ops, then the lm_head ops at the other token counts."""
+    count the lm_head ops width by width (the fused loss first, the other policy losses after it at the first
+    width, the logits op after the first width), the cheap ops, then the lm_head ops at the other token counts."""
     chosen = set(args.providers.split(","))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     mean_len = 8 if args.smoke else 1024  # GRPO responses: hundreds to thousands of tokens
 
-    def lm_head_cases(n: int) -> list[Case]:
+    def lm_head_cases(n: int, family: bool = False) -> list[Case]:
         cases = []
         for i, h in enumerate(args.hidden):
             cases += [linear_loss_case(n, h, args.vocab, dtype, device, mean_len)]
+            if family and i == 0:  # the other policy losses beside the first vanilla row
+                cases += [loss_family_case(n, h, args.vocab, dtype, device, mean_len, loss) for loss in FAMILY]
             cases += [linear_case(n, h, args.vocab, dtype, device, mean_len)]
             if i == 0:
                 cases += [token_logprob_case(n, args.vocab, dtype, device, mean_len)]
         return cases
 
-    cases = lm_head_cases(args.tokens[0])
+    if args.losses_only:  # the policy losses alone, at every shape: on the CPU, their checks and one timed run
+        return [
+            case
+            for n in args.tokens
+            for h in args.hidden
+            for case in [
+                linear_loss_case(n, h, args.vocab, dtype, device, mean_len),
+                *(loss_family_case(n, h, args.vocab, dtype, device, mean_len, loss) for loss in FAMILY),
+            ]
+        ]
+    cases = lm_head_cases(args.tokens[0], family=True)
     if args.smoke:
         cases += [loss_case(3, 16, device), advantage_case(2, 4, device), mode_advantage_case(2, 4, device)]
         cases += [reward_case(2, 4, 8, device)]
@@ -1045,6 +1201,12 @@ def main(argv: list[str] | None = None) -> int:
         "device, fasttnt_kernels' default_chunk_bytes: 512 MiB on CUDA, 256 MiB on the CPU)",
     )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes: checks every code path runs")
+    parser.add_argument(
+        "--losses-only",
+        action="store_true",
+        help="the policy losses alone (vanilla, gspo, cispo, sapo, vespo) at --tokens x --hidden, on any device (the "
+        "CPU: their checks against float64 and one timed run each, which is not kernel speed)",
+    )
     parser.add_argument("--max-seconds", type=float, default=None, help="start no case or provider after this")
     parser.add_argument("--memory-limit-gib", type=float, default=None, help="plan with at most this much memory")
     parser.add_argument("--csv", type=Path, default=None, help="default benchmarks/results.csv; none for --smoke")
@@ -1082,10 +1244,10 @@ def main(argv: list[str] | None = None) -> int:
         if log:
             log.write(row)
 
-    if device.type != "cuda" or args.memory_only:
+    if (device.type != "cuda" and not args.losses_only) or args.memory_only:
         print("peak memory of one forward+backward (a fresh CPU process each: algorithmic, it holds on any device)")
         memory_rows(args, report, deadline)
-    if (device.type == "cuda" or args.smoke) and not args.memory_only:
+    if (device.type == "cuda" or args.smoke or args.losses_only) and not args.memory_only:
         print(f"kernels on {stamp['device']}: status, times, and error against float64 (output/gradients)")
         for case in build_cases(args, device):
             if time.monotonic() >= deadline:

@@ -59,7 +59,17 @@ def test_bench_kernels_smoke(tmp_path):
     ops = {r["op"] for r in rows}
     assert ops == {"token_logprobs", "linear_token_logprobs", "linear_policy_loss", "clipped_policy_loss",
                    "group_advantages", "mode_advantages", "tnt_rewards"}  # fmt: skip
-    status = {(r["op"], r["provider"]): r for r in rows if r["fwd_ms"] or r["note"].startswith("not importable")}
+    measured = [r for r in rows if r["fwd_ms"] or r["note"].startswith("not importable")]
+    status = {(r["op"], r["provider"]): r for r in measured if not r["shape"].startswith("loss=")}
+    # the other policy losses, each against TRL's loss of its loss_type and Liger's LigerFusedLinearGRPOLoss
+    family = {(r["shape"].split()[0], r["provider"]): r for r in measured if r["shape"].startswith("loss=")}
+    assert {loss for loss, _ in family} == {"loss=gspo", "loss=cispo", "loss=sapo", "loss=vespo"}
+    for (loss, provider), row in family.items():
+        module = {"fasttnt": "fasttnt_kernels", "trl": "trl", "liger": "liger_kernel"}[provider]
+        installed = importlib.util.find_spec(module)
+        assert row["status"] == ("ok" if installed else "skipped"), (loss, provider, row["note"])
+        if row["status"] == "ok":
+            assert float(row["out_err"]) < 1e-4 and float(row["grad_err"]) < 1e-4, (loss, provider)
     for op in ("token_logprobs", "linear_token_logprobs", "linear_policy_loss"):
         assert status[op, "fasttnt"]["status"] == "ok"
         assert float(status[op, "fasttnt"]["out_err"]) < 1e-4 and float(status[op, "fasttnt"]["grad_err"]) < 1e-4
