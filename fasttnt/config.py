@@ -103,9 +103,9 @@ class RolloutConfig:
 @dataclass(frozen=True)
 class LossConfig:
     # clip_low, clip_high, dual_clip, kl_coef, kl_max, entropy_coef, agg, norm_length, policy_loss, the SAPO
-    # temperatures and the VESPO shapes are the kernel's PolicyLossConfig, by name: the trainer builds that one
-    # object from them (PolicyLossConfig.of) and hands it to the loss, and validate() runs the kernel type's own
-    # checks on them (one set of checks, from the config to the kernel)
+    # temperatures, ratio_level and the VESPO shapes are the kernel's PolicyLossConfig, by name: the trainer builds
+    # that one object from them (PolicyLossConfig.of) and hands it to the loss, and validate() runs the kernel
+    # type's own checks on them (one set of checks, from the config to the kernel)
     adv_scale: Literal["std", "none"] = "std"
     adv_eps: float = 1e-6
     clip_low: float = 0.2
@@ -123,6 +123,9 @@ class LossConfig:
     policy_loss: Literal["vanilla", "gspo", "cispo", "sapo", "vespo"] = "vanilla"
     sapo_tau_pos: float = 1.0  # SAPO's gate temperature for a positive advantage
     sapo_tau_neg: float = 1.05  # and for the others
+    # "sequence": CISPO's weight and SAPO's gate read each sequence's ratio, exp(mean log-ratio) (TRL's
+    # importance_sampling_level; gspo is the surrogate's)
+    ratio_level: Literal["token", "sequence"] = "token"
     # VESPO's weight e^lambda w^k e^(-lambda w) of a sequence's ratio w, for an advantage >= 0 and for the others
     vespo_k_pos: float = 2.0
     vespo_lambda_pos: float = 3.0

@@ -116,6 +116,9 @@ CASES = [
     dict(loss_type="grpo", beta=0.0, importance_sampling_level="sequence"),
     dict(loss_type="dapo", beta=0.04, importance_sampling_level="sequence", delta=1.5, is_ratio=True),
     dict(loss_type="luspo", beta=0.0, importance_sampling_level="sequence", steps_per_generation=2),
+    # CISPO's weight and SAPO's gate of each sequence's ratio, with the vLLM ratios (per token, and the mean)
+    dict(loss_type="cispo", beta=0.04, epsilon_high=1.1, importance_sampling_level="sequence", is_ratio=True),
+    dict(loss_type="sapo", beta=0.0, importance_sampling_level="sequence", is_ratio=True, steps_per_generation=2),
     # VESPO: the rollout ratios inside each sequence's weight; its shapes; the level, which its loss does not read
     dict(loss_type="vespo", beta=0.04, is_ratio=True, steps_per_generation=2),
     dict(
@@ -183,7 +186,6 @@ def test_old_and_reference_logprobs_equal_trls(tmp_path):
     [
         (dict(loss_type="gspo"), "loss_type='gspo' is not supported.*'luspo', 'cispo', 'sapo', 'vespo'"),
         (dict(loss_type="vespo", vespo_k_neg=-1.0), "vespo_k_neg=-1.0 .*not TRL's: it must be >= 0"),
-        (dict(importance_sampling_level="sequence", loss_type="cispo"), "importance_sampling_level.*cispo"),
         (dict(entropy_coef=0.01), "entropy_coef"),
         (dict(beta=0.04), "use_bias_correction_kl=True .*set it to False"),
         (dict(delta=1.0, epsilon_high=0.28), "fasttnt's limit, not TRL's: delta must be > 1"),
@@ -223,6 +225,7 @@ REAL_STEP_CASES = [
     dict(loss_type="luspo", importance_sampling_level="sequence"),
     dict(loss_type="grpo", importance_sampling_level="sequence"),  # GSPO
     dict(loss_type="vespo"),
+    dict(loss_type="cispo", epsilon_high=1.1, importance_sampling_level="sequence"),
 ]
 
 

@@ -27,8 +27,10 @@ optimizer) is TRL's. The semantics are TRL's own ``_compute_loss``'s, option for
                   vespo_lambda_pos, vespo_k_neg and vespo_lambda_neg; a lambda below 1e-4 is 1e-4, as TRL clamps it)
     importance_sampling_level   "sequence" (GSPO: one ratio per sequence from its mean log-ratio) with grpo,
                   bnpo, dr_grpo, dapo or luspo is fasttnt's policy_loss="gspo" under the loss type's aggregation
-                  (TRL counts a sequence's one value on each of its tokens, as fasttnt's GSPO does); vespo reads
-                  its own sequence weights whatever the level (TRL's too); with cispo or sapo it is refused
+                  (TRL counts a sequence's one value on each of its tokens, as fasttnt's GSPO does); with cispo or
+                  sapo, fasttnt's ratio_level="sequence" (CISPO's weight, SAPO's gate of the sequence's ratio, each
+                  token's own gradient: TRL's derivative through the mean); vespo reads its own sequence weights
+                  whatever the level (TRL's too)
     epsilon, epsilon_high   the clip range
     delta         TRL's two-sided clip, which caps the ratio at delta in both of its loss's branches. With
                   delta >= 1 + epsilon_high (what TRL recommends) that is fasttnt's dual clip at delta; with
@@ -49,7 +51,7 @@ per-sequence means over all processes).
 Importing this module imports TRL (>= 1.16.0, whose private methods it replaces; an older one is refused here);
 ``fasttnt.integrations`` itself does not.
 
-Refused, with the option named: importance_sampling_level="sequence" with cispo or sapo, a negative vespo_k_pos or
+Refused, with the option named: a negative vespo_k_pos or
 vespo_k_neg (phi = w^k e^(lambda (1 - w)) is then unbounded as w falls, which TRL meets by zeroing the infinities
 its float32 exp makes: a weight that jumps from its largest to 0), top_entropy_quantile < 1,
 off_policy_mask_threshold, use_bias_correction_kl with beta > 0, an entropy bonus, MoE auxiliary losses, tool
@@ -107,8 +109,6 @@ def check_grpo_config(args) -> None:
         )
     option = functools.partial(getattr, args)  # options a TRL release may not have read as off
     refused = {
-        "importance_sampling_level": option("importance_sampling_level", "token") != "token"
-        and args.loss_type not in (*_CLIPPED, "vespo"),
         "vespo_k_pos": args.loss_type == "vespo" and option("vespo_k_pos", 0.0) < 0.0,
         "vespo_k_neg": args.loss_type == "vespo" and option("vespo_k_neg", 0.0) < 0.0,
         "top_entropy_quantile": option("top_entropy_quantile", 1.0) < 1.0,
@@ -125,7 +125,6 @@ def check_grpo_config(args) -> None:
                 f"GRPOConfig.{option}={value!r} is not supported by fasttnt's loss (see fasttnt.integrations.trl)"
                 + ("; fasttnt's limit, not TRL's: delta must be > 1" if option == "delta" else "")
                 + ("; set it to False with beta > 0" if option == "use_bias_correction_kl" else "")
-                + (f" with loss_type={args.loss_type!r}" if option == "importance_sampling_level" else "")
                 + ("; fasttnt's limit, not TRL's: it must be >= 0" if option.startswith("vespo_k") else "")
             )
 
@@ -134,17 +133,20 @@ def loss_options(loss_type: str, epsilon_low: float, epsilon_high: float, delta:
     """TRL's loss_type, clip range, two-sided clip, SAPO temperatures and VESPO shapes as fasttnt's
     ``PolicyLossConfig`` fields (module docstring): the clipped surrogate's (``clip_options``), CISPO's cap, SAPO's
     gate, VESPO's weight."""
+    level = getattr(args, "importance_sampling_level", "token")
     if loss_type == "cispo":  # TRL: clamp(r, max=epsilon_high), no bound below
-        return {"policy_loss": "cispo", "clip_low": 1.0, "clip_high": epsilon_high - 1.0, "dual_clip": None}
+        return {"policy_loss": "cispo", "clip_low": 1.0, "clip_high": epsilon_high - 1.0, "dual_clip": None,
+                "ratio_level": level}  # fmt: skip
     if loss_type == "sapo":
         return {"policy_loss": "sapo", "clip_low": epsilon_low, "clip_high": epsilon_high, "dual_clip": None,
-                "sapo_tau_pos": args.sapo_temperature_pos, "sapo_tau_neg": args.sapo_temperature_neg}  # fmt: skip
+                "sapo_tau_pos": args.sapo_temperature_pos, "sapo_tau_neg": args.sapo_temperature_neg,
+                "ratio_level": level}  # fmt: skip
     if loss_type == "vespo":  # TRL clamps each lambda at 1e-4 from below; the clip range is not read
         return {"policy_loss": "vespo", "dual_clip": None, "vespo_k_pos": args.vespo_k_pos,
                 "vespo_lambda_pos": max(args.vespo_lambda_pos, 1e-4), "vespo_k_neg": args.vespo_k_neg,
                 "vespo_lambda_neg": max(args.vespo_lambda_neg, 1e-4)}  # fmt: skip
     options = clip_options(epsilon_low, epsilon_high, delta)
-    if getattr(args, "importance_sampling_level", "token") == "sequence":
+    if level == "sequence":
         options["policy_loss"] = "gspo"
     return options
 
@@ -271,10 +273,11 @@ class FastTNTGRPOTrainer(GRPOTrainer):
         is_weights = None
         if self.use_vllm and self.vllm_importance_sampling_correction:
             ratio = inputs["importance_sampling_ratio"].expand_as(completion_mask)  # (B, C)
-            if self.importance_sampling_level == "sequence" and self.loss_type != "vespo":
+            if self.importance_sampling_level == "sequence" and self.loss_type not in ("cispo", "vespo"):
                 # TRL differentiates a sequence's ratio through the mean of its log-ratios, so a token's gradient
                 # carries the sequence's mean weight, not its own; its loss counts the weights' sum: both are
-                # fasttnt's GSPO (each token's own gradient) with each weight replaced by its sequence's mean
+                # fasttnt's GSPO (each token's own gradient) with each weight replaced by its sequence's mean.
+                # CISPO's gradient is through each token's log-prob (its weight a constant): its own weight stays
                 mask = completion_mask.to(ratio.dtype)
                 mean = (ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)  # (B, 1)
                 ratio = mean.expand_as(completion_mask)

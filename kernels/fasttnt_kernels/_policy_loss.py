@@ -21,8 +21,10 @@ POLICY_LOSSES = ("vanilla", "gspo", "cispo", "sapo", "vespo")
 surrogate (PPO/GRPO, DAPO, Dr. GRPO), the same with each sequence's ratio (GSPO), CISPO's clipped and detached
 importance weight times the log-prob, SAPO's soft gate, VESPO's gamma weight of each sequence's ratio times the
 log-prob. Their names are verl's ``policy_loss.loss_mode`` names (VESPO's, which verl lacks, TRL's ``loss_type``)."""
-SEQUENCE_LOSSES = ("gspo", "vespo")
-"""The losses whose per-token terms read a per-sequence log-ratio (``sequence_log_ratios``)."""
+RatioLevel = Literal["token", "sequence"]
+RATIO_LEVELS = ("token", "sequence")
+"""The ratio CISPO's weight and SAPO's gate read: each token's, or its sequence's (exp of the mean log-ratio, the
+value GSPO's surrogate reads, with each token's own gradient), TRL 1.16's ``importance_sampling_level``."""
 GSPO_LOG_RATIO_MAX = 10.0
 """GSPO's sequence log-ratio is clamped above at this (verl 0.9.1's ``compute_policy_loss_gspo``), its gradient 0
 past it; the token-level ratio's clamp is ``LOG_RATIO_CLAMP``."""
@@ -56,6 +58,8 @@ class PolicyLossConfig:
     # SAPO's gate temperatures for tokens of a positive advantage and of the others (TRL's and verl's defaults)
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
+    # "sequence": CISPO's weight and SAPO's gate read each sequence's ratio (GSPO's is the surrogate's at that level)
+    ratio_level: RatioLevel = "token"
     # VESPO's gamma weight phi(w) = e^lambda w^k e^(-lambda w) for tokens of an advantage >= 0 and of the others
     # (TRL 1.16's vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg defaults)
     vespo_k_pos: float = 2.0
@@ -93,11 +97,21 @@ class PolicyLossConfig:
         need(math.isfinite(self.entropy_coef) and self.entropy_coef >= 0.0, "entropy_coef", finite_nonnegative)
         need(dual is None or self.policy_loss in ("vanilla", "gspo"), "dual_clip", "bounds the clipped surrogate "
              f"only (policy_loss 'vanilla' or 'gspo'), not policy_loss={self.policy_loss!r}")  # fmt: skip
+        need(self.ratio_level in RATIO_LEVELS, "ratio_level", f"must be one of {RATIO_LEVELS}")
+        need(self.ratio_level == "token" or self.policy_loss in ("cispo", "sapo"), "ratio_level",
+             "is 'sequence' with policy_loss 'cispo' or 'sapo' only (gspo is the surrogate at the sequence level, "
+             f"vespo weighs whole sequences itself), not policy_loss={self.policy_loss!r}")  # fmt: skip
         for key in ("sapo_tau_pos", "sapo_tau_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
             need(math.isfinite(getattr(self, key)) and getattr(self, key) > 0.0, key, "must be a finite number > 0")
         # k >= 0 keeps phi finite: its largest value is e^(lambda - k) (k / lambda)^k, at w = k / lambda
         for key in ("vespo_k_pos", "vespo_k_neg"):
             need(math.isfinite(getattr(self, key)) and getattr(self, key) >= 0.0, key, finite_nonnegative)
+
+    @property
+    def per_sequence(self) -> bool:
+        """Whether the token terms read a per-sequence log-ratio (``sequence_log_ratios``): GSPO, VESPO, and CISPO
+        or SAPO at ``ratio_level="sequence"``."""
+        return self.policy_loss in ("gspo", "vespo") or self.ratio_level == "sequence"
 
     @classmethod
     def of(cls, settings: Any) -> PolicyLossConfig:
@@ -193,20 +207,21 @@ def sequence_log_ratios(
     cu_seqlens: torch.Tensor,
     is_weights: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """The per-sequence log-ratio (S,) float32, detached, that ``config.policy_loss``'s token terms read, or None for
-    a token-level loss; ``old_logp`` None is on-policy (every log-ratio 0). Summed in float64 through a cumulative
-    sum (deterministic on CUDA, where index_add_'s atomics are not).
+    """The per-sequence log-ratio (S,) float32, detached, that ``config``'s token terms read (``per_sequence``), or
+    None for a token-level loss; ``old_logp`` None is on-policy (every log-ratio 0). Summed in float64 through a
+    cumulative sum (deterministic on CUDA, where index_add_'s atomics are not).
 
-        gspo    log s_s = mean over s of (logp - old_logp)    (0 for an empty sequence)
+        gspo    log s_s = mean over s of (logp - old_logp)    (0 for an empty sequence; also CISPO's and SAPO's at
+                                                                ratio_level="sequence")
         vespo   log w_s = clamp(sum over s of clamp(logp - old_logp, -20, 20) + clamp(log is_w, log 1e-8, 20),
                                 log 1e-8, 20)                 (TRL 1.16's ``get_gamma_weights``)
 
     VESPO's rollout weights ``is_weights`` enter the sequence's weight here (TRL's vespo), not each token's term."""
-    if config.policy_loss not in SEQUENCE_LOSSES:
+    if not config.per_sequence:
         return None
     diff = torch.zeros_like(logp, dtype=torch.float64) if old_logp is None else logp.double() - old_logp.double()
     diff = diff.detach()  # (N,)
-    if config.policy_loss == "gspo":
+    if config.policy_loss != "vespo":
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # (S,)
         return (_sequence_sums(diff, cu_seqlens) / lengths.clamp(min=1).double()).float()
     diff = diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)

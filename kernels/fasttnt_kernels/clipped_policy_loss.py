@@ -29,7 +29,9 @@ weights, the KL term and the aggregation as above; verl's names and formulas, ve
             log w_s = clamp(sum over s of clamp(logp - old_logp, -20, 20) + clamp(log is_w, log 1e-8, 20),
                             log 1e-8, 20),  (k, lambda) = vespo_k_pos, vespo_lambda_pos if A_s >= 0, else _neg
 
-CISPO's weight is a constant of the gradient (sg: stop-gradient), so every token keeps a gradient, -w A_s, where
+``ratio_level="sequence"`` gives CISPO's weight and SAPO's gate GSPO's r_t in place of the token's ratio (TRL 1.16's
+``importance_sampling_level="sequence"`` with its cispo and sapo). CISPO's weight is a constant of the gradient
+(sg: stop-gradient), so every token keeps a gradient, -w A_s, where
 the surrogate's clip zeroes it; TRL 1.16's ``cispo`` caps the weight above only, at ``epsilon_high``: clip_low = 1,
 clip_high = epsilon_high - 1 here. GSPO's token ratio has the value of its sequence's and the gradient of the
 token's own log-prob (d r_t / d logp_t = r_t): under seq-mean-token-mean that is the gradient of the sequence ratio
@@ -70,7 +72,6 @@ from . import _common
 from ._common import LOG_RATIO_CLAMP
 from ._policy_loss import (
     GSPO_LOG_RATIO_MAX,
-    SEQUENCE_LOSSES,
     VESPO_LOG_W_MAX,
     VESPO_LOG_W_MIN,
     PolicyLossConfig,
@@ -86,7 +87,7 @@ _N_PARTIALS = 1 + len(STAT_NAMES)
 _BLOCK = 1024
 _DEFAULT_CONFIG = PolicyLossConfig()
 # the kernel's LOSS_MODE of each PolicyLossConfig.policy_loss
-_LOSS_MODE = {"vanilla": 0, "cispo": 1, "sapo": 2, "gspo": 3, "vespo": 4}
+_LOSS_MODE = {"vanilla": 0, "cispo": 1, "sapo": 2, "gspo": 0, "vespo": 4}  # gspo: the surrogate, SEQ_RATIO
 
 
 @triton.jit
@@ -98,7 +99,7 @@ def _clipped_policy_loss_kernel(
     is_weight_ptr,
     adv_ptr,
     first_adv_ptr,  # (S,) the advantage of each sequence's first token, read only when HAS_FIRST_ADV
-    seq_log_ratio_ptr,  # (S,) the per-sequence log-ratio (sequence_log_ratios), read only when LOSS_MODE is 3 or 4
+    seq_log_ratio_ptr,  # (S,) the per-sequence log-ratio (sequence_log_ratios), read only with SEQ_RATIO or vespo
     cu_seqlens_ptr,
     grad_ptr,  # (N,) dloss/dlogp, written only when COMPUTE_GRAD
     partials_ptr,  # (num_blocks, N_PARTIALS): per-block sums, reduced by the caller in a fixed order
@@ -129,7 +130,8 @@ def _clipped_policy_loss_kernel(
     HAS_IS_WEIGHT: tl.constexpr,  # skips the read of the per-token weights
     HAS_FIRST_ADV: tl.constexpr,  # skips the read of the first tokens' advantages
     COMPUTE_GRAD: tl.constexpr,  # skips the gradient write when logp does not require grad (old/ref passes)
-    LOSS_MODE: tl.constexpr,  # _LOSS_MODE: 0 the clipped surrogate, 1 cispo, 2 sapo, 3 gspo, 4 vespo
+    LOSS_MODE: tl.constexpr,  # _LOSS_MODE: 0 the clipped surrogate, 1 cispo, 2 sapo, 4 vespo
+    SEQ_RATIO: tl.constexpr,  # the terms read each sequence's ratio (gspo; cispo, sapo at ratio_level="sequence")
     N_PARTIALS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -161,18 +163,24 @@ def _clipped_policy_loss_kernel(
     raw_log_ratio = logp - old
     log_ratio = tl.minimum(tl.maximum(raw_log_ratio, -log_ratio_clamp), log_ratio_clamp)
     ratio_moves = (raw_log_ratio >= -log_ratio_clamp) & (raw_log_ratio <= log_ratio_clamp)  # d(clamp)/dx = 1
-    ratio = tl.exp(log_ratio)
-    clipped = tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high)
+    ratio = tl.exp(log_ratio)  # the token's own (the statistics read it)
+    r = ratio
+    r_moves = ratio_moves
+    if SEQ_RATIO:  # the sequence's ratio, through the token's own log-prob (d r / d logp = r)
+        seq_log_ratio = tl.load(seq_log_ratio_ptr + seq, mask=mask, other=0.0)
+        r = tl.exp(tl.minimum(seq_log_ratio, gspo_log_ratio_max))
+        r_moves = seq_log_ratio <= gspo_log_ratio_max
     if LOSS_MODE == 1:  # cispo: the clipped weight is a constant, the gradient flows through logp alone
+        clipped = tl.minimum(tl.maximum(r, 1.0 - clip_low), 1.0 + clip_high)
         pg = -clipped * a * logp
         dpg = -clipped * a
-        low_binds = ratio < 1.0 - clip_low
-        high_binds = ratio > 1.0 + clip_high
+        low_binds = r < 1.0 - clip_low
+        high_binds = r > 1.0 + clip_high
     elif LOSS_MODE == 2:  # sapo: the soft gate, its slope 4 s (1 - s) in r, times dr/dlogp = r inside the clamp
         tau = tl.where(a > 0.0, sapo_tau_pos, sapo_tau_neg)
-        gate_s = tl.sigmoid(tau * (ratio - 1.0))
+        gate_s = tl.sigmoid(tau * (r - 1.0))
         pg = -gate_s * (4.0 / tau) * a
-        dpg = tl.where(ratio_moves, -4.0 * gate_s * (1.0 - gate_s) * ratio * a, 0.0)
+        dpg = tl.where(r_moves, -4.0 * gate_s * (1.0 - gate_s) * r * a, 0.0)
         low_binds = tl.zeros([BLOCK], dtype=tl.int1)
         high_binds = tl.zeros([BLOCK], dtype=tl.int1)
     elif LOSS_MODE == 4:  # vespo: the gamma weight of the sequence's log-weight, a constant, times -A logp
@@ -185,13 +193,7 @@ def _clipped_policy_loss_kernel(
         dpg = -phi * a
         low_binds = tl.zeros([BLOCK], dtype=tl.int1)
         high_binds = tl.zeros([BLOCK], dtype=tl.int1)
-    else:
-        r = ratio
-        r_moves = ratio_moves
-        if LOSS_MODE == 3:  # gspo: the sequence's ratio, through the token's own log-prob (d r / d logp = r)
-            seq_log_ratio = tl.load(seq_log_ratio_ptr + seq, mask=mask, other=0.0)
-            r = tl.exp(tl.minimum(seq_log_ratio, gspo_log_ratio_max))
-            r_moves = seq_log_ratio <= gspo_log_ratio_max
+    else:  # the clipped surrogate (gspo: of the sequence's ratio)
         pg_unclipped = -r * a
         pg_clipped = -tl.minimum(tl.maximum(r, 1.0 - clip_low), 1.0 + clip_high) * a
         # the clipped branch binds (and stops the gradient) exactly when it is the larger loss
@@ -258,7 +260,7 @@ def clipped_policy_loss_reference(
     w_const, w_per_len = normalisers.aggregation_weights(config, N)
     a, seq_len = per_token_advantages(advantages, cu_seqlens, N, first_advantages)
     seq_log_ratio = None
-    if config.policy_loss in SEQUENCE_LOSSES:  # each token's sequence's log-ratio, in logp's own dtype, detached
+    if config.per_sequence:  # each token's sequence's log-ratio, in logp's own dtype, detached
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
         seq = torch.repeat_interleave(torch.arange(len(lengths), device=logp.device), lengths, output_size=N)
         diff = (logp - old_logp.to(logp.dtype)).detach()
@@ -267,7 +269,7 @@ def clipped_policy_loss_reference(
             if is_weights is not None:
                 diff = diff + is_weights.to(diff.dtype).log().clamp(VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)
         sums = torch.zeros(len(lengths), dtype=diff.dtype, device=diff.device).index_add_(0, seq, diff)
-        if config.policy_loss == "gspo":
+        if config.policy_loss != "vespo":  # the mean
             seq_log_ratio = (sums / lengths.clamp(min=1).to(diff.dtype))[seq]  # (N,)
         else:
             seq_log_ratio = sums.clamp(VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)[seq]  # (N,)
@@ -319,23 +321,22 @@ def token_terms_reference(
     a = a.to(dtype)
     logp = logp.to(dtype)
     log_ratio = torch.clamp(logp - old_logp.to(dtype), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
-    clipped = torch.clamp(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high)
+    ratio = torch.exp(log_ratio)  # the token's own (the statistics read it)
+    r = ratio
+    if config.per_sequence and config.policy_loss != "vespo":  # the sequence's value, the token's own gradient
+        log_r = seq_log_ratio.to(dtype).detach() + logp - logp.detach()
+        r = torch.exp(torch.clamp(log_r, max=GSPO_LOG_RATIO_MAX))
     if config.policy_loss == "cispo":
-        pg = -clipped.detach() * a * logp
-        low_binds, high_binds = ratio < 1.0 - config.clip_low, ratio > 1.0 + config.clip_high
+        pg = -torch.clamp(r, 1.0 - config.clip_low, 1.0 + config.clip_high).detach() * a * logp
+        low_binds, high_binds = r < 1.0 - config.clip_low, r > 1.0 + config.clip_high
     elif config.policy_loss == "sapo":
         tau = torch.where(a > 0, config.sapo_tau_pos, config.sapo_tau_neg).to(dtype)
-        pg = -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * a
+        pg = -torch.sigmoid(tau * (r - 1.0)) * (4.0 / tau) * a
         low_binds = high_binds = torch.zeros_like(ratio, dtype=torch.bool)
     elif config.policy_loss == "vespo":
         pg = -vespo_weights(seq_log_ratio.to(dtype), a, config) * a * logp
         low_binds = high_binds = torch.zeros_like(ratio, dtype=torch.bool)
-    else:
-        r = ratio
-        if config.policy_loss == "gspo":  # the sequence's value, the token's own gradient (GSPO-token)
-            log_r = seq_log_ratio.to(dtype).detach() + logp - logp.detach()
-            r = torch.exp(torch.clamp(log_r, max=GSPO_LOG_RATIO_MAX))
+    else:  # the clipped surrogate (gspo: of the sequence's ratio, GSPO-token)
         pg_unclipped = -r * a
         pg_clipped = -torch.clamp(r, 1.0 - config.clip_low, 1.0 + config.clip_high) * a
         pg = torch.maximum(pg_unclipped, pg_clipped)
@@ -385,8 +386,8 @@ class TokenTerms:
         use_triton: bool,
         seq_log_ratio: torch.Tensor | None = None,
     ) -> None:
-        if (config.policy_loss in SEQUENCE_LOSSES) != (seq_log_ratio is not None):
-            raise ValueError(f"the sequences' log-ratios are taken with policy_loss in {SEQUENCE_LOSSES}, only")
+        if config.per_sequence != (seq_log_ratio is not None):
+            raise ValueError("the sequences' log-ratios are taken by a loss that reads them (config.per_sequence) only")
         self.inputs, self.config, self.use_triton = inputs, config, use_triton
         self.seq_log_ratio = seq_log_ratio
         self.w_const, self.w_per_len = inputs.aggregation_weights(config, N)
@@ -475,6 +476,7 @@ class TokenTerms:
                 HAS_FIRST_ADV=x.first_advantages is not None,
                 COMPUTE_GRAD=grad is not None,
                 LOSS_MODE=_LOSS_MODE[config.policy_loss],
+                SEQ_RATIO=config.per_sequence and config.policy_loss != "vespo",
                 N_PARTIALS=_N_PARTIALS,
                 BLOCK=_BLOCK,
             )

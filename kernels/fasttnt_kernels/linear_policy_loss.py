@@ -16,8 +16,9 @@ of the hidden states and of the weight (``_lm_head``, shared with ``linear_token
 accumulates in float32). The composition above spends four: its backward recomputes the logits. The same order as
 Liger-Kernel's fused linear losses (``liger_kernel/chunked_loss``).
 
-GSPO and VESPO (``policy_loss="gspo"``, ``"vespo"``) off-policy are the exception: a token's gradient needs its
-sequence's log-ratio, so one pass of logits computes every log-prob first (four matmuls per chunk).
+GSPO and VESPO (``policy_loss="gspo"``, ``"vespo"``), and CISPO or SAPO at ``ratio_level="sequence"``, off-policy
+are the exception: a token's gradient needs its sequence's log-ratio, so one pass of logits computes every log-prob
+first (four matmuls per chunk).
 
 The gradients are kept from the forward and scaled in place by the upstream gradient in the backward, so the
 backward holds no logits and reads no weight (under ZeRO-3 the weight need not be gathered again), and runs once
@@ -33,7 +34,7 @@ import torch
 
 from . import _common
 from ._lm_head import LmHeadGrads, LmHeadPlan, check_lm_head_inputs, chunks, matmul_dtype
-from ._policy_loss import SEQUENCE_LOSSES, PolicyLossConfig, PolicyLossInputs, resolve, sequence_log_ratios
+from ._policy_loss import PolicyLossConfig, PolicyLossInputs, resolve, sequence_log_ratios
 from .clipped_policy_loss import STAT_NAMES, TokenTerms, clipped_policy_loss_reference
 from .linear_token_logprobs import linear_token_logprobs_reference
 
@@ -74,11 +75,11 @@ def linear_policy_loss_reference(
 
 
 def _sequence_log_ratios(hidden, w, ids, inputs: PolicyLossInputs, config: PolicyLossConfig, plan: LmHeadPlan):
-    """GSPO's or VESPO's sequence log-ratios (S,) (``sequence_log_ratios``), or None for the other losses. A token's
+    """The sequence log-ratios (S,) of a loss that reads them (``sequence_log_ratios``), or None. A token's
     gradient needs its sequence's log-ratio, which needs every token of the sequence, and a sequence may span
     chunks: off-policy, one pass of logits first (a fourth matmul per chunk), the same chunks and kernels as the
     loss's pass, so the same log-probs. On-policy every token's log-ratio is 0: no pass."""
-    if config.policy_loss not in SEQUENCE_LOSSES:
+    if not config.per_sequence:
         return None
     N = hidden.shape[0]
     logp = _common.new_empty(N, dtype=torch.float32, device=hidden.device)  # (N,)

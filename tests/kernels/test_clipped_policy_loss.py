@@ -107,18 +107,20 @@ def test_matches_float64_reference(triton_path, lengths, agg, dual_clip, with_re
 
 @pytest.mark.parametrize("lengths", list(LENGTHS))
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
-@pytest.mark.parametrize("policy_loss", ["gspo", "cispo", "sapo", "vespo"])
+@pytest.mark.parametrize("policy_loss", ["gspo", "cispo", "sapo", "vespo", "cispo-sequence", "sapo-sequence"])
 def test_other_policy_losses_match_float64_reference(triton_path, lengths, agg, policy_loss):
     # with what composes with them (the KL term, importance weights; GSPO's dual clip); the ratios are kept off the
     # clip bounds (CISPO's weight has a kink there; GSPO's sequence ratios too), SAPO's gate and VESPO's weight are
     # smooth (VESPO's clamps bind on the 1,500-token sequence, whose weight is then ~0 on both sides of them)
+    # "-sequence": CISPO's weight and SAPO's gate of each sequence's ratio (TRL's importance_sampling_level)
+    policy_loss, _, level = policy_loss.partition("-")
     lens = LENGTHS[lengths] or torch.randint(1, 21, (300,)).tolist()
     logp, old, ref, adv, cu = _packed_batch(lens)
-    if policy_loss == "gspo":  # a float32 mean of up to 1,500 log-ratios errs by ~1e-4 relative at worst
+    if policy_loss == "gspo" or level:  # a float32 mean of up to 1,500 log-ratios errs by ~1e-4 relative at worst
         old = sequences_off_the_bounds(logp, old, cu, margin=1e-3)
     weights = torch.rand(logp.shape[0], device=DEVICE) * 2
-    kw = dict(policy_loss=policy_loss, clip_low=0.2, clip_high=0.28, agg=agg, ref_logp=ref, kl_coef=0.05,
-              is_weights=weights, sapo_tau_pos=1.0, sapo_tau_neg=1.05,
+    kw = dict(policy_loss=policy_loss, ratio_level=level or "token", clip_low=0.2, clip_high=0.28, agg=agg,
+              ref_logp=ref, kl_coef=0.05, is_weights=weights, sapo_tau_pos=1.0, sapo_tau_neg=1.05,
               dual_clip=1.5 if policy_loss == "gspo" else None)  # fmt: skip
     _, stats, grad = _against_truth(logp, old, adv, cu, **kw)
     assert not grad.isnan().any() and grad.abs().sum() > 0
@@ -126,6 +128,24 @@ def test_other_policy_losses_match_float64_reference(triton_path, lengths, agg, 
         assert 0 < stats["clip_frac_low"] < 1 and 0 < stats["clip_frac_high"] < 1, "the grid must clip"
     if policy_loss in ("sapo", "vespo"):  # no clip: a soft gate, a smooth weight
         assert stats["clip_frac_low"] == 0 and stats["clip_frac_high"] == 0
+
+
+def test_sequence_level_cispo_and_sapo_by_hand(triton_path):
+    # one sequence of two tokens, logp -1, log-ratios 0.2 and 0.6 (mean 0.4: s = e^0.4 = 1.49), A = 1, token-mean
+    # over 2. CISPO's weight of s is capped at 1.28 on both tokens (each token's own ratio would give e^0.2 = 1.22 on
+    # the first); SAPO's gate reads s: pg = -4 sigmoid(s - 1), dloss/dlogp_t = -4 g (1 - g) s / 2 on each token
+    logp = torch.full((2,), -1.0, device=DEVICE)
+    old = logp - torch.tensor([0.2, 0.6], device=DEVICE)
+    adv, cu = torch.tensor([1.0], device=DEVICE), torch.tensor([0, 2], device=DEVICE)
+    s = math.exp(0.4)
+    loss, stats, grad = _run(logp, old, adv, cu, policy_loss="cispo", ratio_level="sequence", clip_high=0.28)
+    assert math.isclose(loss.item(), 1.28, rel_tol=1e-6)  # -1.28 A logp on each token
+    torch.testing.assert_close(grad.double().cpu(), torch.full((2,), -1.28 / 2, dtype=torch.float64))
+    assert math.isclose(stats["clip_frac_high"].item(), 1.0, rel_tol=1e-6)  # the sequence's ratio, on both tokens
+    loss, _, grad = _run(logp, old, adv, cu, policy_loss="sapo", ratio_level="sequence")
+    g = 1 / (1 + math.exp(-(s - 1)))
+    assert math.isclose(loss.item(), -4 * g, rel_tol=1e-6)
+    torch.testing.assert_close(grad.double().cpu(), torch.full((2,), -4 * g * (1 - g) * s / 2, dtype=torch.float64))
 
 
 def test_vespo_by_hand(triton_path):
@@ -205,6 +225,12 @@ def test_policy_loss_settings_are_checked():
         with pytest.raises(SettingError, match=key):
             PolicyLossConfig(policy_loss="vespo", **{key: bad})
     assert PolicyLossConfig(policy_loss="vespo", vespo_k_pos=0.0).vespo_k_pos == 0.0  # phi = e^(lambda (1 - w))
+    for loss in ("vanilla", "gspo", "vespo"):  # gspo is the surrogate at the sequence level; vespo has its own
+        with pytest.raises(SettingError, match="ratio_level"):
+            PolicyLossConfig(policy_loss=loss, ratio_level="sequence")
+    with pytest.raises(SettingError, match="ratio_level"):
+        PolicyLossConfig(policy_loss="cispo", ratio_level="sentence")
+    assert PolicyLossConfig(policy_loss="sapo", ratio_level="sequence").per_sequence
     with pytest.raises(SettingError, match="kl_max"):
         PolicyLossConfig(kl_max=0.0)
     assert PolicyLossConfig(policy_loss="gspo", dual_clip=3.0).dual_clip == 3.0  # a surrogate: its dual clip too

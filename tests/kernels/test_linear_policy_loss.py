@@ -3,6 +3,7 @@ against the materialised reference in float64."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -86,8 +87,7 @@ def _chunk_bytes(dtype):
     return ROWS_PER_CHUNK * V * torch.empty((), dtype=dtype).element_size()
 
 
-_SETTINGS = ("clip_low", "clip_high", "dual_clip", "kl_coef", "agg", "norm_length", "entropy_coef", "policy_loss",
-             "sapo_tau_pos", "sapo_tau_neg")  # fmt: skip
+_SETTINGS = tuple(f.name for f in dataclasses.fields(PolicyLossConfig))
 
 
 def _typed(old, adv, cu, kw):
@@ -159,6 +159,11 @@ VARIANTS = {
     # rollout weights inside the sequences' weights (VESPO), mode tokens' own advantages choosing (k, lambda)
     "vespo": dict(policy_loss="vespo", use_is=True, use_ref=True, kl_coef=0.05, use_first=True, entropy_coef=0.02),
     "vespo-on-policy": dict(policy_loss="vespo", on_policy=True, use_is=True),
+    # CISPO's weight and SAPO's gate of each sequence's ratio
+    "cispo-sequence": dict(policy_loss="cispo", ratio_level="sequence", clip_low=1.0, clip_high=0.28, use_is=True),
+    "sapo-sequence": dict(
+        policy_loss="sapo", ratio_level="sequence", agg="seq-mean-token-mean", use_ref=True, kl_coef=0.05
+    ),
 }
 
 
@@ -203,7 +208,7 @@ def test_equals_the_composition_in_float32(monkeypatch, variant, path):
 @pytest.mark.parametrize(
     "variant",
     ["token-mean", "is-weights+everything", "on-policy", "first-advantages", "cispo", "sapo", "gspo", "vespo",
-     "vespo-on-policy"],
+     "vespo-on-policy", "cispo-sequence", "sapo-sequence"],
 )  # fmt: skip
 @pytest.mark.parametrize("path", ["triton", "torch"])
 def test_matches_the_float64_reference(monkeypatch, variant, path):
