@@ -25,7 +25,8 @@ from .typed_yaml import ConfigError, apply_overrides, build, read_yaml_mapping
 
 __all__ = [  # with the loader's error and YAML reader, which every caller of the config uses
     "SAFE_ON_RESUME", "ConfigError", "DataConfig", "DistributedConfig", "LossConfig", "ModelConfig", "OptimConfig",
-    "RolloutConfig", "TrainConfig", "changed_keys", "config_yaml", "dump_config", "load_config", "read_yaml_mapping",
+    "RolloutConfig", "TrainConfig", "changed_keys", "config_yaml", "dump_config", "load_config", "read_config_file",
+    "read_yaml_mapping",
     "rollout_correction", "to_dict", "validate", "with_overrides",
 ]  # fmt: skip
 
@@ -83,7 +84,7 @@ class RolloutConfig:
     # the stale-weight guard: a step whose sampled tokens' log-probs under the engine differ from the trainer's by
     # more than this (the mean |difference| per token, logged as rollout_logp_diff) stops the run before it trains:
     # the engine sampled from other weights than the trainer's (a weight push that did not arrive). Measured: 1e-6
-    # with vLLM's CPU build in float32; bf16 engines differ by ~1e-2; a tied embedding that did not arrive, 1.7.
+    # with vLLM's CPU build in float32; bf16 engines differ by ~1e-2; a tied head left out, 3.7 (engines/vllm.py).
     # None: off. Checked with an engine that samples from its own copy of the weights (vllm) at top_p 1 (under top-p
     # the engine's log-probs are renormalised over the nucleus, the trainer's are not: they differ by design)
     max_logp_diff: float | None = 0.1
@@ -229,11 +230,40 @@ class TrainConfig:
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
     """The config from a YAML file (or the defaults) with ``key=value`` overrides applied, then validated."""
-    tree = read_yaml_mapping(path, "--config", "a mapping of sections") if path is not None else {}
+    tree = read_config_file(path) if path is not None else {}
     apply_overrides(tree, overrides)
     cfg = build(TrainConfig, tree)
     validate(cfg)
     return cfg
+
+
+def read_config_file(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
+    """A config file's tree, its ``base:`` resolved: ``base: other.yaml`` (relative to the file) is read first and
+    the file's own keys are laid over it, section by section, so a config holds only what differs from its base (or
+    from the defaults). A chain of bases is followed; a cycle, or a base that is not a file name, is refused."""
+    path = Path(path).resolve()
+    tree = read_yaml_mapping(path, "--config", "a mapping of sections")
+    base = tree.pop("base", None)
+    if base is None:
+        return tree
+    if not isinstance(base, str) or not base.strip():
+        raise ConfigError(f"--config: {path}: base: must be a file name (relative to the file), got {base!r}")
+    target = (path.parent / base).resolve()
+    if target in (*_chain, path):
+        cycle = " -> ".join(p.name for p in (*_chain, path, target))
+        raise ConfigError(f"--config: {path}: base: a cycle ({cycle})")
+    if not target.is_file():
+        raise ConfigError(f"--config: {path}: base: {base} does not exist (read relative to the file: {target})")
+    return _laid_over(read_config_file(target, (*_chain, path)), tree)
+
+
+def _laid_over(base: dict, tree: dict) -> dict:
+    """``tree``'s keys over ``base``'s: a section in both is merged key by key, any other value replaces."""
+    merged = dict(base)
+    for key, value in tree.items():
+        both_sections = isinstance(value, dict) and isinstance(merged.get(key), dict)
+        merged[key] = _laid_over(merged[key], value) if both_sections else value
+    return merged
 
 
 def with_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:

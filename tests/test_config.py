@@ -13,7 +13,14 @@ import torch
 
 from fasttnt import policy, rewards
 from fasttnt.cli import main as cli_main
-from fasttnt.config import ConfigError, TrainConfig, load_config, with_overrides
+from fasttnt.config import (
+    ConfigError,
+    TrainConfig,
+    load_config,
+    read_config_file,
+    to_dict,
+    with_overrides,
+)
 from fasttnt.policy import MicroBatchLossInputs
 from fasttnt.rewards import PackedResponses, RewardConfig, compute_rewards
 from fasttnt_kernels import PolicyLossConfig, PolicyLossInputs, RewardValues, SettingError
@@ -146,6 +153,57 @@ def test_shipped_configs_load_and_validate():
     assert load_config(ROOT / "configs" / "tiny.yaml") == TrainConfig(), "tiny.yaml must be the embedded default"
     real = load_config(ROOT / "configs" / "r1-distill-qwen-1.5b.yaml")
     assert real.rollout.prompts_per_step == 128 and real.optim.lr == 1e-6 and real.loss.kl_coef == 0.0
+
+
+def test_the_real_configs_name_their_base_and_differ_from_it_only_where_they_say():
+    recipe = to_dict(load_config(ROOT / "configs" / "r1-distill-qwen-1.5b.yaml"))
+    assert recipe["rollout"]["forced_non_thinking"] == 0.5 and recipe["reward"]["direct_margin"] == 0.05
+    for name, differ in {
+        "deepscaler-1.5b.yaml": ["model.name"],
+        "r1-distill-qwen-7b.yaml": ["distributed.zero_stage", "micro_batch_tokens", "model.name",
+                                    "rollout.gpu_memory_utilization"],
+    }.items():  # fmt: skip
+        assert "base: r1-distill-qwen-1.5b.yaml" in (ROOT / "configs" / name).read_text()
+        assert _differing_keys(recipe, to_dict(load_config(ROOT / "configs" / name))) == differ, name
+
+
+def _differing_keys(a: dict, b: dict, prefix: str = "") -> list[str]:
+    """The dotted keys whose values differ between two configs of the same sections, sorted."""
+    keys = []
+    for key, value in a.items():
+        if isinstance(value, dict):
+            keys += _differing_keys(value, b[key], f"{prefix}{key}.")
+        elif value != b[key]:
+            keys.append(prefix + key)
+    return sorted(keys)
+
+
+def test_a_config_is_laid_over_its_base_section_by_section(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "root.yaml").write_text("steps: 7\nrollout: {group_size: 4, temperature: 0.7}\n")
+    (tmp_path / "sub" / "middle.yaml").write_text("base: ../root.yaml\nrollout: {group_size: 6}\nseed: 3\n")
+    (tmp_path / "top.yaml").write_text("base: sub/middle.yaml\nrollout: {temperature: 0.9}\n")
+    cfg = load_config(tmp_path / "top.yaml", ["seed=5"])
+    # each file's own keys over its base's, a section merged key by key; the command line's last
+    assert (cfg.steps, cfg.seed, cfg.rollout.group_size, cfg.rollout.temperature) == (7, 5, 6, 0.9)
+    assert cfg.rollout.max_new_tokens == TrainConfig().rollout.max_new_tokens  # neither file sets it: the default
+    assert "base" not in read_config_file(tmp_path / "top.yaml")
+
+
+@pytest.mark.parametrize(
+    ("files", "message"),
+    [
+        ({"a.yaml": "base: b.yaml\n", "b.yaml": "base: a.yaml\n"}, r"base: a cycle \(a.yaml -> b.yaml -> a.yaml\)"),
+        ({"a.yaml": "base: a.yaml\n"}, r"base: a cycle \(a.yaml -> a.yaml\)"),
+        ({"a.yaml": "base: missing.yaml\n"}, r"base: missing.yaml does not exist \(read relative to the file"),
+        ({"a.yaml": "base: [b.yaml]\n"}, r"base: must be a file name"),
+    ],
+)
+def test_a_bad_base_is_one_line_naming_the_file(tmp_path, files, message):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(tmp_path / "a.yaml")
 
 
 def test_changed_keys_names_what_differs_and_what_only_one_config_has():
