@@ -289,7 +289,7 @@ class Actor:
 
     @property
     def zero3(self) -> bool:
-        return self.ds_engine is not None and self.cfg.distributed.zero_stage == 3
+        return self.ds_engine is not None and self.cfg.distributed.zero3
 
     def autocast(self):
         if not self.autocast_on:

@@ -180,6 +180,11 @@ class DistributedConfig:
     zero_stage: Literal[2, 3] = 2  # 2: optimizer state and gradients sharded; 3: parameters too
     bucket_size: int = 50_000_000  # elements per ZeRO communication bucket
 
+    @property
+    def zero3(self) -> bool:
+        """Parameters sharded (ZeRO-3): gathered for each forward, and for the fused op's lm_head weight."""
+        return self.zero_stage == 3
+
 
 @dataclass(frozen=True)
 class LoggingConfig:

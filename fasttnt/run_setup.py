@@ -189,11 +189,11 @@ def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: b
         ds_engine, optimizer, _, _ = deepspeed.initialize(
             model=head, optimizer=optimizer, config=distributed.deepspeed_config(cfg, world, autocast=autocast)
         )
-        if cfg.distributed.zero_stage == 3:  # the fused op reads the lm_head weight outside its module
+        if cfg.distributed.zero3:  # the fused op reads the lm_head weight outside its module
             deepspeed.zero.register_external_parameter(head, model.get_output_embeddings().weight)
 
     # -- the rollout engine: before any RNG state is set (vLLM reseeds them when it starts) --
-    zero3 = ds_engine if dist and cfg.distributed.zero_stage == 3 else None
+    zero3 = ds_engine if dist and cfg.distributed.zero3 else None
     settings = engine_settings(
         cfg, model_path, device, prompt_budget, zero3_engine=zero3, give_back_heap=memory_measures
     )
