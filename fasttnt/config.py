@@ -172,6 +172,17 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0
 
+    def lr_at(self, step: int, steps: int) -> float:
+        """The learning rate of step ``step`` (from 0) of a ``steps``-step run: a linear warm-up (never 0: the first
+        step trains), then constant, or a cosine or linear decay to ``min_lr_ratio`` of ``lr``."""
+        if step < self.warmup_steps:
+            return self.lr * ((step + 1) / (self.warmup_steps + 1))
+        if self.schedule == "constant":
+            return self.lr
+        progress = min(1.0, (step - self.warmup_steps) / max(1, steps - self.warmup_steps))
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if self.schedule == "cosine" else 1 - progress
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * decay)
+
 
 @dataclass(frozen=True)
 class DistributedConfig:

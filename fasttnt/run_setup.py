@@ -17,7 +17,6 @@ The order rules, each for a reason:
 from __future__ import annotations
 
 import importlib.util
-import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -249,18 +248,6 @@ def prompt_budget_of(cfg: TrainConfig) -> int | None:
             f"{d.max_prompt_tokens + new} positions: {cfg.model.name} takes {limit}"
         )
     return d.max_prompt_tokens
-
-
-def lr_factor(cfg: TrainConfig, step: int) -> float:
-    """The learning-rate factor of a step: linear warm-up, then constant, cosine or linear decay."""
-    o = cfg.optim
-    if step < o.warmup_steps:
-        return (step + 1) / (o.warmup_steps + 1)
-    if o.schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - o.warmup_steps) / max(1, cfg.steps - o.warmup_steps))
-    decay = 0.5 * (1 + math.cos(math.pi * progress)) if o.schedule == "cosine" else 1 - progress
-    return o.min_lr_ratio + (1 - o.min_lr_ratio) * decay
 
 
 def load_policy(cfg: TrainConfig, device: torch.device):

@@ -113,7 +113,7 @@ class Trainer:
     def step(self) -> dict[str, float]:
         cfg, r = self.cfg, self.cfg.rollout
         step, clock = self.state.step + 1, PhaseClock()
-        lr = cfg.optim.lr * run_setup.lr_factor(cfg, self.state.step)  # the rate this step's update uses
+        lr = cfg.optim.lr_at(self.state.step, cfg.steps)  # the rate this step's update uses
         for group in self.actor.optimizer.param_groups:
             group["lr"] = lr
 

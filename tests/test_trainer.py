@@ -298,12 +298,10 @@ def test_the_guard_stops_past_its_limit_and_at_nan():
 def test_the_learning_rate_schedule_by_hand():
     # 3 warm-up steps rise linearly to the full rate (never 0, the first step trains); then constant, or a cosine or
     # linear decay from 1 to min_lr_ratio over the remaining 8 steps
-    from fasttnt.run_setup import lr_factor
-
     def factors(schedule: str) -> list[float]:
         cfg = load_config(None, ["steps=11", "optim.warmup_steps=3", f"optim.schedule={schedule}",
-                                 "optim.min_lr_ratio=0.2"])  # fmt: skip
-        return [lr_factor(cfg, step) for step in range(11)]
+                                 "optim.min_lr_ratio=0.2", "optim.lr=2.0"])  # fmt: skip
+        return [cfg.optim.lr_at(step, cfg.steps) / 2.0 for step in range(11)]
 
     warm = [0.25, 0.5, 0.75]
     assert factors("constant") == pytest.approx([*warm, *[1.0] * 8])
