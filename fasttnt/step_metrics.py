@@ -1,6 +1,7 @@
 """The numbers a step logs, by name: which metrics are token means, and how named sums add up (the update's token
 sums and counts are summed over the ranks by name, ``distributed.sum_named_over_ranks``; docs/metrics.md says what
-each logged number means)."""
+each logged number means). Apart from ``metrics`` (the numbers of a rollout's responses and of an evaluation, which
+read the verifier's and the task's markers): the actor imports these names alone."""
 
 from __future__ import annotations
 
