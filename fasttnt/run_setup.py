@@ -37,7 +37,7 @@ from .runlog import truncate_metrics
 from .stream import ProblemStream
 
 
-@dataclass
+@dataclass(kw_only=True)  # seventeen fields: made by name
 class RunParts:
     """Everything a run is made of, built by ``build``."""
 
@@ -211,8 +211,9 @@ def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: b
     # -- the responses' hack markers --
     markers = dataset_style(cfg.data.train, markers=cfg.data.hack_markers).markers
     parts = RunParts(
-        cfg, out, dist, device, autocast, model, tokenizer, model_path, ref_model, head, optimizer, ds_engine,
-        engine, stream, state, think_end_id, markers,
+        cfg=cfg, out=out, dist=dist, device=device, autocast=autocast, model=model, tokenizer=tokenizer,
+        model_path=model_path, ref_model=ref_model, head=head, optimizer=optimizer, ds_engine=ds_engine, engine=engine,
+        stream=stream, state=state, think_end_id=think_end_id, markers=markers,
     )  # fmt: skip
     if prompt_budget is not None:
         dropped = stream.drop_long_prompts(
