@@ -1151,7 +1151,7 @@ def build_cases(args, device) -> list[Case]:
         return cases
 
     if args.losses_only:  # the policy losses alone, at every shape: on the CPU, their checks and one timed run
-        return [
+        cases = [
             case
             for n in args.tokens
             for h in args.hidden
@@ -1160,6 +1160,7 @@ def build_cases(args, device) -> list[Case]:
                 *(loss_family_case(n, h, args.vocab, dtype, device, mean_len, loss) for loss in FAMILY),
             ]
         ]
+        return _chosen_providers(cases, chosen)
     cases = lm_head_cases(args.tokens[0], family=True)
     if args.smoke:
         cases += [loss_case(3, 16, device), advantage_case(2, 4, device), mode_advantage_case(2, 4, device)]
@@ -1171,8 +1172,12 @@ def build_cases(args, device) -> list[Case]:
         cases += [reward_case(g, 16, 2048, device) for g in (128, 1024)]
     for n in args.tokens[1:]:
         cases += lm_head_cases(n)
+    return _chosen_providers(cases, chosen)
+
+
+def _chosen_providers(cases: list[Case], chosen: set[str]) -> list[Case]:
+    """The cases with fasttnt's rows, which always run, and the baselines --providers names."""
     for case in cases:
-        # fasttnt's rows always run; a baseline only when --providers names it
         case.providers = [p for p in case.providers if p.name.startswith("fasttnt") or _family(p.name) in chosen]
     return cases
 

@@ -161,6 +161,17 @@ def test_bench_kernels_fails_a_wrong_result_a_nan_and_a_missing_gradient():
     assert all(r["fwd_ms"] >= 0 for r in rows)  # a failing row is still timed
 
 
+def test_bench_kernels_losses_only_runs_the_policy_losses_with_the_baselines_asked_for():
+    bench = _module("bench_kernels")
+    args = argparse.Namespace(providers="trl", losses_only=True, tokens=[24, 48], hidden=[16], vocab=300, smoke=True)
+    cases = bench.build_cases(args, torch.device("cpu"))
+    # per shape: the vanilla fused loss, then each loss of the family; fasttnt's rows always, then TRL's alone
+    family = [f"loss={x}" for x in bench.FAMILY]
+    assert [c.shape.split()[0] for c in cases] == ["N=24", *family, "N=48", *family]
+    assert [p.name for p in cases[0].providers] == ["fasttnt", "fasttnt (unfused)", "trl"]
+    assert all([p.name for p in c.providers] == ["fasttnt", "trl"] for c in cases if c.shape.startswith("loss="))
+
+
 def test_bench_kernels_csv_is_written_row_by_row(tmp_path):
     bench = _module("bench_kernels")
     path = tmp_path / "results.csv"
