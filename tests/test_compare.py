@@ -92,6 +92,7 @@ def test_compare_writes_the_table_the_json_and_the_figure(tmp_path, monkeypatch)
     assert first["tnt"] == first["tnt:omega=1"]
     table = (out / "compare.md").read_text()
     assert "| tnt+dapo |" in table and " ± " in table and "p_t / p_d" in table and "Per run" in table
+    assert "How each variant trained" in table and all(r["max_grad_norm"] > 0 for r in runs)
     assert (out / "compare.png").stat().st_size > 10_000
 
     # a rerun trains nothing again (inline, one job)
@@ -215,6 +216,14 @@ def test_the_numbers_behind_the_report():
     assert compare.steps_to_solve([0.88, 0.9, 0.92, 0.9, 0.9]) == 5
     assert compare.steps_to_solve([0.5] * 10) is None
     assert compare.seconds_to(2, [1.5, 2.0, 4.0]) == 3.5 and compare.seconds_to(None, [1.0]) is None
+    # how a run trained: 12 steps, the first 10 and the last 10 overlapping; a step that trained nothing has no
+    # token means (None), left out; the largest gradient norm
+    train = {"acc": [0.5] * 2 + [1.0] * 10, "entropy": [0.4] * 10 + [0.1, None], "kl": [None] * 11 + [0.02],
+             "clip_frac": [0.0] * 11 + [0.5], "grad_norm": [0.3, 2.5, *[0.1] * 10]}  # fmt: skip
+    assert compare.stability(train) == {
+        "train_acc_last10": 1.0, "entropy_first10": pytest.approx(0.4), "entropy_last10": pytest.approx((8 * 0.4 + 0.1) / 9),
+        "kl_last10": 0.02, "clip_frac_last10": pytest.approx(0.05), "max_grad_norm": 2.5,
+    }  # fmt: skip
 
 
 def test_bad_arguments_fail_before_training(tmp_path, capsys):

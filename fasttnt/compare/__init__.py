@@ -30,12 +30,13 @@ from .report import (
     plot,
     preferred_mode,
     seconds_to,
+    stability,
     steps_to_solve,
     summarize_runs,
 )
 
 __all__ = ["RUN_KEYS", "SCHEME_ORDER", "CompareSettings", "Run", "default_jobs", "direct_threshold", "mean_se",
-           "plan_runs", "preferred_mode", "run_compare", "seconds_to", "steps_to_solve"]  # fmt: skip
+           "plan_runs", "preferred_mode", "run_compare", "seconds_to", "stability", "steps_to_solve"]  # fmt: skip
 
 
 def run_compare(

@@ -16,8 +16,11 @@ TABLE_KEYS = ("acc", "len", "te", "non_thinking_ratio", "hack_rate", "len_non_th
 TRAIN_KEYS = (
     "step", "reward", "acc", "non_thinking_ratio", "free_non_thinking_ratio", "hack_rate", "len", "time_step", "draws",
     "varied_group_frac",
-    "filled_groups",
+    "filled_groups", "grad_norm", "entropy", "kl", "clip_frac",
 )  # fmt: skip
+# how a run trained, from its training rows (``stability``): compare.md's stability table
+STABILITY_KEYS = ("train_acc_last10", "entropy_first10", "entropy_last10", "kl_last10", "clip_frac_last10",
+                  "max_grad_norm")  # fmt: skip
 SOLVED_ACC = 0.9  # steps-to-solve: the first step whose 5-step mean training accuracy reaches this
 PREFERENCE_WINDOW = 10  # the last training steps whose reward gap per level says which mode the table pays more
 LEVEL_COLUMNS = "acc / non-thinking | direct acc | direct pays | ends in the better mode"  # compare.md, per level
@@ -145,12 +148,14 @@ def summarize_runs(
                     "seconds_to_solve": seconds_to(solved, train["time_step"]),
                     "draws_per_step": mean_se(train["draws"])["mean"] if any(train["draws"]) else 1.0,
                     "train_hacked_share_last10": mean_se(_train_curve(train, "hacked_share")[-10:])["mean"],
+                    **stability(train),
                     "train": train,
                 }
             )
         keys = (*TABLE_KEYS, "train_seconds", "draws_per_step", "seconds_to_solve")
         stats = {k: mean_se([r[k] for r in rows]) for k in keys}
         stats["train_hacked_share_last10"] = mean_se([r["train_hacked_share_last10"] for r in rows])
+        stats.update({k: mean_se([r.get(k) for r in rows]) for k in STABILITY_KEYS})
         solved = [r["steps_to_solve"] for r in rows]
         stats["steps_to_solve"] = {**mean_se(solved), "unsolved": sum(s is None for s in solved)}
         stats["by_level"] = {}
@@ -182,6 +187,26 @@ def _pair_with_first(variants: dict) -> None:
             r["vs_first"] = None if base is None else {"acc": r["acc"] - base["acc"], "len": r["len"] / base["len"]}
             pairs += [r["vs_first"]] if base is not None else []
         variants[name]["stats"]["vs_first"] = {k: mean_se([p[k] for p in pairs]) for k in ("acc", "len")}
+
+
+def stability(train: dict) -> dict:
+    """How a run trained (its training rows' curves, ``train``): the training accuracy, KL(old || new) and clip
+    fraction over its last 10 steps, its entropy over the first and the last 10, and its largest gradient norm
+    (before clipping). A step that trained no sequence has none of the token means: left out."""
+
+    def mean(key: str, part: slice) -> float | None:
+        return mean_se((train.get(key) or [])[part])["mean"]
+
+    norms = [g for g in train.get("grad_norm") or [] if g is not None and math.isfinite(g)]
+    first, last = slice(None, 10), slice(-10, None)
+    return {
+        "train_acc_last10": mean("acc", last),
+        "entropy_first10": mean("entropy", first),
+        "entropy_last10": mean("entropy", last),
+        "kl_last10": mean("kl", last),
+        "clip_frac_last10": mean("clip_frac", last),
+        "max_grad_norm": max(norms) if norms else None,
+    }
 
 
 def _pm(stat: dict, fmt: str = "{:.1f}", scale: float = 1.0) -> str:
@@ -228,6 +253,20 @@ def markdown(summary: dict) -> str:
         "the summed step times of one run (runs shared the cores with --jobs). The runs of one warm-up share "
         "their starting model, so they are not independent draws: with few warm-ups the ± understates the spread "
         "between warm-ups (the per-run rows below show it).",
+        "",
+        "How each variant trained (its training rows): the training accuracy over the last 10 steps, the entropy of "
+        "the sampled tokens over the first and the last 10, KL(old || new) (the k3 estimate over the update's "
+        "tokens) and the clipped share over the last 10, and the largest gradient norm of a run (before clipping).",
+        "",
+        "| variant | train acc, last 10 | entropy, first 10 | entropy, last 10 | KL(old \\|\\| new), last 10 | "
+        "clipped, last 10 | largest grad norm |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        *(
+            f"| {variant} | {_pm(st['train_acc_last10'], '{:.1f}', 100)} | {_pm(st['entropy_first10'], '{:.3f}')} | "
+            f"{_pm(st['entropy_last10'], '{:.3f}')} | {_pm(st['kl_last10'], '{:.4f}')} | "
+            f"{_pm(st['clip_frac_last10'], '{:.3f}')} | {_pm(st['max_grad_norm'], '{:.2f}')} |"
+            for variant, st in ((v, d["stats"]) for v, d in summary["variants"].items())
+        ),
     ]
     levels = next(iter(summary["variants"].values()))["stats"]["by_level"]
     if summary["warmups"]:
