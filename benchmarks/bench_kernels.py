@@ -592,10 +592,10 @@ def loss_family_case(n: int, h: int, v: int, dtype, device, mean_len: int, loss:
     bounds = _packed_layout(n, mean_len, seed=n)
     loss_type, level, settings = FAMILY[loss]
     config = PolicyLossConfig(**settings)
-    # log-ratios over [-0.6, 0.6] as linear_loss_case's (both of CISPO's and SAPO's sides act), kept 0.05 from each
-    # kink (CISPO's cap); GSPO's and VESPO's read each sequence's mean or sum: their spread is chosen so that it
-    # lands around 1 (the ratio within a sequence of ~mean_len tokens)
-    spread = {"gspo": 0.6, "vespo": 1.0 / mean_len**0.5}.get(loss, 0.6)
+    # log-ratios over [-0.6, 0.6] as linear_loss_case's (both of CISPO's and SAPO's sides act, and GSPO's mean of
+    # ~mean_len of them lands inside its clip), kept 0.05 from each kink (CISPO's cap); VESPO reads each sequence's
+    # sum: a spread of 1 / sqrt(mean_len) puts it around 0, where its weight is not ~0
+    spread = 1.0 / mean_len**0.5 if loss == "vespo" else 0.6
 
     def make():
         x = _lm_head_inputs(n, h, v, dtype, device)

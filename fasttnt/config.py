@@ -378,6 +378,20 @@ def validate(cfg: TrainConfig) -> None:
     with named_by_key("loss"):  # the fields of the kernel's PolicyLossConfig (LossConfig's comment)
         PolicyLossConfig.of(loss)
     need(loss.rollout_correction_cap >= 1, "loss.rollout_correction_cap", "must be >= 1 (1 means on-policy)")
+    # VESPO folds every per-token weight into its sequence's weight (TRL's vespo): a sequence-level correction's
+    # weight would count once per token (TRL refuses those modes too), and the mode token's own weights (its fade,
+    # the mixture's pi_old / mu) would reweigh the whole response instead of its first token
+    need(
+        loss.policy_loss != "vespo" or not rollout_correction(cfg).startswith("sequence"),
+        "loss.policy_loss",
+        f"vespo takes token-level rollout corrections only, not loss.rollout_correction={rollout_correction(cfg)}",
+    )
+    need(
+        loss.policy_loss != "vespo" or sum(forced) == 0,
+        "loss.policy_loss",
+        "vespo folds per-token weights into each sequence's weight, and mode-mixed rollouts (rollout.forced_"
+        "non_thinking, rollout.forced_thinking) weigh the first token alone: not supported together",
+    )
     floor = loss.mode_token_floor
     need(floor == "auto" or 0 <= floor < 1, "loss.mode_token_floor", "must be auto or a probability in [0, 1)")
     need(

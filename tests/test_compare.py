@@ -217,12 +217,13 @@ def test_the_numbers_behind_the_report():
     assert compare.steps_to_solve([0.5] * 10) is None
     assert compare.seconds_to(2, [1.5, 2.0, 4.0]) == 3.5 and compare.seconds_to(None, [1.0]) is None
     # how a run trained: 12 steps, the first 10 and the last 10 overlapping; a step that trained nothing has no
-    # token means (None), left out; the largest gradient norm
+    # token means (None), left out; the largest finite gradient norm, and the steps whose norm was not
     train = {"acc": [0.5] * 2 + [1.0] * 10, "entropy": [0.4] * 10 + [0.1, None], "kl": [None] * 11 + [0.02],
-             "clip_frac": [0.0] * 11 + [0.5], "grad_norm": [0.3, 2.5, *[0.1] * 10]}  # fmt: skip
+             "clip_frac": [0.0] * 11 + [0.5], "grad_norm": [0.3, 2.5, math.nan, math.inf, *[0.1] * 8]}  # fmt: skip
     assert compare.stability(train) == {
-        "train_acc_last10": 1.0, "entropy_first10": pytest.approx(0.4), "entropy_last10": pytest.approx((8 * 0.4 + 0.1) / 9),
-        "kl_last10": 0.02, "clip_frac_last10": pytest.approx(0.05), "max_grad_norm": 2.5,
+        "train_acc_last10": 1.0, "entropy_first10": pytest.approx(0.4),
+        "entropy_last10": pytest.approx((8 * 0.4 + 0.1) / 9), "kl_last10": 0.02,
+        "clip_frac_last10": pytest.approx(0.05), "max_grad_norm": 2.5, "nonfinite_grad_steps": 2,
     }  # fmt: skip
 
 

@@ -119,6 +119,15 @@ def test_a_bad_reward_limit_is_the_kernels_error_named_by_its_key(overrides, key
         (["loss.mini_batches=3"], "loss.mini_batches: 3 mini-batches do not divide rollout.prompts_per_step=32"),
         (["data.train=/no/such/file.jsonl"], "data.train: /no/such/file.jsonl does not exist"),
         (["reward.scheme=adaptive"], "reward.scheme: unknown"),
+        # VESPO folds per-token weights into each sequence's: no sequence-level correction (TRL's rule), no mode mix
+        (
+            ["loss.policy_loss=vespo", "loss.rollout_correction=sequence-mask"],
+            "loss.policy_loss: vespo takes token-level rollout corrections only, not loss.rollout_correction=sequence-",
+        ),
+        (
+            ["loss.policy_loss=vespo", "rollout.forced_non_thinking=0.5"],
+            "loss.policy_loss: vespo folds per-token weights into each sequence's weight, and mode-mixed rollouts",
+        ),
         (["--config", "/no/such.yaml"], "--config: /no/such.yaml does not exist"),
         (["steps"], "steps: overrides are key=value"),
         (["model.name=/no/such/model"], "model.name: /no/such/model is not a folder"),

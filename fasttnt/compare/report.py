@@ -20,7 +20,7 @@ TRAIN_KEYS = (
 )  # fmt: skip
 # how a run trained, from its training rows (``stability``): compare.md's stability table
 STABILITY_KEYS = ("train_acc_last10", "entropy_first10", "entropy_last10", "kl_last10", "clip_frac_last10",
-                  "max_grad_norm")  # fmt: skip
+                  "max_grad_norm", "nonfinite_grad_steps")  # fmt: skip
 SOLVED_ACC = 0.9  # steps-to-solve: the first step whose 5-step mean training accuracy reaches this
 PREFERENCE_WINDOW = 10  # the last training steps whose reward gap per level says which mode the table pays more
 LEVEL_COLUMNS = "acc / non-thinking | direct acc | direct pays | ends in the better mode"  # compare.md, per level
@@ -191,13 +191,14 @@ def _pair_with_first(variants: dict) -> None:
 
 def stability(train: dict) -> dict:
     """How a run trained (its training rows' curves, ``train``): the training accuracy, KL(old || new) and clip
-    fraction over its last 10 steps, its entropy over the first and the last 10, and its largest gradient norm
-    (before clipping). A step that trained no sequence has none of the token means: left out."""
+    fraction over its last 10 steps, its entropy over the first and the last 10, the largest of its steps' gradient
+    norms (each step's mean over its optimizer steps, before clipping) and how many steps had a non-finite one,
+    which the largest leaves out. A step that trained no sequence has none of the token means: left out."""
 
     def mean(key: str, part: slice) -> float | None:
         return mean_se((train.get(key) or [])[part])["mean"]
 
-    norms = [g for g in train.get("grad_norm") or [] if g is not None and math.isfinite(g)]
+    norms = [g for g in train.get("grad_norm") or [] if g is not None]
     first, last = slice(None, 10), slice(-10, None)
     return {
         "train_acc_last10": mean("acc", last),
@@ -205,7 +206,8 @@ def stability(train: dict) -> dict:
         "entropy_last10": mean("entropy", last),
         "kl_last10": mean("kl", last),
         "clip_frac_last10": mean("clip_frac", last),
-        "max_grad_norm": max(norms) if norms else None,
+        "max_grad_norm": max((g for g in norms if math.isfinite(g)), default=None),
+        "nonfinite_grad_steps": sum(not math.isfinite(g) for g in norms),
     }
 
 
@@ -256,15 +258,17 @@ def markdown(summary: dict) -> str:
         "",
         "How each variant trained (its training rows): the training accuracy over the last 10 steps, the entropy of "
         "the sampled tokens over the first and the last 10, KL(old || new) (the k3 estimate over the update's "
-        "tokens) and the clipped share over the last 10, and the largest gradient norm of a run (before clipping).",
+        "tokens) and the clipped share over the last 10, the largest of a run's per-step gradient norms (each "
+        "step's mean over its optimizer steps, before clipping) and its steps whose norm was not finite.",
         "",
         "| variant | train acc, last 10 | entropy, first 10 | entropy, last 10 | KL(old \\|\\| new), last 10 | "
-        "clipped, last 10 | largest grad norm |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "clipped, last 10 | largest grad norm | non-finite grad steps |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         *(
             f"| {variant} | {_pm(st['train_acc_last10'], '{:.1f}', 100)} | {_pm(st['entropy_first10'], '{:.3f}')} | "
             f"{_pm(st['entropy_last10'], '{:.3f}')} | {_pm(st['kl_last10'], '{:.4f}')} | "
-            f"{_pm(st['clip_frac_last10'], '{:.3f}')} | {_pm(st['max_grad_norm'], '{:.2f}')} |"
+            f"{_pm(st['clip_frac_last10'], '{:.3f}')} | {_pm(st['max_grad_norm'], '{:.2f}')} | "
+            f"{_pm(st['nonfinite_grad_steps'], '{:.1f}')} |"
             for variant, st in ((v, d["stats"]) for v, d in summary["variants"].items())
         ),
     ]

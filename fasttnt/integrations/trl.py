@@ -41,8 +41,10 @@ optimizer) is TRL's. The semantics are TRL's own ``_compute_loss``'s, option for
                   use_bias_correction_kl=False: TRL's default weights it by the ratio, which is refused)
     temperature   the sampling temperature the log-probs are taken at
     vLLM's importance-sampling correction (use_vllm with vllm_importance_sampling_correction): TRL's
-                  ``importance_sampling_ratio`` as the per-token weight of the clipped term; with vespo, inside each
-                  sequence's weight (the completion's tokens': TRL makes a padded position's ratio 1)
+                  ``importance_sampling_ratio`` as the per-token weight of the clipped term (at the sequence level,
+                  except with cispo, each sequence's mean: TRL's gradient goes through the sequence's ratio); with
+                  vespo, inside each sequence's weight (the completion's tokens': TRL makes a padded position's
+                  ratio 1)
 
 TRL's metrics are logged under its names: entropy, kl, clip_ratio/low_mean, low_min, high_mean, high_max and
 region_mean, cispo_clip_ratio, vespo/phi_seq_mean, each computed as TRL computes it (low_min and high_max from
@@ -321,7 +323,8 @@ class FastTNTGRPOTrainer(GRPOTrainer):
 
     def _loss_normalisers(self, inputs, tokens: int, sequences: int, mode: str) -> dict:
         """TRL's normaliser of each loss_type as fasttnt's total_tokens / total_seqs (TRL divides every loss
-        but dapo's by the gradient-accumulation steps; dapo's counts the generation batch's tokens)."""
+        but dapo's, cispo's and vespo's by the gradient-accumulation steps; theirs counts the generation batch's
+        tokens)."""
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         if self.loss_type in ("grpo", "sapo"):
             return {"total_seqs": sequences * accumulation}

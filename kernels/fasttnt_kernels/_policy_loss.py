@@ -32,6 +32,10 @@ VESPO_LOG_W_MIN = math.log(1e-8)
 VESPO_LOG_W_MAX = 20.0
 """VESPO's sequence log-weight and each rollout log-weight in it are clamped to [log 1e-8, 20] (TRL 1.16's
 ``get_gamma_weights``)."""
+VESPO_LOG_PHI_MAX = 88.0
+"""A VESPO weight whose log is above this is 0: float32 overflows at e^88.72, which TRL's ``nan_to_num(posinf=0)``
+turns into 0 (88, not 88.72, so that the exp of the clamped value itself stays finite in float32). Reached only
+with a peak e^(lambda - k) (k / lambda)^k that large, k = 10 and lambda = 1e-4 say."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +107,7 @@ class PolicyLossConfig:
              f"vespo weighs whole sequences itself), not policy_loss={self.policy_loss!r}")  # fmt: skip
         for key in ("sapo_tau_pos", "sapo_tau_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
             need(math.isfinite(getattr(self, key)) and getattr(self, key) > 0.0, key, "must be a finite number > 0")
-        # k >= 0 keeps phi finite: its largest value is e^(lambda - k) (k / lambda)^k, at w = k / lambda
+        # k >= 0 bounds phi: its largest value is e^(lambda - k) (k / lambda)^k, at w = k / lambda
         for key in ("vespo_k_pos", "vespo_k_neg"):
             need(math.isfinite(getattr(self, key)) and getattr(self, key) >= 0.0, key, finite_nonnegative)
 
@@ -244,7 +248,8 @@ def vespo_weights(log_w: torch.Tensor, advantages: torch.Tensor, config: PolicyL
     nonneg = a >= 0
     k = torch.where(nonneg, config.vespo_k_pos, config.vespo_k_neg).to(log_w.dtype)
     lam = torch.where(nonneg, config.vespo_lambda_pos, config.vespo_lambda_neg).to(log_w.dtype)
-    return torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    log_phi = lam + k * log_w - lam * torch.exp(log_w)
+    return torch.where(log_phi > VESPO_LOG_PHI_MAX, 0.0, torch.exp(log_phi.clamp(max=VESPO_LOG_PHI_MAX)))
 
 
 _INPUT_FIELDS = frozenset(f.name for f in fields(PolicyLossInputs))

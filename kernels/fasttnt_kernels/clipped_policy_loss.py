@@ -27,22 +27,22 @@ weights, the KL term and the aggregation as above; verl's names and formulas, ve
                                                                               (arXiv 2511.20347)
     vespo   pg_t = -sg(phi_s) A_s logp_t,  phi_s = exp(lambda + k log w_s - lambda w_s)  (TRL 1.16's vespo)
             log w_s = clamp(sum over s of clamp(logp - old_logp, -20, 20) + clamp(log is_w, log 1e-8, 20),
-                            log 1e-8, 20),  (k, lambda) = vespo_k_pos, vespo_lambda_pos if A_s >= 0, else _neg
+                            log 1e-8, 20),  (k, lambda) = vespo_k_pos, vespo_lambda_pos if A_s >= 0, else _neg;
+            a phi past float32's range is 0 (TRL's)
 
 ``ratio_level="sequence"`` gives CISPO's weight and SAPO's gate GSPO's r_t in place of the token's ratio (TRL 1.16's
-``importance_sampling_level="sequence"`` with its cispo and sapo). CISPO's weight is a constant of the gradient
-(sg: stop-gradient), so every token keeps a gradient, -w A_s, where
-the surrogate's clip zeroes it; TRL 1.16's ``cispo`` caps the weight above only, at ``epsilon_high``: clip_low = 1,
-clip_high = epsilon_high - 1 here. GSPO's token ratio has the value of its sequence's and the gradient of the
-token's own log-prob (d r_t / d logp_t = r_t): under seq-mean-token-mean that is the gradient of the sequence ratio
-itself, s_s / |s| per token, as TRL 1.16's ``importance_sampling_level="sequence"`` differentiates it, and under
-every aggregation equal to TRL's (its token-summing losses count a sequence's one value on each of its tokens).
-VESPO's
-gamma weight of the sequence's summed log-ratio is 1 on-policy and falls off on both sides, so stale sequences
-fade out rather than being clipped; it is a constant of the gradient, as CISPO's weight, and the rollout weights
-``is_weights`` enter w_s (as TRL's ``importance_sampling_ratio``), not each token's term. SAPO's gate is TRL
-1.16's and verl 0.9.1's alike (verl also forces the seq-mean-token-mean aggregation, TRL's
-``sapo`` aggregates as its ``grpo``: the same; here ``agg`` decides).
+``importance_sampling_level="sequence"`` with its cispo and sapo). CISPO's weight is a constant of the gradient (sg:
+stop-gradient), so every token keeps a gradient, -w A_s, where the surrogate's clip zeroes it; TRL 1.16's ``cispo``
+caps the weight above only, at ``epsilon_high``: clip_low = 1, clip_high = epsilon_high - 1 here. GSPO's token ratio
+has the value of its sequence's and the gradient of the token's own log-prob (d r_t / d logp_t = r_t): under
+seq-mean-token-mean that is the gradient of the sequence ratio itself, s_s / |s| per token, as TRL 1.16's
+``importance_sampling_level="sequence"`` differentiates it, and under every aggregation equal to TRL's (its
+token-summing losses count a sequence's one value on each of its tokens). VESPO's gamma weight of the sequence's
+summed log-ratio is 1 on-policy and falls off on both sides, so stale sequences fade out rather than being clipped;
+it is a constant of the gradient, as CISPO's weight, and the rollout weights ``is_weights`` enter w_s (as TRL's
+``importance_sampling_ratio``), not each token's term. SAPO's gate is TRL 1.16's and verl 0.9.1's alike (verl also
+forces the seq-mean-token-mean aggregation, TRL's ``sapo`` aggregates as its ``grpo``: the same; here ``agg``
+decides).
 
 The cap on k3 is verl's (its low_var_kl clamps the value at 10): a token whose reference log-prob is far above its
 own (d = 20 is e^20 - 21 = 4.9e8) would otherwise outweigh the whole batch's loss, and its gradient
@@ -72,6 +72,7 @@ from . import _common
 from ._common import LOG_RATIO_CLAMP
 from ._policy_loss import (
     GSPO_LOG_RATIO_MAX,
+    VESPO_LOG_PHI_MAX,
     VESPO_LOG_W_MAX,
     VESPO_LOG_W_MIN,
     PolicyLossConfig,
@@ -120,6 +121,7 @@ def _clipped_policy_loss_kernel(
     vespo_lambda_pos,
     vespo_k_neg,
     vespo_lambda_neg,
+    vespo_log_phi_max,
     w_const,  # w_t = w_const + w_per_len / len_s covers all three aggregations
     w_per_len,
     log_ratio_clamp,
@@ -188,7 +190,9 @@ def _clipped_policy_loss_kernel(
         nonneg = a >= 0.0
         k = tl.where(nonneg, vespo_k_pos, vespo_k_neg)
         lam = tl.where(nonneg, vespo_lambda_pos, vespo_lambda_neg)
-        phi = tl.exp(lam + k * log_w - lam * tl.exp(log_w))
+        log_phi = lam + k * log_w - lam * tl.exp(log_w)
+        # past float32's range phi is 0, as TRL's; exp of the clamped value, so nothing overflows on the side
+        phi = tl.where(log_phi > vespo_log_phi_max, 0.0, tl.exp(tl.minimum(log_phi, vespo_log_phi_max)))
         pg = -phi * a * logp
         dpg = -phi * a
         low_binds = tl.zeros([BLOCK], dtype=tl.int1)
@@ -466,6 +470,7 @@ class TokenTerms:
                 config.vespo_lambda_pos,
                 config.vespo_k_neg,
                 config.vespo_lambda_neg,
+                VESPO_LOG_PHI_MAX,
                 self.w_const,
                 self.w_per_len,
                 LOG_RATIO_CLAMP,

@@ -148,6 +148,19 @@ def test_sequence_level_cispo_and_sapo_by_hand(triton_path):
     torch.testing.assert_close(grad.double().cpu(), torch.full((2,), -4 * g * (1 - g) * s / 2, dtype=torch.float64))
 
 
+def test_a_vespo_weight_past_float32_is_zero(triton_path):
+    # k = 10, lambda = 1e-4 (TRL's floor): phi peaks at w = k / lambda = 1e5, log phi = 1e-4 + 10 log 1e5 - 10 = 105.1,
+    # past float32's 88.7, which TRL's float32 exp makes inf and its nan_to_num 0; a sequence just below (w = 1e3,
+    # log phi = 59.2) keeps its weight
+    logp = torch.full((2,), -1.0, device=DEVICE)
+    old = logp - torch.tensor([math.log(1e5), math.log(1e3)], device=DEVICE)
+    adv, cu = torch.tensor([1.0, 1.0], device=DEVICE), torch.tensor([0, 1, 2], device=DEVICE)
+    loss, _, grad = _run(logp, old, adv, cu, policy_loss="vespo", vespo_k_pos=10.0, vespo_lambda_pos=1e-4)
+    below = math.exp(1e-4 + 10 * math.log(1e3) - 1e-4 * 1e3)
+    assert torch.isfinite(grad).all() and grad[0].item() == 0.0
+    assert math.isclose(grad[1].item(), -below / 2, rel_tol=1e-5) and math.isclose(loss.item(), below / 2, rel_tol=1e-5)
+
+
 def test_vespo_by_hand(triton_path):
     # token-mean over 9 tokens, logp -1, so pg_t = -phi_s A_s logp_t = phi_s A_s and dloss/dlogp_t = -phi_s A_s / 9,
     # phi = exp(lambda + k log w - lambda w) with (k, lambda) = (2, 3) for A >= 0, (3, 2) below.
