@@ -53,11 +53,11 @@ per-sequence means over all processes).
 Importing this module imports TRL (>= 1.16.0, whose private methods it replaces; an older one is refused here);
 ``fasttnt.integrations`` itself does not.
 
-Refused, with the option named: a negative vespo_k_pos or
-vespo_k_neg (phi = w^k e^(lambda (1 - w)) is then unbounded as w falls, which TRL meets by zeroing the infinities
-its float32 exp makes: a weight that jumps from its largest to 0), top_entropy_quantile < 1,
-off_policy_mask_threshold, use_bias_correction_kl with beta > 0, an entropy bonus, MoE auxiliary losses, tool
-masks inside a completion, a lm_head bias, logit scaling or soft-capping, multimodal inputs to the loss.
+Refused, with the option named: a negative vespo_k_pos or vespo_k_neg (phi = w^k e^(lambda (1 - w)) is then
+unbounded as w falls, which TRL meets by zeroing the infinities its float32 exp makes: a weight that jumps from its
+largest to 0), top_entropy_quantile < 1, off_policy_mask_threshold, use_bias_correction_kl with beta > 0, an entropy
+bonus, MoE auxiliary losses, tool masks inside a completion, a lm_head bias, logit scaling or soft-capping,
+multimodal inputs to the loss.
 """
 
 from __future__ import annotations
