@@ -458,10 +458,7 @@ def linear_loss_case(n: int, h: int, v: int, dtype, device, mean_len: int) -> Ca
         # sides, but none within 0.05 of a clip boundary (log 0.8, log 1.2): a 16-bit logp errs by ~0.01, and a
         # token that crossed a boundary would turn its gradient from ratio * A / N to 0 in one provider, not the truth
         logp64 = _lm_head_logp64(x["hidden"].detach(), x["weight"].detach(), x["ids"])
-        log_ratio = torch.rand(n, device=device, dtype=torch.float64) * 1.2 - 0.6  # (N,)
-        for boundary in (math.log(0.8), math.log(1.2)):
-            near = (log_ratio - boundary).abs() < 0.05
-            log_ratio = torch.where(near, log_ratio + 0.1 * torch.sign(log_ratio - boundary), log_ratio)
+        log_ratio = _log_ratios_off(n, 0.6, (math.log(0.8), math.log(1.2)), device)  # (N,)
         old = (logp64 - log_ratio).float()  # (N,)
         adv_t = adv.repeat_interleave(cu.diff(), output_size=n)  # (N,) TRL's advantages, one per token
         return {**x, "cu": cu, "adv": adv, "adv_t": adv_t, "old": old, "logp64": logp64}
@@ -532,12 +529,32 @@ def linear_loss_case(n: int, h: int, v: int, dtype, device, mean_len: int) -> Ca
             {"main": lambda x: float(x["adv_t"].abs().mean()), "ce": lambda x: 0.0},
         ),
         providers,
-        grads=("hidden", "weight"),
-        input_bytes=2.0 * hv * e + 20.0 * n,
-        truth_bytes=_lm_head_truth_bytes(n, h, v, 2),
-        bytes_fwd=hv * e,
-        flops_fwd=2.0 * n * h * v,
+        **_lm_head_loss_costs(n, h, v, e),
     )
+
+
+def _log_ratios_off(n: int, spread: float, kinks: tuple[float, ...], device) -> torch.Tensor:
+    """Rollout log-ratios (N,) float64, uniform over [-spread, spread], none within 0.05 of a loss's kink (a log of a
+    clip bound or cap; such a token is moved 0.1 away): a 16-bit logp errs by ~0.01, and a token across a kink would
+    take another branch in one provider than in the truth."""
+    log_ratio = torch.rand(n, device=device, dtype=torch.float64) * (2 * spread) - spread
+    for kink in kinks:
+        near = (log_ratio - kink).abs() < 0.05
+        log_ratio = torch.where(near, log_ratio + 0.1 * torch.sign(log_ratio - kink), log_ratio)
+    return log_ratio
+
+
+def _lm_head_loss_costs(n: int, h: int, v: int, e: int) -> dict:
+    """A fused lm_head loss case's gradients and sizes: hidden states and weight in and their gradients, the float64
+    truth, the bytes and flops of its forward (``Case``'s fields)."""
+    hv = (n + v) * h
+    return {
+        "grads": ("hidden", "weight"),
+        "input_bytes": 2.0 * hv * e + 20.0 * n,
+        "truth_bytes": _lm_head_truth_bytes(n, h, v, 2),
+        "bytes_fwd": hv * e,
+        "flops_fwd": 2.0 * n * h * v,
+    }
 
 
 # TRL 1.16's settings of each loss type in the family rows (GRPOConfig's defaults: epsilon 0.2, epsilon_high None =
@@ -601,9 +618,7 @@ def loss_family_case(n: int, h: int, v: int, dtype, device, mean_len: int, loss:
         x = _lm_head_inputs(n, h, v, dtype, device)
         cu = _cu_seqlens(bounds, device)
         logp64 = _lm_head_logp64(x["hidden"].detach(), x["weight"].detach(), x["ids"])
-        log_ratio = (torch.rand(n, device=device, dtype=torch.float64) * 2 - 1) * spread  # (N,)
-        near = (log_ratio - math.log(CISPO_CAP)).abs() < 0.05
-        log_ratio = torch.where(near, log_ratio + 0.1 * torch.sign(log_ratio - math.log(CISPO_CAP)), log_ratio)
+        log_ratio = _log_ratios_off(n, spread, (math.log(CISPO_CAP),), device)  # (N,)
         return {**x, "cu": cu, "adv": torch.randn(len(bounds), device=device), "old": (logp64 - log_ratio).float(),
                 "logp64": logp64}  # fmt: skip
 
@@ -665,11 +680,7 @@ def loss_family_case(n: int, h: int, v: int, dtype, device, mean_len: int, loss:
         make,
         _lm_head_check({"main": policy_loss}, {"main": lambda x: float(x["adv"].abs().mean())}),
         providers,
-        grads=("hidden", "weight"),
-        input_bytes=2.0 * hv * e + 20.0 * n,
-        truth_bytes=_lm_head_truth_bytes(n, h, v, 2),
-        bytes_fwd=hv * e,
-        flops_fwd=2.0 * n * h * v,
+        **_lm_head_loss_costs(n, h, v, e),
     )
 
 
