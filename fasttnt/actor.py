@@ -11,7 +11,6 @@ collective.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import NamedTuple
 
 import torch
@@ -44,8 +43,7 @@ class NoGradLogprobs(NamedTuple):
 class Actor:
     def __init__(self, cfg: TrainConfig, parts, *, correction: str) -> None:
         """``parts``: the built run (``fasttnt.run_setup.RunParts``): model, head, optimizer, DeepSpeed's engine,
-        ranks, and the rollout engine (one that samples from a copy of the weights has its log-probs checked every
-        step)."""
+        ranks."""
         self.cfg = cfg
         self.model, self.head, self.optimizer = parts.model, parts.head, parts.optimizer
         self.ds_engine, self.ref_model = parts.ds_engine, parts.ref_model
@@ -54,32 +52,22 @@ class Actor:
         self.autocast_on = parts.autocast
         self.correction = correction
         self.settings = PolicyLossConfig.of(cfg.loss)
-        # the stale-weight guard (fasttnt.trainer): an engine with its own copy of the weights, sampling the whole
-        # distribution (under top-p both engines report log-probs renormalised over the nucleus, the trainer of the
-        # whole: they differ by design, which the rollout correction weighs)
-        guarded = parts.engine.separate_weights and cfg.rollout.max_logp_diff is not None
-        self.guards_engine = guarded and cfg.rollout.top_p == 1.0
-        if guarded and not self.guards_engine:
-            warnings.warn(
-                f"rollout.max_logp_diff: the stale-weight guard is off at rollout.top_p={cfg.rollout.top_p} (the "
-                "engine's log-probs are renormalised over the nucleus, the trainer's are not); nothing checks that "
-                "the engine samples from the trainer's weights",
-                stacklevel=2,
-            )
 
     # -- log-probs without gradients ----------------------------------------------------------------------------
 
-    def old_and_ref_logprobs(self, batch: RolloutBatch, probe: RolloutBatch | None = None) -> NoGradLogprobs:
+    def old_and_ref_logprobs(
+        self, batch: RolloutBatch, probe: RolloutBatch | None = None, *, guarded: bool = False
+    ) -> NoGradLogprobs:
         """The old log-probs (N,), needed once the policy moves within the step (a second mini-batch or epoch), to
         importance-weight against the engine's (the weights are needed before the fused loss forms its gradient;
-        TRL computes them likewise for its vLLM correction, grpo_trainer.py, trl 1.16), to check an engine that
-        samples from its own copy of the weights, or for a mode-mixed batch, whose ``probe`` rows (``ModeMix.probe``)
-        get the old policy's log-probs too (``fasttnt.modes``); the reference model's log-probs when the KL term is
-        on. None where not needed."""
+        TRL computes them likewise for its vLLM correction, grpo_trainer.py, trl 1.16), where the stale-weight guard
+        checks the batch (``guarded``: ``StaleWeightGuard.checks``), or for a mode-mixed batch, whose ``probe`` rows
+        (``ModeMix.probe``) get the old policy's log-probs too (``fasttnt.modes``); the reference model's log-probs
+        when the KL term is on. None where not needed."""
         loss_cfg = self.cfg.loss
         old_logp = ref_logp = probe_logp = None
-        compared = (self.correction != "none" or self.guards_engine) and batch.rollout_logp is not None
-        if loss_cfg.ppo_epochs > 1 or loss_cfg.mini_batches > 1 or compared or probe is not None:
+        compared = self.correction != "none" and batch.rollout_logp is not None
+        if loss_cfg.ppo_epochs > 1 or loss_cfg.mini_batches > 1 or compared or guarded or probe is not None:
             old_logp = self.logprobs(self.policy, batch, zero3_collectives=self.zero3)
         if probe is not None:
             probe_logp = self.logprobs(self.policy, probe, zero3_collectives=self.zero3)
@@ -96,13 +84,6 @@ class Actor:
         with torch.no_grad(), self.autocast():
             logp, _ = response_logprobs(model, batch, plan, temperature=self.cfg.rollout.temperature, pad_to=pad_to)
         return logp
-
-    def engine_logp_diff(self, batch: RolloutBatch, old_logp: torch.Tensor) -> float:
-        """The mean |old - rollout| log-prob per sampled token, over all ranks (the stale-weight guard's number, the
-        ``rollout_logp_diff`` the update logs). sync: one read."""
-        diff = (old_logp.float() - batch.rollout_logp).abs().sum()
-        total = distributed.sum_over_ranks(self.dist, torch.stack([diff, diff.new_tensor(float(old_logp.numel()))]))
-        return float(total[0] / total[1].clamp(min=1.0))
 
     # -- the update ---------------------------------------------------------------------------------------------
 

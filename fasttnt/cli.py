@@ -136,9 +136,10 @@ def _train(args) -> int:
     from .checkpoint import ResumeError
     from .config import ConfigError, load_config
     from .data import DataError
+    from .guard import StaleWeightsError
     from .plots import summary_table
     from .preemption import EXIT_PREEMPTED, Preempted
-    from .trainer import StaleWeightsError, Trainer, VerificationError
+    from .trainer import Trainer, VerificationError
     from .variants import VariantError, read_variants_file, variant_overrides
     from .verify import VerifierStartupError
 

@@ -29,6 +29,7 @@ from .data import PromptMode
 from .dynamic_sampling import choose_groups, concat_draws, select_groups, varied_groups
 from .engines.batch import FORCED_CODES
 from .engines.sampler import step_seed
+from .guard import StaleWeightGuard
 from .metrics import (
     CHOICE_PREFIXES,
     choice_metrics,
@@ -51,28 +52,6 @@ from .wandb_log import WandbRun
 
 class VerificationError(RuntimeError):
     """A step's rewards cannot be trusted: too many answers could not be verified."""
-
-
-class StaleWeightsError(RuntimeError):
-    """The rollout engine sampled from other weights than the trainer's: a weight push that did not arrive."""
-
-
-# The stale-weight guard under bf16. Two bf16 implementations of one network (the engine's kernels, the trainer's
-# autocast) differ in every rounding, so their log-probs differ even on the same weights; at step 1 of a run they
-# hold the same weights by construction (the engine loaded the checkpoint the trainer starts from, and nothing has
-# moved), so that step's difference is the run's noise floor. The guard then stops past max(rollout.max_logp_diff,
-# GUARD_NOISE_FACTOR x floor): a mean over a step's thousands of tokens moves little from step to step, and 3x leaves
-# room for the logits to grow as the policy sharpens, while a push that did not arrive or was garbled (a tied head
-# left out measured 3.7 nats) is far past it. A floor whose 3x passes GUARD_CEILING (0.5 nats per token, a likelihood
-# ratio of e^0.5 per token on average) is no rounding: that engine is not serving the trainer's model.
-GUARD_NOISE_FACTOR = 3.0
-GUARD_CEILING = 0.5
-
-
-def stale_weights(diff: float, limit: float) -> bool:
-    """The stale-weight guard's rule: the engine's mean log-prob difference per token is over ``limit``, or NaN (an
-    engine whose numbers cannot be checked is not trusted)."""
-    return not diff <= limit
 
 
 class PhaseClock:
@@ -99,7 +78,8 @@ class Trainer:
         self.dist, self.rank, self.world, self.is_main = parts.dist, parts.rank, parts.world, parts.is_main
         self.device, self.model, self.tokenizer = parts.device, parts.model, parts.tokenizer
         self.engine, self.stream, self.state = parts.engine, parts.stream, parts.state
-        self.guard_floor = parts.state.logp_diff_floor  # measured at step 1 under bf16 (GUARD_NOISE_FACTOR)
+        self.guard = StaleWeightGuard(cfg, separate_weights=parts.engine.separate_weights, bf16=parts.autocast,
+                                      dist=parts.dist, floor=parts.state.logp_diff_floor)  # fmt: skip
         self.correction = rollout_correction(cfg)
         self.actor = Actor(cfg, parts, correction=self.correction)
         self.modes = ModeMix.of(cfg)  # the modes of each group's rows, their advantages and first-token terms
@@ -133,7 +113,8 @@ class Trainer:
 
         # old and reference log-probs (and, mode-mixed, of </think> first)
         batch = trained.batch
-        logp = self.actor.old_and_ref_logprobs(batch, self.modes.probe(batch, self.parts.think_end_id))
+        probe = self.modes.probe(batch, self.parts.think_end_id)
+        logp = self.actor.old_and_ref_logprobs(batch, probe, guarded=self.guard.checks(batch))
         clock.lap("logprobs")
 
         # advantage, and the mode tokens' terms (fasttnt.modes), faded below the floor of a settled choice (under
@@ -148,7 +129,7 @@ class Trainer:
                 tqdm.write(f"fasttnt: {warning}")
         terms = self.modes.loss_terms(batch, trained.rewards, logp.old_policy, logp.think_end, self.parts.think_end_id,
                                       floor_logp=self.modes.floor_logp(self.mode_floor))  # fmt: skip
-        self._check_engine_weights(step, batch, terms.old_logp)
+        self.guard.check(step, batch, terms.old_logp)
         clock.lap("advantage")
 
         # update
@@ -170,7 +151,7 @@ class Trainer:
                               varied=varied, filled=filled, times=clock.times, think_end=logp.think_end,
                               below_floor=terms.below_floor)  # fmt: skip
         self.state = TrainerState(step=step, data_position=self.stream.position, world=self.world,
-                                  logp_diff_floor=self.guard_floor, mode_token_floor_logp=self.mode_floor)  # fmt: skip
+                                  logp_diff_floor=self.guard.floor, mode_token_floor_logp=self.mode_floor)  # fmt: skip
         return values
 
     def _draw(self, step: int, draw: int, clock: PhaseClock) -> ScoredBatch:
@@ -211,31 +192,6 @@ class Trainer:
         levels = torch.tensor([-1 if p.level is None else p.level for p in problems], device=judged.correct.device)
         scores.levels = levels.repeat_interleave(r.group_size)
         return scores
-
-    def _check_engine_weights(self, step: int, batch, old_logp) -> None:
-        """Stop before training on samples that the engine drew from weights other than the trainer's."""
-        limit = configured = self.cfg.rollout.max_logp_diff
-        if not self.actor.guards_engine or old_logp is None or batch.rollout_logp is None:
-            return
-        diff = self.actor.engine_logp_diff(batch, old_logp)
-        if self.parts.autocast and step == 1:  # bf16: the noise floor, on weights that match by construction
-            if stale_weights(GUARD_NOISE_FACTOR * diff, GUARD_CEILING):
-                raise StaleWeightsError(
-                    f"step 1: the {self.cfg.rollout.engine} engine's log-probs differ from the trainer's by {diff:.3g} "
-                    f"per token while both hold the run's starting weights: more than bf16 rounding explains (the "
-                    f"guard's ceiling {GUARD_CEILING} / {GUARD_NOISE_FACTOR}); the engine is not serving this model"
-                )
-            self.guard_floor = diff
-        if self.guard_floor is not None:
-            limit = max(limit, GUARD_NOISE_FACTOR * self.guard_floor)
-        if stale_weights(diff, limit):
-            floor = self.guard_floor
-            floor = "" if floor is None else f", or {GUARD_NOISE_FACTOR:g}x step 1's bf16 floor {floor:.3g}"
-            raise StaleWeightsError(
-                f"step {step}: the {self.cfg.rollout.engine} engine's log-probs differ from the trainer's by "
-                f"{diff:.3g} per token, past the guard's {limit:.3g} (rollout.max_logp_diff={configured}{floor}): it "
-                "sampled from other weights (a weight push that did not arrive?); not training on them"
-            )
 
     def _short_of_groups(self, varied: int) -> bool:
         """Whether this rank, or any other, has fewer than its share of groups with differing rewards (every rank

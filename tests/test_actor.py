@@ -319,5 +319,5 @@ def test_the_guards_number_is_a_mean_over_tokens(tmp_path):
     trainer = Trainer(load_config(None, run_overrides(tmp_path)), tmp_path / "run")
     trainer.verifier.close()
     batch = RolloutBatch.of_responses([[1], [1]], [[5], [6, 7, 8]], [False, False], 2, rollout_logp=[-1.0] * 4)
-    assert trainer.actor.engine_logp_diff(batch, torch.tensor([-5.0, -1.0, -1.0, -1.0])) == 1.0
-    assert trainer.actor.engine_logp_diff(batch, torch.tensor([-1.0, -1.0, -3.0, 1.0])) == 1.0
+    assert trainer.guard.engine_logp_diff(batch, torch.tensor([-5.0, -1.0, -1.0, -1.0])) == 1.0
+    assert trainer.guard.engine_logp_diff(batch, torch.tensor([-1.0, -1.0, -3.0, 1.0])) == 1.0

@@ -24,8 +24,9 @@ from fasttnt.checkpoint import list_checkpoints
 from fasttnt.cli import main as cli_main
 from fasttnt.config import load_config
 from fasttnt.embedded.tiny import TinyModelConfig
+from fasttnt.guard import stale_weights
 from fasttnt.step_metrics import TOKEN_METRICS
-from fasttnt.trainer import Trainer, stale_weights
+from fasttnt.trainer import Trainer
 
 
 def test_a_run_writes_every_output(tmp_path):
@@ -282,7 +283,7 @@ def test_the_hf_engine_is_not_guarded(tmp_path):
     cfg = load_config(None, run_overrides(tmp_path, varied.OVERRIDE, "loss.mini_batches=2",
                                           "rollout.max_logp_diff=1e-12", "steps=2"))  # fmt: skip
     trainer = Trainer(cfg, tmp_path / "run")
-    assert not trainer.actor.guards_engine
+    assert not trainer.guard.active
     trainer.run()
     rows = metric_rows(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2] and all("rollout_logp_diff" in r for r in rows)
