@@ -25,10 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+import fasttnt.trainer as trainer_module
+from fasttnt.actor import UpdateInputs
 from fasttnt.config import load_config
 from fasttnt.data import PromptMode
 from fasttnt.engines.batch import FORCED_CODES
@@ -69,17 +72,18 @@ class Attribution:
         with torch.set_grad_enabled(grad):
             return response_logprobs(self.actor.head, probe, plan, temperature=self.temperature)[0]
 
-    def subset_grad(self, batch, advantages, old_logp, ref_logp, weights, first, mask) -> torch.Tensor:
+    def subset_grad(self, inputs: UpdateInputs, mask: torch.Tensor) -> torch.Tensor:
         self.model.zero_grad(set_to_none=True)
-        w = mask.float() if weights is None else weights * mask.float()
+        masked = replace(inputs, is_weights=mask.float() if inputs.is_weights is None else inputs.is_weights * mask)
+        batch = inputs.batch
         n_tokens, n_seqs = float(batch.bounds[-1]), float(batch.lengths.numel())
         for mb in plan_micro_batches(batch, self.trainer.cfg.micro_batch_tokens):
-            total, _ = self.actor._micro_batch_loss(batch, mb, advantages, first, old_logp, ref_logp, w,
-                                                    n_tokens=n_tokens, n_seqs=n_seqs)  # fmt: skip
+            total, _ = self.actor._micro_batch_loss(masked, mb, n_tokens=n_tokens, n_seqs=n_seqs)
             total.backward()
         return self.flat_grad()
 
-    def __call__(self, batch, advantages, old_logp, ref_logp, token_weights=None, first_advantages=None):
+    def __call__(self, inputs: UpdateInputs):
+        batch, token_weights = inputs.batch, inputs.is_weights
         step, k = self.trainer.state.step + 1, batch.group_size
         levels = self.levels(batch)  # (G,)
         row_levels = levels.repeat_interleave(k)  # (S,)
@@ -105,8 +109,7 @@ class Attribution:
             self.model.zero_grad(set_to_none=True)
             self.probe_logp(batch, grad=True)[levels == lv].mean().backward()
             h[lv] = self.flat_grad()
-        g = {name: self.subset_grad(batch, advantages, old_logp, ref_logp, token_weights, first_advantages, m)
-             for name, m in masks.items() if m.any()}  # fmt: skip
+        g = {name: self.subset_grad(inputs, m) for name, m in masks.items() if m.any()}
         total = sum(g.values())
         before = self.probe_logp(batch)
         # this step's Adam preconditioner, with the clipping the update will apply
@@ -121,7 +124,7 @@ class Attribution:
         t = int(states[0]["step"]) + 1 if states[0] else 1
         v = b2 * v + (1 - b2) * (clip * total) ** 2
         precondition = 1.0 / ((v / (1 - b2**t)).sqrt() + eps)
-        result = self.update(batch, advantages, old_logp, ref_logp, token_weights, first_advantages)
+        result = self.update(inputs)
         after = self.probe_logp(batch)
         row = {"step": step}
         for lv, h_l in h.items():
@@ -135,20 +138,19 @@ class Attribution:
                               ("free_direct", at_rows & direct & ~forced_direct)):  # fmt: skip
                 if sel.any():
                     row[f"reward_{name}_l{lv}"] = float(self.rewards[sel].mean())
-            # ModeMix's first-token rule (``rule`` in the trainer of 8cade57, which docs/algorithms.md measures)
-            rule = getattr(self.trainer.modes, "mode_token_logp", None) or getattr(self.trainer.modes, "rule", None)
-            if token_weights is not None and rule == "policy":  # only the fade's (or the old floor's zeros)
+            # under "policy" the first tokens' weights are the fade's alone
+            if token_weights is not None and self.trainer.mode_mix.mode_token_logp == "policy":
                 row[f"faded_l{lv}"] = float((token_weights[first][at_rows & forced_direct] < 1).float().mean())
         with open(self.out / "attribution.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
         return result
 
-    def loss_terms(self, terms):
-        """``ModeMix.loss_terms`` with the step's rewards kept for the rows above."""
+    def step_advantages(self, real):
+        """``fasttnt.advantages.step_advantages`` with the step's rewards kept for the rows above."""
 
-        def wrapped(batch, rewards, *args, **kwargs):
+        def wrapped(rewards, *args):
             self.rewards = rewards.rewards
-            return terms(batch, rewards, *args, **kwargs)
+            return real(rewards, *args)
 
         return wrapped
 
@@ -167,7 +169,7 @@ def main() -> None:
     trainer = Trainer(cfg, args.out, progress=True)
     attribution = Attribution(trainer, args.out)
     trainer.actor.update = attribution  # the update of this run only: its own instance
-    object.__setattr__(trainer.modes, "loss_terms", attribution.loss_terms(trainer.modes.loss_terms))
+    trainer_module.step_advantages = attribution.step_advantages(trainer_module.step_advantages)  # this process only
     trainer.run()
 
 

@@ -11,6 +11,7 @@ collective.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -35,9 +36,50 @@ class NoGradLogprobs(NamedTuple):
     """A batch's log-probs before the update, without gradients (``Actor.old_and_ref_logprobs``); None where not
     needed."""
 
-    old_policy: torch.Tensor | None  # (N,) the policy's before the update (the old policy, pi_old)
-    reference: torch.Tensor | None  # (N,) the reference model's (the KL term)
-    think_end: torch.Tensor | None  # (G,) mode-mixed: log pi_old(</think> | x) at each group's first position
+    old_logp: torch.Tensor | None  # (N,) the policy's before the update (the old policy, pi_old)
+    ref_logp: torch.Tensor | None  # (N,) the reference model's (the KL term)
+    think_end_logp: torch.Tensor | None  # (G,) mode-mixed: log pi_old(</think> | x) at each group's first position
+
+
+PER_SEQUENCE = ("advantages", "first_advantages")
+PER_TOKEN = ("old_logp", "ref_logp", "is_weights")
+
+
+@dataclass(frozen=True)
+class UpdateInputs:
+    """What the update needs of a step: the batch and its tensors, named as the loss kernel names them
+    (``PolicyLossInputs``), each cut with the batch (``PER_SEQUENCE``, ``PER_TOKEN``); None where not used."""
+
+    batch: RolloutBatch
+    advantages: torch.Tensor  # (S,) every token's, but the first's where first_advantages is given
+    first_advantages: torch.Tensor | None = None  # (S,) the first (mode) tokens' own (fasttnt.advantages)
+    old_logp: torch.Tensor | None = None  # (N,) pi_old's ("half": log 0.5 at the forced first tokens); None: on-policy
+    ref_logp: torch.Tensor | None = None  # (N,) the reference model's (the KL term)
+    is_weights: torch.Tensor | None = None  # (N,) per-token weights of the policy-gradient term (fasttnt.modes)
+
+    def group_slice(self, first: int, last: int) -> UpdateInputs:
+        """Prompts ``first .. last - 1`` (``RolloutBatch.group_slice``) and their tensors."""
+        k, bounds = self.batch.group_size, self.batch.bounds
+        return self._cut(self.batch.group_slice(first, last), slice(first * k, last * k),
+                         slice(bounds[first * k], bounds[last * k]))  # fmt: skip
+
+    def select(self, keep: list[int]) -> UpdateInputs:
+        """Sequences ``keep`` (ascending; ``RolloutBatch.select``) and their tensors."""
+        kept, tokens = self.batch.select(keep)
+        return self._cut(kept, torch.tensor(keep, dtype=torch.long, device=self.advantages.device), tokens)
+
+    def _cut(self, batch: RolloutBatch, sequences, tokens) -> UpdateInputs:
+        cut = {name: t[sequences] for name in PER_SEQUENCE if (t := getattr(self, name)) is not None}
+        cut |= {name: t[tokens] for name in PER_TOKEN if (t := getattr(self, name)) is not None}
+        return replace(self, batch=batch, **cut)
+
+    def micro_batch(self, mb: MicroBatch, **totals) -> MicroBatchLossInputs:
+        """``linear_policy_loss``'s inputs for micro-batch ``mb`` of this batch; ``totals``: the normalisers and
+        settings of ``MicroBatchLossInputs``."""
+        lo, hi = self.batch.bounds[mb.first], self.batch.bounds[mb.last]
+        cut = {name: t[mb.first : mb.last] for name in PER_SEQUENCE if (t := getattr(self, name)) is not None}
+        cut |= {name: t[lo:hi] for name in PER_TOKEN if (t := getattr(self, name)) is not None}
+        return MicroBatchLossInputs(cu_seqlens=self.batch.cu_seqlens[mb.first : mb.last + 1] - lo, **cut, **totals)
 
 
 class Actor:
@@ -65,15 +107,15 @@ class Actor:
         (``ModeMix.probe``) get the old policy's log-probs too (``fasttnt.modes``); the reference model's log-probs
         when the KL term is on. None where not needed."""
         loss_cfg = self.cfg.loss
-        old_logp = ref_logp = probe_logp = None
+        old_logp = ref_logp = think_end_logp = None
         compared = self.correction != "none" and batch.rollout_logp is not None
         if loss_cfg.ppo_epochs > 1 or loss_cfg.mini_batches > 1 or compared or guarded or probe is not None:
             old_logp = self.logprobs(self.policy, batch, zero3_collectives=self.zero3)
         if probe is not None:
-            probe_logp = self.logprobs(self.policy, probe, zero3_collectives=self.zero3)
+            think_end_logp = self.logprobs(self.policy, probe, zero3_collectives=self.zero3)
         if self.ref_model is not None:  # a plain module on every rank: no collectives
             ref_logp = self.logprobs(self.ref_model, batch, zero3_collectives=False)
-        return NoGradLogprobs(old_policy=old_logp, reference=ref_logp, think_end=probe_logp)
+        return NoGradLogprobs(old_logp=old_logp, ref_logp=ref_logp, think_end_logp=think_end_logp)
 
     def logprobs(self, model, batch: RolloutBatch, *, zero3_collectives: bool) -> torch.Tensor:
         """Log-probs (N,) of the batch under ``model`` (the policy, ``policy``, or the reference model), without
@@ -87,34 +129,19 @@ class Actor:
 
     # -- the update ---------------------------------------------------------------------------------------------
 
-    def update(
-        self, batch: RolloutBatch, advantages, old_logp, ref_logp, token_weights=None, first_advantages=None
-    ) -> dict[str, torch.Tensor]:
+    def update(self, inputs: UpdateInputs) -> dict[str, torch.Tensor]:
         """``ppo_epochs`` passes over the batch, each ``mini_batches`` optimizer steps. Loss, grad norm and counts
         are means over the optimizer steps; the token metrics (``TOKEN_METRICS``) are means over every token they
-        were measured on, NaN where that is none (every sequence skipped). ``token_weights`` (N,): importance weights
-        of the policy-gradient term beside the rollout correction's (mode-mixed rollouts' first tokens);
-        ``first_advantages`` (S,): the first tokens' own advantages (``loss.mode_advantage=decoupled``)."""
-        loss_cfg = self.cfg.loss
-        k = batch.group_size
-        per_mb = batch.lengths.numel() // k // loss_cfg.mini_batches  # prompts per mini-batch
+        were measured on, NaN where that is none (every sequence skipped)."""
+        loss_cfg, batch = self.cfg.loss, inputs.batch
+        per_mb = batch.lengths.numel() // batch.group_size // loss_cfg.mini_batches  # prompts per mini-batch
         self.model.train()
         sums: dict[str, torch.Tensor] = {}
         token_sums = {name: torch.zeros((), device=self.device) for name in (*TOKEN_METRICS, "trained", "rollout")}
         count = 0
         for _epoch in range(loss_cfg.ppo_epochs):
             for mb in range(loss_cfg.mini_batches):
-                part = batch.group_slice(mb * per_mb, (mb + 1) * per_mb)
-                lo, hi = batch.bounds[mb * per_mb * k], batch.bounds[(mb + 1) * per_mb * k]
-                seqs = slice(mb * per_mb * k, (mb + 1) * per_mb * k)
-                metrics, step_sums = self._optimizer_step(
-                    part,
-                    advantages[seqs],
-                    old_logp[lo:hi] if old_logp is not None else None,
-                    ref_logp[lo:hi] if ref_logp is not None else None,
-                    token_weights[lo:hi] if token_weights is not None else None,
-                    first_advantages[seqs] if first_advantages is not None else None,
-                )
+                metrics, step_sums = self._optimizer_step(inputs.group_slice(mb * per_mb, (mb + 1) * per_mb))
                 add_into(token_sums, step_sums)
                 add_into(sums, metrics)
                 count += 1
@@ -126,17 +153,18 @@ class Actor:
                 means.pop(name)
         return means
 
-    def _optimizer_step(self, part: RolloutBatch, advantages, old_logp, ref_logp, token_weights=None, first=None):
+    def _optimizer_step(self, inputs: UpdateInputs):
         """One optimizer step on a mini-batch, its forward and backward in micro-batches, gradients accumulated.
         Sequences that cannot move the weights are left out first (``_drop_zero_advantage``); the normalisers
         still count them. Returns the step's metrics and its named sums over the ranks: ``TOKEN_METRICS``' token
         sums, the tokens trained on (``trained``) and the tokens the rollout diagnostics cover (``rollout``)."""
+        part, old_logp = inputs.batch, inputs.old_logp
         local = torch.tensor([float(part.bounds[-1]), float(part.lengths.numel())], device=self.device)
         n_tokens, n_seqs = distributed.sum_over_ranks(self.dist, local).tolist()  # sync: one read per mini-batch
         sums = {name: torch.zeros((), dtype=torch.float32, device=self.device) for name in ("loss", *TOKEN_METRICS)}
         # the rollout correction over the whole mini-batch when the old log-probs are known; else (on-policy, no
         # correction) its diagnostics come from each micro-batch's log-probs, of the sequences trained on
-        weights, rollout_tokens = None, None  # tokens the diagnostics cover: all of them here, else those trained on
+        rollout_tokens = None  # tokens the diagnostics cover: all of them here, else those trained on
         if part.rollout_logp is not None and old_logp is None and self.correction != "none":
             raise ValueError("the rollout correction needs the old log-probs (old_and_ref_logprobs computes them)")
         if part.rollout_logp is not None and old_logp is not None:
@@ -150,10 +178,12 @@ class Actor:
             rollout_tokens = float(part.bounds[-1])
             for name in ROLLOUT_METRICS:
                 sums[name] = correction[name] * rollout_tokens
-        if token_weights is not None:
-            weights = token_weights if weights is None else weights * token_weights
-        per_token = (old_logp, ref_logp, weights)
-        part, (advantages, first), per_token, skipped = self._drop_zero_advantage(part, (advantages, first), per_token)
+            if weights is not None:  # the correction's weights times the modes' (fasttnt.modes)
+                inputs = replace(
+                    inputs, is_weights=weights if inputs.is_weights is None else weights * inputs.is_weights
+                )
+        inputs, skipped = self._drop_zero_advantage(inputs)
+        part = inputs.batch
         plan = plan_micro_batches(part, self.cfg.micro_batch_tokens)
         n_micro = distributed.max_over_ranks(self.dist, len(plan)) if self.ds_engine is not None else len(plan)
         # at least one backward, so a step with every sequence skipped still steps on (zero) gradients, as the
@@ -165,9 +195,7 @@ class Actor:
             if self.ds_engine is not None:
                 self.ds_engine.set_gradient_accumulation_boundary(i == n_micro - 1)
             if i < len(plan):
-                total, micro_sums = self._micro_batch_loss(
-                    part, plan[i], advantages, first, *per_token, n_tokens=n_tokens, n_seqs=n_seqs
-                )
+                total, micro_sums = self._micro_batch_loss(inputs, plan[i], n_tokens=n_tokens, n_seqs=n_seqs)
                 add_into(sums, micro_sums)
             else:
                 with self.autocast():
@@ -201,44 +229,29 @@ class Actor:
         }
         return metrics, {name: totals[name] for name in (*TOKEN_METRICS, "trained", "rollout")}
 
-    def _drop_zero_advantage(self, part: RolloutBatch, per_seq: tuple, per_token: tuple):
-        """``part`` without its sequences whose advantages are exactly 0 (``per_seq``: the advantages (S,) and the
-        first tokens' own, None or (S,)), those and the per-token tensors (None or (N,) each) to match, and how many
+    def _drop_zero_advantage(self, inputs: UpdateInputs) -> tuple[UpdateInputs, int]:
+        """``inputs`` without its sequences whose advantages (and first tokens' own) are exactly 0, and how many
         were dropped. Such a sequence's policy-gradient term is -ratio * 0 = 0 for every token, whatever the ratio,
         clip, dual clip or importance weight, so it adds nothing to the gradient unless the entropy bonus or the KL
         term is on (with TNT, a solved prompt's K responses all score alike)."""
         loss_cfg = self.cfg.loss
         kl_on = self.ref_model is not None and loss_cfg.kl_coef > 0
         if not loss_cfg.skip_zero_advantage or loss_cfg.entropy_coef > 0 or kl_on:
-            return part, per_seq, per_token, 0
+            return inputs, 0
+        per_seq = (inputs.advantages, inputs.first_advantages)
         moving = torch.stack([t != 0 for t in per_seq if t is not None]).any(0)  # (S,)
         keep = torch.nonzero(moving).flatten().tolist()  # sync: one read per mini-batch
         skipped = moving.numel() - len(keep)
         if skipped == 0:
-            return part, per_seq, per_token, 0
-        kept, index = part.select(keep)
-        keep_t = torch.tensor(keep, dtype=torch.long, device=moving.device)
-        per_seq = tuple(t[keep_t] if t is not None else None for t in per_seq)
-        return kept, per_seq, tuple(t[index] if t is not None else None for t in per_token), skipped
+            return inputs, 0
+        return inputs.select(keep), skipped
 
-    def _micro_batch_loss(
-        self, part: RolloutBatch, mb: MicroBatch, advantages, first, old_logp, ref_logp, weights, *, n_tokens, n_seqs
-    ):
+    def _micro_batch_loss(self, inputs: UpdateInputs, mb: MicroBatch, *, n_tokens, n_seqs):
         """The loss of one micro-batch as its share of the mini-batch's (``linear_policy_loss``, the gradient formed
         in its forward), and its named sums (the rollout diagnostics only when on-policy)."""
+        part = inputs.batch
         lo, hi = part.bounds[mb.first], part.bounds[mb.last]
-        cu = part.cu_seqlens[mb.first : mb.last + 1] - lo  # (s+1,)
-        loss_inputs = MicroBatchLossInputs(
-            advantages=advantages[mb.first : mb.last],
-            first_advantages=first[mb.first : mb.last] if first is not None else None,
-            cu_seqlens=cu,
-            old_logp=old_logp[lo:hi] if old_logp is not None else None,  # None: one pass over the batch, on-policy
-            ref_logp=ref_logp[lo:hi] if ref_logp is not None else None,
-            is_weights=weights[lo:hi] if weights is not None else None,
-            total_tokens=n_tokens,
-            total_seqs=n_seqs,
-            settings=self.settings,
-        )
+        loss_inputs = inputs.micro_batch(mb, total_tokens=n_tokens, total_seqs=n_seqs, settings=self.settings)
         with self.autocast():
             loss, stats, logp = micro_batch_loss(
                 self.policy, part, mb, temperature=self.cfg.rollout.temperature, loss=loss_inputs
@@ -252,10 +265,11 @@ class Actor:
         }
         zero = torch.zeros((), device=loss.device)
         rollout = dict.fromkeys(ROLLOUT_METRICS, zero)
-        if part.rollout_logp is not None and old_logp is None:  # on-policy: the mismatch against these log-probs
+        if part.rollout_logp is not None and inputs.old_logp is None:  # on-policy: the mismatch against these
             _, correction = rollout_correction_weights(
-                logp, part.rollout_logp[lo:hi], cu, mode="none", cap=self.cfg.loss.rollout_correction_cap
-            )
+                logp, part.rollout_logp[lo:hi], loss_inputs.cu_seqlens, mode="none",
+                cap=self.cfg.loss.rollout_correction_cap,
+            )  # fmt: skip
             rollout = {name: correction[name] * n for name in ROLLOUT_METRICS}
         # the logged loss is the policy loss alone, without the entropy bonus the fused op adds
         policy_loss = loss.detach() + self.settings.entropy_coef * stats["entropy"] * n / max(n_tokens, 1.0)

@@ -71,22 +71,20 @@ the mode that loses are pushed down.
 The TNT limit, rewards, advantages and hack flags treat forced and free responses alike: a forced non-thinking
 response is a non-thinking response.
 
-The trainer asks ``ModeMix`` at three points: ``rollout`` (each row's prompt in its mode for the engine, which only
-sees per-row prompts, and the rows' codes on the batch), ``probe`` (the rows whose old log-probs are each group's
-log pi_old(</think> | x)) and, after the old log-probs, ``loss_terms`` (the advantages, the first tokens'
-behaviour log-probs or weights, the fade).
+A mode-mixed run's trainer asks its ``ModeMix`` at three points: ``rollout`` (each row's prompt in its mode for the
+engine, which only sees per-row prompts, and the rows' codes on the batch), ``probe`` (the rows whose old log-probs
+are each group's log pi_old(</think> | x)) and, after the old log-probs and the advantages
+(``fasttnt.advantages``), ``mode_token_terms`` (the first tokens' behaviour log-probs or weights, the fade).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, replace
 
 import torch
 
-from fasttnt_kernels import group_advantages, mode_advantages
-
+from .actor import UpdateInputs
 from .data import Prompt, PromptMode
 from .engines.batch import FORCED_CODES, RolloutBatch
 
@@ -96,80 +94,53 @@ nats below. Steep, because under Adam a parameter moves at about the learning ra
 sign, whatever its size: a term that fell only as p would hardly slow the push-down."""
 
 
-class Advantages(NamedTuple):
-    answer: torch.Tensor  # (S,) every token's but the first's when ``first`` is given
-    first: torch.Tensor | None  # (S,) the first token's own (loss.mode_advantage=decoupled), else None
-
-
-class LossTerms(NamedTuple):
-    """What the update needs of a step's modes: advantages, old log-probs and weights, and the fade's counts."""
-
-    advantages: torch.Tensor  # (S,) every token's but the mode token's when decoupled
-    first_advantages: torch.Tensor | None  # (S,) the mode token's own (loss.mode_advantage=decoupled), else None
-    old_logp: torch.Tensor | None  # (N,) the old log-probs ("half": log 0.5 at the forced first tokens)
-    token_weights: torch.Tensor | None  # (N,) "mixture"'s pi_old / mu and the fade a(p) at the mode tokens
-    below_floor: torch.Tensor | None  # (G,) bool: the groups below the floor, whose </think> term is faded
+def mode_advantage_of(cfg) -> str:
+    """``loss.mode_advantage`` resolved: ``auto`` is ``decoupled`` for mode-mixed rollouts, ``shared`` otherwise."""
+    if cfg.loss.mode_advantage != "auto":
+        return cfg.loss.mode_advantage
+    return "decoupled" if sum(cfg.rollout.forced_rows()) > 0 else "shared"
 
 
 @dataclass(frozen=True)
 class ModeMix:
-    non_thinking: int  # of each group's K rows, pre-filled with </think>
-    thinking: int  # of each group's K rows, with </think> forbidden first
+    """A mode-mixed run's rows and rules (``rollout.forced_*``, ``loss.mode_*``); a run without forced rows has
+    none (``ModeMix.of`` is None)."""
+
+    forced_non_thinking_rows: int  # of each group's K rows, pre-filled with </think>
+    forced_thinking_rows: int  # of each group's K rows, with </think> forbidden first
     group_size: int
     mode_token_logp: str  # loss.mode_token_logp: "mixture" | "half" | "policy" (module docstring)
-    mode_advantage: str  # loss.mode_advantage, resolved: "shared" | "decoupled" | "saturating"
+    mode_advantage: str  # loss.mode_advantage, resolved (mode_advantage_of)
     # loss.mode_token_floor: "auto" (measured at the first step), a probability, or 0 (off)
     mode_token_floor: float | str = "auto"
-    adv_scale: str = "std"  # loss.adv_scale
-    adv_eps: float = 1e-6  # loss.adv_eps
 
     @classmethod
-    def of(cls, cfg) -> ModeMix:
+    def of(cls, cfg) -> ModeMix | None:
         """From ``rollout.forced_non_thinking`` / ``forced_thinking`` (shares of K, ``RolloutConfig.forced_rows``)
-        and the ``loss.mode_*`` and ``loss.adv_*`` keys."""
+        and the ``loss.mode_*`` keys; None when no row is forced."""
         non_thinking, thinking = cfg.rollout.forced_rows()
-        loss = cfg.loss
-        advantage = loss.mode_advantage
-        if advantage == "auto":
-            advantage = "decoupled" if non_thinking + thinking > 0 else "shared"
-        return cls(non_thinking, thinking, cfg.rollout.group_size, loss.mode_token_logp, advantage,
-                   loss.mode_token_floor, loss.adv_scale, loss.adv_eps)  # fmt: skip
-
-    def advantages(self, rewards: torch.Tensor, non_thinking: torch.Tensor) -> Advantages:
-        """The advantages of rewards (S,) with modes ``non_thinking`` (S,), laid out group after group: ``decoupled``
-        puts the modes' reward gap on each non-thinking response's ``</think>`` and judges every other token
-        within its mode (module docstring); ``saturating`` judges the answers so too and leaves the choice's term
-        (``saturating_choice``) to ``loss_terms``; ``shared`` is GRPO's one advantage per response."""
-        k = self.group_size
-        if self.mode_advantage in ("decoupled", "saturating"):
-            out = mode_advantages(rewards, non_thinking, k, scale=self.adv_scale, eps=self.adv_eps)
-            # saturating: the direct rows' </think> carries the choice term alone, added by loss_terms
-            choice = out.mode if self.mode_advantage == "decoupled" else torch.zeros_like(out.mode)
-            return Advantages(out.answer, torch.where(non_thinking.bool(), choice, out.answer))
-        return Advantages(group_advantages(rewards, k, scale=self.adv_scale, eps=self.adv_eps), None)
+        if non_thinking + thinking == 0:
+            return None
+        return cls(non_thinking, thinking, cfg.rollout.group_size, cfg.loss.mode_token_logp, mode_advantage_of(cfg),
+                   cfg.loss.mode_token_floor)  # fmt: skip
 
     @property
-    def active(self) -> bool:
-        return self.non_thinking + self.thinking > 0
-
-    @property
-    def free(self) -> int:
+    def free_rows(self) -> int:
         """Of each group's K rows, the ones sampled freely."""
-        return self.group_size - self.non_thinking - self.thinking
+        return self.group_size - self.forced_non_thinking_rows - self.forced_thinking_rows
 
     def modes(self, groups: int) -> list[PromptMode]:
         """Each row's mode (groups * K,): a group's forced non-thinking rows first, then its forced thinking ones,
         then its free ones (runs of one mode: one prefill, one vLLM request each)."""
-        group = [PromptMode.NON_THINKING] * self.non_thinking + [PromptMode.THINKING] * self.thinking
-        return (group + [PromptMode.FREE] * self.free) * groups
+        group = [PromptMode.NON_THINKING] * self.forced_non_thinking_rows
+        group += [PromptMode.THINKING] * self.forced_thinking_rows
+        return (group + [PromptMode.FREE] * self.free_rows) * groups
 
     # -- point 1: the rollout ------------------------------------------------------------------------------------
 
     def rollout(self, engine, prompts: list[Prompt], **generate) -> RolloutBatch:
         """K samples of each prompt from ``engine``, each row's prompt in its mode, the rows' modes coded on the
-        batch (``RolloutBatch.forced``); the engine's own ``generate`` when nothing is forced."""
-        if not self.active:
-            return engine.generate(prompts, self.group_size, **generate)
+        batch (``RolloutBatch.forced``)."""
         modes = self.modes(len(prompts))
         rows = [p.in_mode(m) for p, m in zip([p for p in prompts for _ in range(self.group_size)], modes, strict=True)]
         batch = engine.generate(prompts, self.group_size, rows=rows, **generate)
@@ -180,18 +151,19 @@ class ModeMix:
     # -- point 2: the old log-probs ------------------------------------------------------------------------------
 
     def probe(self, batch: RolloutBatch, think_end_id: int) -> RolloutBatch | None:
-        """The rows whose log-probs the old policy gives ``loss_terms`` (``think_end_probe``); None when unmixed."""
-        return think_end_probe(batch, think_end_id) if self.active else None
+        """The rows whose log-probs under the old policy are each group's log pi_old(</think> | x)
+        (``think_end_probe``)."""
+        return think_end_probe(batch, think_end_id)
 
     def measures_floor(self, kept: float | None) -> bool:
-        """Whether this step measures the fade's floor: mode-mixed under ``auto`` while the trainer's state keeps none
+        """Whether this step measures the fade's floor: under ``auto`` while the trainer's state keeps none
         (the first step; after a resume, only from a checkpoint written without one, and then at the resumed
         policy)."""
-        return self.active and self.mode_token_floor == "auto" and self.mode_advantage != "saturating" and kept is None
+        return self.mode_token_floor == "auto" and self.mode_advantage != "saturating" and kept is None
 
     @property
     def fixed_floor(self) -> bool:
-        return self.active and self.mode_token_floor not in ("auto", 0)
+        return self.mode_token_floor not in ("auto", 0)
 
     def floor_above_start(self, largest_logp: float) -> str | None:
         """A warning when a fixed ``loss.mode_token_floor`` lies above every group's pi_old(</think>) (the largest
@@ -209,8 +181,8 @@ class ModeMix:
     def floor_logp(self, measured: float | None) -> float | None:
         """The log of the fade's floor: ``loss.mode_token_floor``'s, or under ``auto`` the one ``measured`` at the
         first step (the smallest log pi_old(</think> | x) of its groups over all ranks, kept in the trainer's
-        state); None when off (0, or ``auto`` under the saturating choice), unmixed, or not measured yet."""
-        if not self.active or self.mode_token_floor == 0:
+        state); None when off (0, or ``auto`` under the saturating choice) or not measured yet."""
+        if self.mode_token_floor == 0:
             return None
         if self.mode_token_floor == "auto" and self.mode_advantage == "saturating":  # bounded by itself: no fade
             return None
@@ -218,53 +190,48 @@ class ModeMix:
 
     # -- point 3: after the old log-probs ------------------------------------------------------------------------
 
-    def loss_terms(
-        self, batch: RolloutBatch, rewards, old_logp: torch.Tensor | None, end_logp: torch.Tensor | None,
-        think_end_id: int, floor_logp: float | None = None,
-    ) -> LossTerms:  # fmt: skip
-        """The update's inputs for ``batch``, given its rewards (``TntRewards``: rewards, non_thinking), the old
-        log-probs (N,) and, mode-mixed, each group's log pi_old(</think> | x) (G,) (``probe``) and the log of the
-        fade's floor (``floor_logp``; None: no fade). The first tokens' rollout log-probs become their old ones,
-        so the engine's correction, the stale-weight guard and its diagnostics leave them out (a pre-filled token
-        was not sampled)."""
-        adv = self.advantages(rewards.rewards, rewards.non_thinking)
-        if self.mode_advantage == "saturating" and self.active:
-            forced = (self.non_thinking, self.thinking)
-            choice = saturating_choice(rewards.rewards, rewards.non_thinking, end_logp, self.group_size, forced)  # (S,)
-            adv = Advantages(adv.answer, adv.first + choice.to(adv.first.dtype))
-        if not self.active:
-            return LossTerms(adv.answer, adv.first, old_logp, None, None)
+    def mode_token_terms(
+        self, inputs: UpdateInputs, non_thinking: torch.Tensor, think_end_logp: torch.Tensor, think_end_id: int,
+        floor_logp: float | None = None,
+    ) -> tuple[UpdateInputs, torch.Tensor | None]:  # fmt: skip
+        """The update's inputs with the mode tokens' terms: each first token's behaviour log-prob as its old one
+        (``half``, ``policy``) or as the importance weight pi_old / mu (``mixture``) in ``is_weights``, and the
+        settled-choice fade a(p) on the ``</think>`` of every non-thinking row (``non_thinking`` (S,)) given the log
+        of the fade's floor (``floor_logp``; None: no fade); and the groups below the floor (G,) bool, or None.
+        ``think_end_logp`` (G,): each group's log pi_old(</think> | x) (``probe``). The first tokens' rollout
+        log-probs become their old ones, so the engine's correction, the stale-weight guard and its diagnostics
+        leave them out (a pre-filled token was not sampled)."""
+        batch, old_logp, is_weights = inputs.batch, inputs.old_logp, inputs.is_weights
         first = first_token_index(batch)
-        behaviour = self.behaviour_logp(batch, old_logp[first], end_logp, think_end_id)
-        weights = None
+        behaviour = self.behaviour_logp(batch, old_logp[first], think_end_logp, think_end_id)
         if self.mode_token_logp == "mixture":
             weight = torch.exp(old_logp[first] - behaviour)  # at most 1 / (the smallest share): no cap needed
-            weights = torch.ones_like(old_logp).index_copy(0, first, weight)
+            is_weights = torch.ones_like(old_logp).index_copy(0, first, weight)
         else:
             old_logp = old_logp.index_copy(0, first, behaviour)
         if batch.rollout_logp is not None:
             batch.rollout_logp = batch.rollout_logp.index_copy(0, first, old_logp[first])
-        below = None
+        below_floor = None
         if floor_logp is not None:
-            fade = settled_fade(end_logp, floor_logp)  # (G,)
-            on_choice = torch.where(rewards.non_thinking.bool(), fade.repeat_interleave(self.group_size), 1.0)  # (S,)
-            weights = torch.ones_like(old_logp) if weights is None else weights
-            weights = weights.index_copy(0, first, weights[first] * on_choice.to(weights.dtype))
-            below = fade < 1
-        return LossTerms(adv.answer, adv.first, old_logp, weights, below)
+            fade = settled_fade(think_end_logp, floor_logp)  # (G,)
+            on_choice = torch.where(non_thinking.bool(), fade.repeat_interleave(self.group_size), 1.0)  # (S,)
+            is_weights = torch.ones_like(old_logp) if is_weights is None else is_weights
+            is_weights = is_weights.index_copy(0, first, is_weights[first] * on_choice.to(is_weights.dtype))
+            below_floor = fade < 1
+        return replace(inputs, old_logp=old_logp, is_weights=is_weights), below_floor
 
     def behaviour_logp(
-        self, batch: RolloutBatch, first_logp: torch.Tensor, end_logp: torch.Tensor, think_end_id: int
+        self, batch: RolloutBatch, first_logp: torch.Tensor, think_end_logp: torch.Tensor, think_end_id: int
     ) -> torch.Tensor:
         """The behaviour log-prob (S,) of each row's first token: ``first_logp`` (S,) is its log-prob under the old
-        policy, ``end_logp`` (G,) each group's log pi_old(</think> | x) at the first position."""
+        policy, ``think_end_logp`` (G,) each group's log pi_old(</think> | x) at the first position."""
         if self.mode_token_logp == "policy":
             return first_logp
         if self.mode_token_logp == "half":
             return torch.where(forced_rows(batch), torch.full_like(first_logp, math.log(0.5)), first_logp)
         k = self.group_size
-        s_n, s_t, s_f = self.non_thinking / k, self.thinking / k, self.free / k
-        end = end_logp.double().repeat_interleave(k)  # (S,) log p
+        s_n, s_t, s_f = self.forced_non_thinking_rows / k, self.forced_thinking_rows / k, self.free_rows / k
+        end = think_end_logp.double().repeat_interleave(k)  # (S,) log p
         first = batch.response_ids[first_token_index(batch)]  # (S,) every response has a first token
         # log(s_N + s_F p), the two terms in log space (either share may be 0)
         log_end = torch.logaddexp(torch.full_like(end, _log(s_n)), end + _log(s_f))
@@ -282,12 +249,13 @@ CHOICE_POWER = 0.5
 
 
 def saturating_choice(
-    rewards: torch.Tensor, non_thinking: torch.Tensor, end_logp: torch.Tensor, group_size: int, forced: tuple[int, int]
-) -> torch.Tensor:
+    rewards: torch.Tensor, non_thinking: torch.Tensor, think_end_logp: torch.Tensor, group_size: int,
+    forced: tuple[int, int],
+) -> torch.Tensor:  # fmt: skip
     """The saturating choice's first-token advantage (S,) float32 of each row (0 where a row carries none), from the
     rows' ``rewards`` and modes ``non_thinking`` (S,), laid out group after group (``forced`` = (n_N, n_T) forced
     rows of each mode first, then the free ones: ``ModeMix.modes``), and each group's log pi_old(</think> | x)
-    ``end_logp`` (G,).
+    ``think_end_logp`` (G,).
 
     Per group, split its rows into two halves (alternate rows within each block of forced direct, forced thinking
     and free rows, so a mode forced on two rows or more is in both halves),
@@ -320,7 +288,7 @@ def saturating_choice(
 
     gap_a, both_a = half_gap(~odd)
     gap_b, both_b = half_gap(odd)
-    p = end_logp.double().clamp(max=0.0).exp()  # (G,) a log-prob rounded above 0 is p = 1, not NaN below
+    p = think_end_logp.double().clamp(max=0.0).exp()  # (G,) a log-prob rounded above 0 is p = 1, not NaN below
     up, down = (1 - p) ** CHOICE_POWER, p**CHOICE_POWER
 
     def size(gap: torch.Tensor) -> torch.Tensor:
@@ -337,9 +305,9 @@ def saturating_choice(
     return out.reshape(-1).float()
 
 
-def settled_fade(end_logp: torch.Tensor, floor_logp: float) -> torch.Tensor:
-    """a(p) (G,) of each group: min(1, p / floor) ** FADE_POWER, from log p = ``end_logp`` (G,) and log floor."""
-    return torch.exp(FADE_POWER * (end_logp.float() - floor_logp).clamp(max=0.0))
+def settled_fade(think_end_logp: torch.Tensor, floor_logp: float) -> torch.Tensor:
+    """a(p) (G,) of each group: min(1, p / floor) ** FADE_POWER, from log p = ``think_end_logp`` (G,) and log floor."""
+    return torch.exp(FADE_POWER * (think_end_logp.float() - floor_logp).clamp(max=0.0))
 
 
 def _log(share: float) -> float:

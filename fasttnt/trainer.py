@@ -22,7 +22,8 @@ import torch
 from tqdm.auto import tqdm
 
 from . import checkpoint, distributed, run_setup, scoring
-from .actor import Actor
+from .actor import Actor, UpdateInputs
+from .advantages import step_advantages
 from .checkpoint import TrainerState
 from .config import TrainConfig, rollout_correction
 from .data import PromptMode
@@ -82,7 +83,7 @@ class Trainer:
                                       dist=parts.dist, floor=parts.state.logp_diff_floor)  # fmt: skip
         self.correction = rollout_correction(cfg)
         self.actor = Actor(cfg, parts, correction=self.correction)
-        self.modes = ModeMix.of(cfg)  # the modes of each group's rows, their advantages and first-token terms
+        self.mode_mix = ModeMix.of(cfg)  # mode-mixed: the modes of each group's rows and the mode tokens' terms
         self.mode_floor = parts.state.mode_token_floor_logp  # loss.mode_token_floor=auto: measured at step 1
         self.verifier = VerifierPool(cfg.verify_workers, cfg.verify_timeout)
         self._warned_cap = False
@@ -112,33 +113,28 @@ class Trainer:
             trained = select_groups(drawn, groups)
 
         # old and reference log-probs (and, mode-mixed, of </think> first)
-        batch = trained.batch
-        probe = self.modes.probe(batch, self.parts.think_end_id)
+        batch, mix = trained.batch, self.mode_mix
+        probe = mix.probe(batch, self.parts.think_end_id) if mix is not None else None
         logp = self.actor.old_and_ref_logprobs(batch, probe, guarded=self.guard.checks(batch))
         clock.lap("logprobs")
 
-        # advantage, and the mode tokens' terms (fasttnt.modes), faded below the floor of a settled choice (under
-        # loss.mode_token_floor=auto, the first step's smallest pi_old(</think> | x)); the engine's weights checked
-        # against the old log-probs, whose first tokens a mode-mixed batch has set
-        if self.modes.measures_floor(self.mode_floor):
-            self.mode_floor = distributed.min_over_ranks(self.dist, logp.think_end)
-        if self.modes.fixed_floor and not self._checked_floor:
-            self._checked_floor = True
-            warning = self.modes.floor_above_start(-distributed.min_over_ranks(self.dist, -logp.think_end))
-            if warning and self.is_main:
-                tqdm.write(f"fasttnt: {warning}")
-        terms = self.modes.loss_terms(batch, trained.rewards, logp.old_policy, logp.think_end, self.parts.think_end_id,
-                                      floor_logp=self.modes.floor_logp(self.mode_floor))  # fmt: skip
-        self.guard.check(step, batch, terms.old_logp)
+        # advantage (fasttnt.advantages)
+        advantages, first_advantages = step_advantages(trained.rewards, cfg, mix, logp.think_end_logp)
+        inputs = UpdateInputs(batch, advantages, first_advantages, logp.old_logp, logp.ref_logp)
+        # mode-mixed: the mode tokens' terms (fasttnt.modes), faded below the floor of a settled choice (under
+        # loss.mode_token_floor=auto, the first step's smallest pi_old(</think> | x)); they set the old log-probs of
+        # the first tokens, which the engine's weights are checked against next
+        below_floor = None
+        if mix is not None:
+            inputs, below_floor = self._mode_token_terms(mix, inputs, trained.rewards.non_thinking, logp.think_end_logp)
+        self.guard.check(step, batch, inputs.old_logp)
         clock.lap("advantage")
 
         # update
-        update = self.actor.update(batch, terms.advantages, terms.old_logp, logp.reference, terms.token_weights,
-                                   terms.first_advantages)  # fmt: skip
-        if terms.below_floor is not None:  # the share of the groups over all ranks whose choice is below the floor
-            below = terms.below_floor
-            counts = torch.stack([below.sum(), torch.tensor(below.numel(), device=below.device)]).double()
-            counts = distributed.sum_over_ranks(self.dist, counts)
+        update = self.actor.update(inputs)
+        if below_floor is not None:  # the share of the groups over all ranks whose choice is below the floor
+            counts = torch.stack([below_floor.sum(), torch.tensor(below_floor.numel(), device=below_floor.device)])
+            counts = distributed.sum_over_ranks(self.dist, counts.double())
             update["mode_floored"] = counts[0] / counts[1].clamp(min=1)
         clock.lap("update")
 
@@ -148,8 +144,8 @@ class Trainer:
 
         # log
         values = self._record(step=step, lr=lr, drawn=drawn, trained=trained, update=update, n_draws=len(draws),
-                              varied=varied, filled=filled, times=clock.times, think_end=logp.think_end,
-                              below_floor=terms.below_floor)  # fmt: skip
+                              varied=varied, filled=filled, times=clock.times,
+                              think_end_logp=logp.think_end_logp, below_floor=below_floor)  # fmt: skip
         self.state = TrainerState(step=step, data_position=self.stream.position, world=self.world,
                                   logp_diff_floor=self.guard.floor, mode_token_floor_logp=self.mode_floor)  # fmt: skip
         return values
@@ -162,7 +158,11 @@ class Trainer:
         problems = problems[self.rank * per_rank : (self.rank + 1) * per_rank]
         first_row = (draw * r.prompts_per_step + self.rank * per_rank) * r.group_size
         prompts = [self.parts.prompt(p) for p in problems]
-        batch = self.modes.rollout(self.engine, prompts, seed=step_seed(cfg.seed, step), first_row=first_row)
+        seeds = {"seed": step_seed(cfg.seed, step), "first_row": first_row}
+        if self.mode_mix is not None:
+            batch = self.mode_mix.rollout(self.engine, prompts, **seeds)
+        else:
+            batch = self.engine.generate(prompts, r.group_size, **seeds)
         clock.lap("generate")
 
         golds = [p.answer for p in problems for _ in range(r.group_size)]
@@ -193,6 +193,21 @@ class Trainer:
         scores.levels = levels.repeat_interleave(r.group_size)
         return scores
 
+    def _mode_token_terms(
+        self, mix: ModeMix, inputs: UpdateInputs, non_thinking: torch.Tensor, think_end_logp: torch.Tensor
+    ) -> tuple[UpdateInputs, torch.Tensor | None]:  # fmt: skip
+        """``ModeMix.mode_token_terms`` at the fade's floor: measured at the first step under ``auto`` (the smallest
+        pi_old(</think> | x) over all ranks), a fixed one checked once against the first step's largest."""
+        if mix.measures_floor(self.mode_floor):
+            self.mode_floor = distributed.min_over_ranks(self.dist, think_end_logp)
+        if mix.fixed_floor and not self._checked_floor:
+            self._checked_floor = True
+            warning = mix.floor_above_start(-distributed.min_over_ranks(self.dist, -think_end_logp))
+            if warning and self.is_main:
+                tqdm.write(f"fasttnt: {warning}")
+        return mix.mode_token_terms(inputs, non_thinking, think_end_logp, self.parts.think_end_id,
+                                    floor_logp=mix.floor_logp(self.mode_floor))  # fmt: skip
+
     def _short_of_groups(self, varied: int) -> bool:
         """Whether this rank, or any other, has fewer than its share of groups with differing rewards (every rank
         then draws again, so the ranks stay in step)."""
@@ -200,15 +215,15 @@ class Trainer:
 
     def _record(
         self, *, step: int, lr: float, drawn: ScoredBatch, trained: ScoredBatch, update: dict[str, torch.Tensor],
-        n_draws: int, varied: list[bool], filled: int, times: dict[str, float], think_end: torch.Tensor | None,
-        below_floor: torch.Tensor | None = None,
+        n_draws: int, varied: list[bool], filled: int, times: dict[str, float],
+        think_end_logp: torch.Tensor | None, below_floor: torch.Tensor | None = None,
     ) -> dict:  # fmt: skip
         """The step's row of metrics.jsonl: every metric over all ranks' responses (N ranks log what one process
         would), the update's means, counts, rates and times. ``drawn``: every response of the step's draws, which
         the metrics describe; ``trained``: the groups the update ran on; ``varied``: per drawn group, whether its
-        rewards differ; ``filled``: the equal-reward groups that filled the batch; ``think_end``: mode-mixed, each
-        trained group's log pi_old(</think> | x), and ``below_floor`` which of them the settled-choice fade scales
-        down (``ModeMix.loss_terms``). Three reads from the device: the levels present, the metrics and
+        rewards differ; ``filled``: the equal-reward groups that filled the batch; ``think_end_logp``: mode-mixed,
+        each trained group's log pi_old(</think> | x), and ``below_floor`` which of them the settled-choice fade
+        scales down (``ModeMix.mode_token_terms``). Three reads from the device: the levels present, the metrics and
         the counts."""
         r = self.cfg.rollout
         rewards = drawn.rewards
@@ -217,16 +232,17 @@ class Trainer:
                         "limit": rewards.limit, "rewards": rewards.rewards}  # fmt: skip
         if self.cfg.reward.scheme == "tnt":  # where the limit comes from the query's own thinking responses
             per_response["own_limit"] = own_limits(rewards.non_thinking, rewards.solution_len, r.group_size)
-        if think_end is not None and self.modes.free:  # mode-mixed: what the model chooses unforced
+        mix = self.mode_mix
+        if mix is not None and mix.free_rows:  # mode-mixed: what the model chooses unforced
             per_response["free"] = ~forced_rows(drawn.batch)
         by_mode = {"free": ~forced_rows(drawn.batch), "levels": drawn.levels}  # the accuracies by mode (and level)
-        if self.modes.non_thinking:
+        if mix is not None and mix.forced_non_thinking_rows:
             by_mode["forced_direct"] = drawn.batch.forced == FORCED_CODES[PromptMode.NON_THINKING]
         by_mode = {k: v for k, v in by_mode.items() if v is not None}
         # the choice (metrics.choice_metrics): mode-mixed, each trained group's log pi_old(</think> | x) and level
         choice = {}
-        if think_end is not None:
-            choice = {"think_end_logp": think_end, "group_levels": trained.levels[:: r.group_size]}
+        if think_end_logp is not None:
+            choice = {"think_end_logp": think_end_logp, "group_levels": trained.levels[:: r.group_size]}
             if below_floor is not None:
                 choice["below_floor"] = below_floor
         if self.dist:

@@ -11,7 +11,7 @@ import varied
 from small import run_overrides, short_run, train
 
 from fasttnt import host_memory
-from fasttnt.actor import Actor
+from fasttnt.actor import Actor, UpdateInputs
 from fasttnt.config import load_config
 from fasttnt.data import build_prompt
 from fasttnt.embedded.synthetic import held_out
@@ -35,7 +35,7 @@ def test_one_update_lowers_the_loss_on_its_batch(tmp_path):
         return clipped_policy_loss(logp, old, advantages, batch.cu_seqlens)[0].item()
 
     before = loss_now()
-    trainer.actor.update(batch, advantages, old, None)
+    trainer.actor.update(UpdateInputs(batch, advantages, old_logp=old))
     after = loss_now()
     assert after < before, f"loss {before:.5f} -> {after:.5f}"
     trainer.verifier.close()
@@ -63,7 +63,7 @@ def test_micro_batched_update_equals_the_one_forward_update(tmp_path, agg):
         # the rollout correction needs the old log-probs
         old_logp = trainer.actor.logprobs(trainer.actor.policy, batch, zero3_collectives=False)
         before = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
-        metrics = trainer.actor.update(batch, advantages, old_logp, None)
+        metrics = trainer.actor.update(UpdateInputs(batch, advantages, old_logp=old_logp))
         after = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
         results.append((n_micro, {k: float(v) for k, v in metrics.items()}, before, after))
         trainer.verifier.close()
@@ -108,7 +108,8 @@ def test_skipping_zero_advantage_sequences_leaves_the_update_unchanged(tmp_path,
         old_logp = None
         if trainer.correction != "none" or cfg.loss.ppo_epochs > 1:
             old_logp = trainer.actor.logprobs(trainer.actor.policy, batch, zero3_collectives=False)
-        metrics = {k: float(v) for k, v in trainer.actor.update(batch, advantages, old_logp, None).items()}
+        inputs = UpdateInputs(batch, advantages, old_logp=old_logp)
+        metrics = {k: float(v) for k, v in trainer.actor.update(inputs).items()}
         grads = torch.cat([p.grad.flatten() for p in trainer.model.parameters()])  # the last optimizer step's
         results.append((metrics, grads))
         trainer.verifier.close()
@@ -143,13 +144,15 @@ def test_the_skip_keeps_zero_advantage_sequences_that_still_have_a_gradient(tmp_
             logp = trainer.actor.logprobs(trainer.model, batch, zero3_collectives=False)
             ref_logp = logp + 0.3 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(0))
         zeros = torch.zeros(batch.lengths.numel())
-        only_the_term = trainer.actor.update(batch, zeros, None, ref_logp)  # every advantage 0: the term alone
+        # every advantage 0: the term alone
+        only_the_term = trainer.actor.update(UpdateInputs(batch, zeros, ref_logp=ref_logp))
         if not skip:
             assert float(only_the_term["grad_norm"]) > 0, "the term must have a gradient of its own"
         advantages = torch.linspace(-1.5, 1.5, batch.lengths.numel())  # (S,)
         advantages[4:8] = 0.0  # a whole group
         advantages[[0, 9, 11]] = 0.0  # single sequences
-        metrics = {k: float(v) for k, v in trainer.actor.update(batch, advantages, None, ref_logp).items()}
+        inputs = UpdateInputs(batch, advantages, ref_logp=ref_logp)
+        metrics = {k: float(v) for k, v in trainer.actor.update(inputs).items()}
         grads = torch.cat([p.grad.flatten() for p in trainer.model.parameters()])
         results.append((metrics, grads))
         trainer.verifier.close()
@@ -168,7 +171,7 @@ def test_a_step_with_every_sequence_skipped_still_steps(tmp_path):
         cfg = load_config(None, run_overrides(tmp_path, f"loss.skip_zero_advantage={skip}", "optim.weight_decay=0.1"))
         trainer = Trainer(cfg, tmp_path / f"run-{skip}")
         batch = trainer.engine.generate([build_prompt(trainer.tokenizer, p.problem) for p in held_out(2)], 4, seed=1)
-        metrics = trainer.actor.update(batch, torch.zeros(batch.lengths.numel()), None, None)
+        metrics = trainer.actor.update(UpdateInputs(batch, torch.zeros(batch.lengths.numel())))
         results.append((metrics, torch.cat([p.detach().flatten() for p in trainer.model.parameters()])))
         trainer.verifier.close()
     (straight, w_straight), (skipped, w_skipped) = results
@@ -279,7 +282,7 @@ def test_the_update_routes_a_tied_embeddings_rows(tmp_path, monkeypatch, large):
     assert model.get_input_embeddings().weight is model.get_output_embeddings().weight, "the tiny model is tied"
     batch = trainer.engine.generate([build_prompt(trainer.tokenizer, p.problem) for p in held_out(3)], 4, seed=3)
     assert not calls["forward"], "a rollout (no_grad) looks up through the embedding's own forward"
-    metrics = trainer.actor.update(batch, torch.linspace(-1.5, 1.5, batch.lengths.numel()), None, None)
+    metrics = trainer.actor.update(UpdateInputs(batch, torch.linspace(-1.5, 1.5, batch.lengths.numel())))
     trainer.verifier.close()
     assert float(metrics["micro_batches"]) > 1, "precondition: several micro-batches"
     routed = float(metrics["micro_batches"]) if large else 0  # a small model: the embedding's own backward

@@ -145,9 +145,9 @@ def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tmp_path, m
     real_update, real_draw = Actor.update, Trainer._draw
     draws = []
 
-    def update(self, batch, advantages, *rest):
-        seen.append((batch, advantages.clone()))
-        return real_update(self, batch, advantages, *rest)
+    def update(self, inputs):
+        seen.append((inputs.batch, inputs.advantages.clone()))
+        return real_update(self, inputs)
 
     def draw(self, step, index, lap):
         out = real_draw(self, step, index, lap)

@@ -16,6 +16,8 @@ import math
 import pytest
 import torch
 
+from fasttnt.actor import UpdateInputs
+from fasttnt.advantages import step_advantages
 from fasttnt.config import load_config
 from fasttnt.data import PromptMode
 from fasttnt.engines.batch import FORCED_CODES, RolloutBatch
@@ -114,8 +116,9 @@ def _loss(mix: ModeMix, cfg, logits: torch.Tensor, tokens: torch.Tensor, correct
     logp_all = torch.log_softmax(logits / T, dim=-1)  # (G, 2)
     logp = logp_all.repeat_interleave(K, 0).gather(1, tokens[:, None]).squeeze(1)  # (S,)
     end_logp = logp_all[:, END].detach()  # (G,) log pi_old(</think> | x)
-    terms = mix.loss_terms(batch, rewards, logp.detach(), end_logp, END, floor_logp=floor)
-    weights = weight if terms.token_weights is None else weight * terms.token_weights.to(weight.dtype)
+    inputs = UpdateInputs(batch, *step_advantages(rewards, cfg, mix, end_logp), old_logp=logp.detach())
+    terms, _ = mix.mode_token_terms(inputs, rewards.non_thinking, end_logp, END, floor_logp=floor)
+    weights = weight if terms.is_weights is None else weight * terms.is_weights.to(weight.dtype)
     loss, _ = clipped_policy_loss(logp, terms.old_logp.to(logp.dtype), terms.advantages, cu,
                                   config=PolicyLossConfig.of(cfg.loss), is_weights=weights,
                                   first_advantages=terms.first_advantages)  # fmt: skip

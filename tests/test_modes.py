@@ -15,7 +15,9 @@ import varied
 from safetensors.torch import load_file
 from small import TINY, deterministic, metric_rows, run_overrides
 
-from fasttnt.actor import Actor
+import fasttnt.trainer as trainer_module
+from fasttnt.actor import Actor, UpdateInputs
+from fasttnt.advantages import step_advantages
 from fasttnt.checkpoint import list_checkpoints, read_trainer_state
 from fasttnt.config import ConfigError, load_config
 from fasttnt.data import PromptMode, build_prompt, think_end_token_id
@@ -48,23 +50,24 @@ def test_the_first_tokens_behaviour_log_probs_by_hand():
     batch = _batch([END, A, END, B], [1, 2, 0, 0], 4)
     old_first = torch.tensor([0.2, 0.3, 0.2, 0.1]).log()  # pi_old of each row's first token
     end_logp = torch.tensor([0.2]).log()  # (G,)
-    mixture = ModeMix(non_thinking=1, thinking=1, group_size=4, mode_token_logp="mixture", mode_advantage="shared")
+    # (forced_non_thinking_rows, forced_thinking_rows, group_size, mode_token_logp, mode_advantage)
+    mixture = ModeMix(1, 1, 4, "mixture", "shared")
     got = mixture.behaviour_logp(batch, old_first, end_logp, END)
     want = torch.tensor([0.35, 0.24375, 0.35, 0.08125]).log()
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
     # AdaptThink's rule: log 0.5 for the forced first tokens, the free ones keep their own
-    half = ModeMix(non_thinking=1, thinking=1, group_size=4, mode_token_logp="half", mode_advantage="shared")
+    half = ModeMix(1, 1, 4, "half", "shared")
     got = half.behaviour_logp(batch, old_first, end_logp, END)
     torch.testing.assert_close(got, torch.tensor([0.5, 0.5, 0.2, 0.1]).log(), rtol=1e-6, atol=1e-7)
     # no importance weight: every first token keeps the old policy's own log-prob
-    policy = ModeMix(non_thinking=1, thinking=1, group_size=4, mode_token_logp="policy", mode_advantage="shared")
+    policy = ModeMix(1, 1, 4, "policy", "shared")
     torch.testing.assert_close(policy.behaviour_logp(batch, old_first, end_logp, END), old_first)
     # no forced thinking: mu(A) = pi_old(A) * s_F; all free: mu is pi_old itself
-    only_direct = ModeMix(non_thinking=2, thinking=0, group_size=4, mode_token_logp="mixture", mode_advantage="shared")
+    only_direct = ModeMix(2, 0, 4, "mixture", "shared")
     first = torch.tensor([0.2, 0.2, 0.3, 0.1]).log()
     got = only_direct.behaviour_logp(_batch([END, END, A, B], [1, 1, 0, 0], 4), first, end_logp, END)
     torch.testing.assert_close(got, torch.tensor([0.6, 0.6, 0.15, 0.05]).log(), rtol=1e-6, atol=1e-7)
-    free = ModeMix(non_thinking=0, thinking=0, group_size=4, mode_token_logp="mixture", mode_advantage="shared")
+    free = ModeMix(0, 0, 4, "mixture", "shared")
     got = free.behaviour_logp(_batch([END, A, END, B], [0] * 4, 4), old_first, end_logp, END)
     torch.testing.assert_close(got, old_first, rtol=1e-6, atol=1e-7)
 
@@ -117,10 +120,10 @@ def test_a_mode_mixed_run_trains_both_modes_against_their_behaviour(tmp_path, mo
     seen = []
     real = Actor.update
 
-    def update(self, batch, advantages, old_logp, ref_logp, token_weights=None, first_advantages=None):
-        assert first_advantages is None  # loss.mode_advantage=shared
-        seen.append((batch, old_logp.clone(), token_weights))
-        return real(self, batch, advantages, old_logp, ref_logp, token_weights)
+    def update(self, inputs):
+        assert inputs.first_advantages is None  # loss.mode_advantage=shared
+        seen.append((inputs.batch, inputs.old_logp.clone(), inputs.is_weights))
+        return real(self, inputs)
 
     monkeypatch.setattr(Actor, "update", update)
     # rows of K = 4: forced direct, two forced thinking, one free ("half" refuses forced thinking rows: there the
@@ -246,7 +249,7 @@ def test_bad_mode_options_name_the_key(override, message):
 def test_forced_rows_round_to_the_nearest_row_halves_up():
     cfg = load_config(None, ["rollout.group_size=5", "rollout.forced_non_thinking=0.5", "rollout.forced_thinking=0.3"])
     assert cfg.rollout.forced_rows() == (3, 2)  # 2.5 -> 3 (Python's round: 2), 1.5 -> 2
-    assert ModeMix.of(cfg).free == 0
+    assert ModeMix.of(cfg).free_rows == 0
 
 
 # -- AutoThink's batch balance and ellipsis prompt ------------------------------------------------------------
@@ -360,14 +363,18 @@ def test_select_keeps_the_forced_codes_of_the_rows_it_keeps():
 
 def test_a_mode_mixed_run_gives_the_mode_token_the_modes_reward_gap(tmp_path, monkeypatch):
     seen = []
-    real = ModeMix.loss_terms
+    real_advantages, real_update = trainer_module.step_advantages, Actor.update
 
-    def loss_terms(self, batch, rewards, *args, **kwargs):
-        terms = real(self, batch, rewards, *args, **kwargs)
-        seen.append((batch, rewards.rewards.clone(), terms))
-        return terms
+    def step_advantages(rewards, *args):
+        seen.append(rewards.rewards.clone())
+        return real_advantages(rewards, *args)
 
-    monkeypatch.setattr(ModeMix, "loss_terms", loss_terms)
+    def update(self, inputs):
+        seen[-1] = (inputs, seen[-1])
+        return real_update(self, inputs)
+
+    monkeypatch.setattr(trainer_module, "step_advantages", step_advantages)
+    monkeypatch.setattr(Actor, "update", update)
     # a forced thinking row in every group: both modes in each, and acc_thinking logged at every step; the default
     # loss.mode_advantage (auto) is decoupled for a mode-mixed run
     extra = ("rollout.forced_non_thinking=0.5", "rollout.forced_thinking=0.25")
@@ -378,7 +385,8 @@ def test_a_mode_mixed_run_gives_the_mode_token_the_modes_reward_gap(tmp_path, mo
     for row in rows:  # the accuracies by mode, and by level on the synthetic task
         assert 0 <= row["acc_forced_direct"] <= 1 and 0 <= row["acc_thinking"] <= 1
         assert any(name.startswith("acc_thinking_l") for name in row)
-    for batch, rewards, terms in seen:
+    for terms, rewards in seen:
+        batch = terms.batch
         k = batch.group_size
         nt = torch.tensor([r[0] == END for r in batch.responses]).view(-1, k)
         r = rewards.view(-1, k).double()
@@ -398,13 +406,13 @@ def test_a_mode_mixed_run_gives_the_mode_token_the_modes_reward_gap(tmp_path, mo
 
 def test_the_auto_floor_is_the_first_steps_smallest_choice_and_survives_a_resume(tmp_path, monkeypatch):
     floors = []
-    real = ModeMix.loss_terms
+    real = ModeMix.mode_token_terms
 
-    def loss_terms(self, batch, rewards, old_logp, end_logp, think_end_id, floor_logp=None):
-        floors.append((end_logp.min().item(), floor_logp))
-        return real(self, batch, rewards, old_logp, end_logp, think_end_id, floor_logp)
+    def mode_token_terms(self, inputs, non_thinking, think_end_logp, think_end_id, floor_logp=None):
+        floors.append((think_end_logp.min().item(), floor_logp))
+        return real(self, inputs, non_thinking, think_end_logp, think_end_id, floor_logp)
 
-    monkeypatch.setattr(ModeMix, "loss_terms", loss_terms)
+    monkeypatch.setattr(ModeMix, "mode_token_terms", mode_token_terms)
     overrides = run_overrides(tmp_path, varied.OVERRIDE, "rollout.forced_non_thinking=0.5", steps=2)
     Trainer(load_config(None, [*overrides, "save_every=1"]), tmp_path / "run").run()
     (first_min, first_floor), (_, second_floor) = floors
@@ -420,7 +428,7 @@ def test_the_auto_floor_is_the_first_steps_smallest_choice_and_survives_a_resume
     assert fixed.floor_logp(None) == pytest.approx(math.log(0.01))
     assert ModeMix.of(load_config(None, ["rollout.forced_non_thinking=0.5", "loss.mode_token_floor=0"])).floor_logp(
         -3.0) is None  # fmt: skip
-    assert ModeMix.of(load_config(None, [])).floor_logp(-3.0) is None  # unmixed: no choice to fade
+    assert ModeMix.of(load_config(None, [])) is None  # unmixed: no mode mix, no choice to fade
     # a fixed floor above every group's start holds the choice: said, with the largest scale the fade leaves
     warning = fixed.floor_above_start(math.log(1e-9))
     assert warning is not None and "loss.mode_token_floor=0.01" in warning and "1.0e-09" in warning
@@ -437,21 +445,25 @@ def test_the_fade_by_hand():
     rewards = type("R", (), {"rewards": torch.tensor([1.0, 1.0, 0.0, 0.0] * 2),
                              "non_thinking": torch.tensor([True, True, False, False] * 2)})  # fmt: skip
     end_logp = torch.tensor([math.log(0.01), math.log(0.01) - 1.0])  # (G,)
-    mix = ModeMix(non_thinking=1, thinking=1, group_size=4, mode_token_logp="policy", mode_advantage="decoupled")
+    cfg = load_config(None, ["rollout.group_size=4", "rollout.forced_non_thinking=0.25",
+                             "rollout.forced_thinking=0.25", "loss.mode_token_floor=0.01"])  # fmt: skip
+    mix = ModeMix.of(cfg)
+    assert mix.mode_advantage == "decoupled" and mix.mode_token_logp == "policy"  # the defaults of a mixed run
     old_logp = torch.full((batch.response_ids.numel(),), -0.5)
-    terms = mix.loss_terms(batch, rewards, old_logp, end_logp, END, floor_logp=math.log(0.01))
+    inputs = UpdateInputs(batch, *step_advantages(rewards, cfg, mix, end_logp), old_logp=old_logp)
+    terms, below_floor = mix.mode_token_terms(inputs, rewards.non_thinking, end_logp, END, mix.floor_logp(None))
     first = batch.cu_seqlens[:-1]
     want = torch.tensor([1.0, 1.0, 1.0, 1.0, math.exp(-4.0), math.exp(-4.0), 1.0, 1.0])
-    torch.testing.assert_close(terms.token_weights[first], want, rtol=1e-5, atol=0.0)
+    torch.testing.assert_close(terms.is_weights[first], want, rtol=1e-5, atol=0.0)
     rest = torch.ones(len(old_logp), dtype=torch.bool)
     rest[first] = False
-    assert (terms.token_weights[rest] == 1).all()
-    assert terms.below_floor.tolist() == [False, True]  # the second group below the floor
+    assert (terms.is_weights[rest] == 1).all()
+    assert below_floor.tolist() == [False, True]  # the second group below the floor
     # the fade is a step size, on the weight: the mode token's advantage is the gap itself, direct 1 against
     # thinking 0 in both groups
     assert terms.first_advantages[[0, 1, 4, 5]].tolist() == [1.0] * 4
-    without = mix.loss_terms(batch, rewards, old_logp, end_logp, END, floor_logp=None)
-    assert without.token_weights is None and without.below_floor is None
+    without, below_floor = mix.mode_token_terms(inputs, rewards.non_thinking, end_logp, END, floor_logp=None)
+    assert without.is_weights is None and below_floor is None
 
 
 def test_log1mexp_is_finite_where_p_rounds_to_one():
