@@ -9,7 +9,7 @@
 
 ``correct`` is the judged verdict (``fasttnt.scoring.judge``: a response truncated by the length budget is wrong,
 whatever its text says). DAPO's overlong reward shaping (``overlong_buffer`` > 0) is added to any scheme's reward
-afterwards.
+afterwards, and AutoThink's mode balance (``mode_balance``) applied last: ``compute_rewards`` composes the three.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 
 from fasttnt_kernels import RewardValues, TntRewards, tnt_rewards
 
+from . import distributed
 from .registry import Registry
 
 
@@ -144,13 +145,22 @@ def compute_rewards(
     cfg: RewardConfig,
     *,
     max_new_tokens: int | None = None,
+    free: torch.Tensor | None = None,
+    dist=None,
 ) -> TntRewards:
-    """Rewards, modes, solution lengths and limits of a packed batch under ``cfg.scheme``, with the overlong shaping
-    added when ``cfg.overlong_buffer`` > 0 (it needs the length budget, ``max_new_tokens``)."""
+    """Rewards, modes, solution lengths and limits of a packed batch: ``cfg.scheme``'s, then the overlong shaping
+    added when ``cfg.overlong_buffer`` > 0 (it needs the length budget, ``max_new_tokens``), then AutoThink's mode
+    balance when ``cfg.mode_balance`` (``mode_balance``: over the freely sampled rows ``free`` (S,) bool, None: all,
+    counted over the ranks of ``dist``, a ``fasttnt.distributed`` context; None: this process's)."""
     out = REWARD_SCHEMES.get(cfg.scheme)(batch, correct, think_end_id, cfg)
-    if cfg.overlong_buffer <= 0:
-        return out
-    if max_new_tokens is None:
-        raise ValueError("reward.overlong_buffer > 0 needs max_new_tokens, the length budget it counts back from")
-    shaping = overlong_shaping(batch.lengths, max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
-    return out._replace(rewards=out.rewards + shaping)
+    if cfg.overlong_buffer > 0:
+        if max_new_tokens is None:
+            raise ValueError("reward.overlong_buffer > 0 needs max_new_tokens, the length budget it counts back from")
+        shaping = overlong_shaping(batch.lengths, max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+        out = out._replace(rewards=out.rewards + shaping)
+    if cfg.mode_balance:  # the modes' shares of the free responses, over all ranks
+        nt = out.non_thinking
+        chose = torch.ones_like(nt, dtype=torch.bool) if free is None else free
+        shares = torch.stack([(chose & ~nt).sum(), (chose & nt).sum()]).float()  # (2,) thinking, non-thinking
+        out = out._replace(rewards=mode_balance(out.rewards, nt, cfg, distributed.sum_over_ranks(dist, shares), free))
+    return out

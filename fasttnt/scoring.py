@@ -18,7 +18,8 @@ import torch
 
 from fasttnt_kernels import TntRewards
 
-from .engines.batch import RolloutBatch, decode_responses, truncated_without_eos
+from .data import PromptMode
+from .engines.batch import FORCED_CODES, RolloutBatch, decode_responses, truncated_without_eos
 from .metrics import HackMarkers, hack_flags
 from .rewards import PackedResponses, RewardConfig, compute_rewards
 from .verify import VerifierPool, verify_batch
@@ -90,11 +91,15 @@ def add_rewards(
     think_end_id: int,
     markers: HackMarkers | None = None,
     max_new_tokens: int | None = None,
+    dist=None,
 ) -> ScoredBatch:
-    """The rewards of ``reward.scheme`` for judged responses (each group's limit from its own thinking responses;
-    the overlong shaping, if on, counts back from ``max_new_tokens``) and, given ``markers``, the hack flags."""
+    """The rewards of ``reward`` for judged responses (``compute_rewards``: each group's limit from its own thinking
+    responses; the overlong shaping, if on, counts back from ``max_new_tokens``; the mode balance, if on, over the
+    free rows of every rank of ``dist``) and, given ``markers``, the hack flags."""
     packed = PackedResponses(batch.response_ids, batch.cu_seqlens, batch.group_size)
-    rewards = compute_rewards(packed, judged.correct, think_end_id, reward, max_new_tokens=max_new_tokens)
+    free = None if batch.forced is None else batch.forced == FORCED_CODES[PromptMode.FREE]  # (S,)
+    rewards = compute_rewards(packed, judged.correct, think_end_id, reward, max_new_tokens=max_new_tokens,
+                              free=free, dist=dist)  # fmt: skip
     hacked = None
     if markers is not None:
         non_thinking = rewards.non_thinking.tolist()  # sync: the hack flags need the text, on the host

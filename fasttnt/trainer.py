@@ -43,7 +43,6 @@ from .metrics import (
 from .modes import ModeMix, forced_rows
 from .plots import plot_curves
 from .preemption import Preempted, StopSignals
-from .rewards import mode_balance
 from .runlog import RunLog
 from .scoring import ScoredBatch
 from .step_metrics import TOKEN_METRICS
@@ -176,16 +175,10 @@ class Trainer:
             )
         clock.lap("verify")
 
-        # all K samples of a prompt are on this rank, so the reward is local
+        # all K samples of a prompt are on this rank, so the reward is local (the mode balance counts over ranks)
         scores = scoring.add_rewards(judged, batch, reward=cfg.reward, think_end_id=self.parts.think_end_id,
-                                     markers=self.parts.markers, max_new_tokens=r.max_new_tokens)  # fmt: skip
-        if cfg.reward.mode_balance:  # the modes' shares of the draw's free responses, over all ranks
-            nt = scores.rewards.non_thinking
-            free = ~forced_rows(batch)
-            shares = distributed.sum_over_ranks(self.dist, torch.stack([(free & ~nt).sum(), (free & nt).sum()]).float())
-            scores.rewards = scores.rewards._replace(
-                rewards=mode_balance(scores.rewards.rewards, nt, cfg.reward, shares, free)
-            )
+                                     markers=self.parts.markers, max_new_tokens=r.max_new_tokens,
+                                     dist=self.dist)  # fmt: skip
         clock.lap("reward")
         # the accuracies by mode and level (metrics.mode_accuracies); -1 marks a problem without a level, so every
         # rank and draw has the same fields to gather and concatenate

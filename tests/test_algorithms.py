@@ -64,6 +64,24 @@ def test_compute_rewards_adds_the_shaping_to_any_scheme():
             compute_rewards(batch, correct, think_end_id=3, cfg=cfg)
 
 
+def test_compute_rewards_composes_the_scheme_the_shaping_and_the_balance():
+    # one call, in that order: the balance takes the shaped rewards. Rows: non-thinking (</think> = 3 first),
+    # thinking, thinking, thinking; row 0 forced (it neither counts nor loses). Of the free rows all 3 think:
+    # z = 1, so each loses clip(2 (1 - 0.5), 0, 1) = 1, after the shaping's -0.25 and -0.5 on rows 1 and 2
+    ids, cu = pack_sequences([[3, 7, 2], [5] * 12, [5] * 15 + [2], [9, 2]])  # lengths 3, 12, 16, 2
+    batch = PackedResponses(ids, cu, group_size=2)
+    correct = torch.tensor([True, True, False, True])
+    free = torch.tensor([False, True, True, True])
+    plain = compute_rewards(batch, correct, think_end_id=3, cfg=RewardConfig())
+    assert plain.non_thinking.tolist() == [True, False, False, False], "precondition: one direct row"
+    cfg = RewardConfig(overlong_buffer=8, overlong_penalty=0.5, mode_balance=True)
+    got = compute_rewards(batch, correct, think_end_id=3, cfg=cfg, max_new_tokens=16, free=free)
+    torch.testing.assert_close(got.rewards - plain.rewards, torch.tensor([0.0, -1.25, -1.5, -1.0]))
+    # without the forced row's exemption it counts too: z = 3/4, each thinking row loses 0.5, the direct one none
+    everyone = compute_rewards(batch, correct, think_end_id=3, cfg=cfg, max_new_tokens=16)
+    torch.testing.assert_close(everyone.rewards - plain.rewards, torch.tensor([0.0, -0.75, -1.0, -0.5]))
+
+
 @pytest.mark.parametrize(
     "override, message",
     [
