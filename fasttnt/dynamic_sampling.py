@@ -13,7 +13,7 @@ import torch
 from fasttnt_kernels import TntRewards
 
 from .engines.batch import RolloutBatch
-from .scoring import ScoredBatch
+from .scoring import Judged, ScoredBatch
 
 
 def varied_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -38,14 +38,17 @@ def concat_draws(draws: list[ScoredBatch]) -> ScoredBatch:
     if len(draws) == 1:
         return draws[0]
     rewards = TntRewards(*(torch.cat([getattr(d.rewards, f) for d in draws]) for f in TntRewards._fields))
+    judged = [d.judged for d in draws]
     return ScoredBatch(
         RolloutBatch.concat([d.batch for d in draws]),
-        [t for d in draws for t in d.texts],
-        torch.cat([d.correct for d in draws]),
+        Judged(
+            [t for j in judged for t in j.texts],
+            torch.cat([j.correct for j in judged]),
+            timeouts=sum(j.timeouts for j in judged),
+            crashes=sum(j.crashes for j in judged),
+        ),
         rewards,
         hacked=_cat_optional([d.hacked for d in draws]),
-        timeouts=sum(d.timeouts for d in draws),
-        crashes=sum(d.crashes for d in draws),
         levels=_cat_optional([d.levels for d in draws]),
     )
 
@@ -56,15 +59,14 @@ def select_groups(draw: ScoredBatch, groups: list[int]) -> ScoredBatch:
     k = draw.batch.group_size
     seqs = [g * k + j for g in groups for j in range(k)]
     batch, _ = draw.batch.select(seqs)
-    device = draw.correct.device
+    device = draw.judged.correct.device
     s = torch.tensor(seqs, dtype=torch.long, device=device)
     g = torch.tensor(groups, dtype=torch.long, device=draw.rewards.limit.device)
     r = draw.rewards
     rewards = TntRewards(r.rewards[s], r.non_thinking[s], r.solution_len[s], r.limit[g])
     return ScoredBatch(
         batch,
-        [draw.texts[i] for i in seqs],
-        draw.correct[s],
+        Judged([draw.judged.texts[i] for i in seqs], draw.judged.correct[s]),
         rewards,
         hacked=None if draw.hacked is None else draw.hacked[s],
         levels=None if draw.levels is None else draw.levels[s],

@@ -122,10 +122,10 @@ def evaluate_one(
             think_end_id=think_end_id,
             markers=style.markers,
         )
-        truncated, correct = batch.truncated.tolist(), scores.correct.tolist()
+        truncated, correct = batch.truncated.tolist(), scores.judged.correct.tolist()
         modes, hacked = scores.rewards.non_thinking.tolist(), scores.hacked.tolist()
         lengths = batch.lengths.tolist()
-        for i, text in enumerate(scores.texts):
+        for i, text in enumerate(scores.judged.texts):
             p = chunk[i // k]
             records.append(
                 {

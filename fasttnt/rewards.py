@@ -22,6 +22,8 @@ import torch
 from fasttnt_kernels import RewardValues, TntRewards, tnt_rewards
 
 from . import distributed
+from .data import PromptMode
+from .engines.batch import FORCED_CODES, RolloutBatch
 from .registry import Registry
 
 
@@ -73,27 +75,16 @@ class RewardConfig:
         return replace(table, direct_correct=self.think_correct + margin, direct_wrong=self.think_wrong + margin)
 
 
-@dataclass(frozen=True)
-class PackedResponses:
-    """What a rollout hands the reward: packed token ids and their boundaries, K samples per prompt adjacent."""
-
-    ids: torch.Tensor  # (N,) int
-    cu_seqlens: torch.Tensor  # (S+1,) int, from 0 to N
-    group_size: int  # K samples per prompt, adjacent
-
-    @property
-    def lengths(self) -> torch.Tensor:
-        return self.cu_seqlens[1:] - self.cu_seqlens[:-1]  # (S,)
-
-
-RewardFn = Callable[[PackedResponses, torch.Tensor, int, RewardConfig], TntRewards]
+RewardFn = Callable[[RolloutBatch, torch.Tensor, int, RewardConfig], TntRewards]
+"""A reward scheme: ``(batch, correct, think_end_id, cfg)`` -> ``TntRewards``; it reads the batch's packed
+``response_ids``, ``cu_seqlens`` and ``group_size``."""
 REWARD_SCHEMES: Registry[RewardFn] = Registry("reward scheme")
 
 
 def _kernel_scheme(name: str) -> RewardFn:
-    def reward(batch: PackedResponses, correct: torch.Tensor, think_end_id: int, cfg: RewardConfig) -> TntRewards:
+    def reward(batch: RolloutBatch, correct: torch.Tensor, think_end_id: int, cfg: RewardConfig) -> TntRewards:
         return tnt_rewards(
-            batch.ids,
+            batch.response_ids,
             batch.cu_seqlens,
             correct.bool(),
             batch.group_size,
@@ -139,19 +130,18 @@ def mode_balance(
 
 
 def compute_rewards(
-    batch: PackedResponses,
+    batch: RolloutBatch,
     correct: torch.Tensor,
     think_end_id: int,
     cfg: RewardConfig,
     *,
     max_new_tokens: int | None = None,
-    free: torch.Tensor | None = None,
     dist=None,
 ) -> TntRewards:
-    """Rewards, modes, solution lengths and limits of a packed batch: ``cfg.scheme``'s, then the overlong shaping
-    added when ``cfg.overlong_buffer`` > 0 (it needs the length budget, ``max_new_tokens``), then AutoThink's mode
-    balance when ``cfg.mode_balance`` (``mode_balance``: over the freely sampled rows ``free`` (S,) bool, None: all,
-    counted over the ranks of ``dist``, a ``fasttnt.distributed`` context; None: this process's)."""
+    """Rewards, modes, solution lengths and limits of a batch: ``cfg.scheme``'s, then the overlong shaping added when
+    ``cfg.overlong_buffer`` > 0 (it needs the length budget, ``max_new_tokens``), then AutoThink's mode balance when
+    ``cfg.mode_balance`` (``mode_balance``: over the batch's freely sampled rows, counted over the ranks of ``dist``,
+    a ``fasttnt.distributed`` context; None: this process's)."""
     out = REWARD_SCHEMES.get(cfg.scheme)(batch, correct, think_end_id, cfg)
     if cfg.overlong_buffer > 0:
         if max_new_tokens is None:
@@ -160,6 +150,7 @@ def compute_rewards(
         out = out._replace(rewards=out.rewards + shaping)
     if cfg.mode_balance:  # the modes' shares of the free responses, over all ranks
         nt = out.non_thinking
+        free = None if batch.forced is None else batch.forced == FORCED_CODES[PromptMode.FREE]  # (S,)
         chose = torch.ones_like(nt, dtype=torch.bool) if free is None else free
         shares = torch.stack([(chose & ~nt).sum(), (chose & nt).sum()]).float()  # (2,) thinking, non-thinking
         out = out._replace(rewards=mode_balance(out.rewards, nt, cfg, distributed.sum_over_ranks(dist, shares), free))

@@ -18,10 +18,9 @@ import torch
 
 from fasttnt_kernels import TntRewards
 
-from .data import PromptMode
-from .engines.batch import FORCED_CODES, RolloutBatch, decode_responses, truncated_without_eos
+from .engines.batch import RolloutBatch, decode_responses, truncated_without_eos
 from .metrics import HackMarkers, hack_flags
-from .rewards import PackedResponses, RewardConfig, compute_rewards
+from .rewards import RewardConfig, compute_rewards
 from .verify import VerifierPool, verify_batch
 
 Verify = Callable[[list[str], list[str]], Sequence[bool]]
@@ -43,12 +42,9 @@ class ScoredBatch:
     """A rollout batch through verify and reward: S responses, G = S / K groups."""
 
     batch: RolloutBatch
-    texts: list[str]  # (S,) decoded, without the final EOS
-    correct: torch.Tensor  # (S,) bool on the batch's device: verified right and not truncated
+    judged: Judged  # the responses' texts and verdicts, and the verifier's counts
     rewards: TntRewards  # rewards, non_thinking, solution_len (S,); limit (G,)
     hacked: torch.Tensor | None = None  # (S,) bool: non-thinking, and thinking after its </think>; None: no markers
-    timeouts: int = 0  # verifications killed at their timeout (counted wrong)
-    crashes: int = 0  # verifications whose worker died (counted wrong)
     levels: torch.Tensor | None = None  # (S,) int: each response's problem level, -1 where it has none (the trainer)
 
 
@@ -96,17 +92,12 @@ def add_rewards(
     """The rewards of ``reward`` for judged responses (``compute_rewards``: each group's limit from its own thinking
     responses; the overlong shaping, if on, counts back from ``max_new_tokens``; the mode balance, if on, over the
     free rows of every rank of ``dist``) and, given ``markers``, the hack flags."""
-    packed = PackedResponses(batch.response_ids, batch.cu_seqlens, batch.group_size)
-    free = None if batch.forced is None else batch.forced == FORCED_CODES[PromptMode.FREE]  # (S,)
-    rewards = compute_rewards(packed, judged.correct, think_end_id, reward, max_new_tokens=max_new_tokens,
-                              free=free, dist=dist)  # fmt: skip
+    rewards = compute_rewards(batch, judged.correct, think_end_id, reward, max_new_tokens=max_new_tokens, dist=dist)
     hacked = None
     if markers is not None:
         non_thinking = rewards.non_thinking.tolist()  # sync: the hack flags need the text, on the host
         hacked = torch.tensor(hack_flags(judged.texts, non_thinking, markers), device=judged.correct.device)
-    return ScoredBatch(
-        batch, judged.texts, judged.correct, rewards, hacked=hacked, timeouts=judged.timeouts, crashes=judged.crashes
-    )
+    return ScoredBatch(batch, judged, rewards, hacked=hacked)
 
 
 def score(

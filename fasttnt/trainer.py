@@ -220,7 +220,7 @@ class Trainer:
         the counts."""
         r = self.cfg.rollout
         rewards = drawn.rewards
-        per_response = {"correct": drawn.correct, "non_thinking": rewards.non_thinking,
+        per_response = {"correct": drawn.judged.correct, "non_thinking": rewards.non_thinking,
                         "lengths": drawn.batch.lengths, "hacked": drawn.hacked, "truncated": drawn.batch.truncated,
                         "limit": rewards.limit, "rewards": rewards.rewards}  # fmt: skip
         if self.cfg.reward.scheme == "tnt":  # where the limit comes from the query's own thinking responses
@@ -243,9 +243,11 @@ class Trainer:
             by_mode = {k: distributed.all_gather_cat(v) for k, v in by_mode.items()}
             choice = {k: distributed.all_gather_cat(v) for k, v in choice.items()}
         batch = trained.batch
+        judged = drawn.judged
         counts = {"drawn_tokens": drawn.batch.response_ids.numel(), "trained_tokens": batch.response_ids.numel(),
-                  "prompt_tokens": sum(len(p) for p in batch.prompt_ids), "timeouts": drawn.timeouts,
-                  "crashes": drawn.crashes, "varied": sum(varied), "groups": len(varied), "filled": filled}  # fmt: skip
+                  "prompt_tokens": sum(len(p) for p in batch.prompt_ids), "timeouts": judged.timeouts,
+                  "crashes": judged.crashes, "varied": sum(varied), "groups": len(varied),
+                  "filled": filled}  # fmt: skip
         counts = {k: torch.tensor(float(v), dtype=torch.float64, device=self.device) for k, v in counts.items()}
         counts = distributed.sum_named_over_ranks(self.dist, counts)
         present = levels_present(by_mode.get("levels"))  # sync: the levels present

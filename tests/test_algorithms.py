@@ -15,8 +15,8 @@ from fasttnt.cli import main as cli_main
 from fasttnt.config import ConfigError, load_config
 from fasttnt.dynamic_sampling import choose_groups, concat_draws, select_groups, varied_groups
 from fasttnt.engines import RolloutBatch, pack_sequences
-from fasttnt.rewards import PackedResponses, RewardConfig, compute_rewards, overlong_shaping
-from fasttnt.scoring import ScoredBatch
+from fasttnt.rewards import RewardConfig, compute_rewards, overlong_shaping
+from fasttnt.scoring import Judged, ScoredBatch
 from fasttnt.trainer import Trainer
 from fasttnt.variants import VariantError, check_variant, read_variants_file, split_variants, variant_overrides
 from fasttnt_kernels import TntRewards
@@ -51,7 +51,7 @@ def test_overlong_shaping_is_dapos_piecewise_penalty(trial):
 
 def test_compute_rewards_adds_the_shaping_to_any_scheme():
     ids, cu = pack_sequences([[5, 6, 7, 2], [5] * 12, [5] * 15 + [2], [9, 2]])  # lengths 4, 12, 16, 2
-    batch = PackedResponses(ids, cu, group_size=2)
+    batch = RolloutBatch.of_packed(ids, cu, group_size=2)
     correct = torch.tensor([True, True, False, True])
     for scheme in ("tnt", "binary"):
         plain = compute_rewards(batch, correct, think_end_id=3, cfg=RewardConfig(scheme=scheme))
@@ -65,21 +65,22 @@ def test_compute_rewards_adds_the_shaping_to_any_scheme():
 
 
 def test_compute_rewards_composes_the_scheme_the_shaping_and_the_balance():
-    # one call, in that order: the balance takes the shaped rewards. Rows: non-thinking (</think> = 3 first),
-    # thinking, thinking, thinking; row 0 forced (it neither counts nor loses). Of the free rows all 3 think:
-    # z = 1, so each loses clip(2 (1 - 0.5), 0, 1) = 1, after the shaping's -0.25 and -0.5 on rows 1 and 2
+    # one call, in that order: the balance takes the shaped rewards (-0.25 and -0.5 on rows 1 and 2, as above).
+    # Rows: non-thinking (</think> = 3 first), thinking, thinking, thinking
     ids, cu = pack_sequences([[3, 7, 2], [5] * 12, [5] * 15 + [2], [9, 2]])  # lengths 3, 12, 16, 2
-    batch = PackedResponses(ids, cu, group_size=2)
+    batch = RolloutBatch.of_packed(ids, cu, group_size=2)
     correct = torch.tensor([True, True, False, True])
-    free = torch.tensor([False, True, True, True])
     plain = compute_rewards(batch, correct, think_end_id=3, cfg=RewardConfig())
     assert plain.non_thinking.tolist() == [True, False, False, False], "precondition: one direct row"
     cfg = RewardConfig(overlong_buffer=8, overlong_penalty=0.5, mode_balance=True)
-    got = compute_rewards(batch, correct, think_end_id=3, cfg=cfg, max_new_tokens=16, free=free)
-    torch.testing.assert_close(got.rewards - plain.rewards, torch.tensor([0.0, -1.25, -1.5, -1.0]))
-    # without the forced row's exemption it counts too: z = 3/4, each thinking row loses 0.5, the direct one none
+    # every row free (no codes): z = 3/4, each thinking row loses 0.5, the direct one none
     everyone = compute_rewards(batch, correct, think_end_id=3, cfg=cfg, max_new_tokens=16)
     torch.testing.assert_close(everyone.rewards - plain.rewards, torch.tensor([0.0, -0.75, -1.0, -0.5]))
+    # row 0 forced to answer directly (FORCED_CODES): it neither counts nor loses. Of the free rows all 3 think: z =
+    # 1, so each loses clip(2 (1 - 0.5), 0, 1) = 1
+    batch.forced = torch.tensor([1, 0, 0, 0], dtype=torch.int8)
+    got = compute_rewards(batch, correct, think_end_id=3, cfg=cfg, max_new_tokens=16)
+    torch.testing.assert_close(got.rewards - plain.rewards, torch.tensor([0.0, -1.25, -1.5, -1.0]))
 
 
 @pytest.mark.parametrize(
@@ -112,8 +113,8 @@ def _draw(lengths: list[int], rewards: list[float], k: int, first_token: int = 1
     out = TntRewards(r, r > 1, torch.full((s,), -1, dtype=torch.int32), torch.arange(s // k, dtype=torch.float32))
     texts = [f"response {first_token + i}" for i in range(s)]
     levels = torch.arange(s) // k + first_token  # (S,) a level per group, apart between draws
-    return ScoredBatch(batch, texts, r > 0, out, hacked=torch.zeros(s, dtype=torch.bool), timeouts=1,
-                       crashes=first_token, levels=levels)  # fmt: skip
+    judged = Judged(texts, r > 0, timeouts=1, crashes=first_token)
+    return ScoredBatch(batch, judged, out, hacked=torch.zeros(s, dtype=torch.bool), levels=levels)
 
 
 def test_varied_groups_and_the_choice_of_groups():
@@ -124,12 +125,58 @@ def test_varied_groups_and_the_choice_of_groups():
     assert choose_groups([True, True], quota=2) == ([0, 1], 0)
 
 
+def test_every_per_row_field_of_a_batch_and_of_the_updates_inputs_is_carried():
+    # a RolloutBatch field that is neither per sequence nor per token would keep its full length through a cut; one
+    # declared is cut by select and group_slice and joined by concat. Each field here holds its row's (or token's)
+    # index, so a cut that took the wrong rows shows too
+    from dataclasses import fields
+
+    from fasttnt.actor import PER_SEQUENCE, PER_TOKEN, UpdateInputs
+
+    declared = {f.name: f.metadata.get("per") for f in fields(RolloutBatch)}
+    assert {n for n, per in declared.items() if per is None} == {"cu_seqlens", "group_size"}
+    rows = [[5, 6], [7], [8, 9, 10], [11]]  # 4 rows, 7 tokens, K = 2
+    batch = RolloutBatch.of_responses([[i] for i in range(4)], rows, [False, True, False, True], 2,
+                                      rollout_logp=[float(t) for t in range(7)],
+                                      forced=torch.arange(4, dtype=torch.int8))  # fmt: skip
+    seq = torch.arange(4, dtype=torch.float32)
+    tok = torch.arange(7, dtype=torch.float32)
+    inputs = UpdateInputs(batch, seq, seq + 10, tok, tok + 10, tok + 20)
+    assert set(PER_SEQUENCE) | set(PER_TOKEN) == {f.name for f in fields(UpdateInputs)} - {"batch"}
+
+    def rows_and_tokens(part):
+        return part.batch.prompt_ids, part.advantages.tolist(), part.batch.rollout_logp.tolist()
+
+    kept = inputs.select([1, 2])
+    assert rows_and_tokens(kept) == ([[1], [2]], [1.0, 2.0], [2.0, 3.0, 4.0, 5.0])
+    assert kept.batch.forced.tolist() == [1, 2] and kept.batch.truncated.tolist() == [True, False]
+    assert kept.first_advantages.tolist() == [11.0, 12.0] and kept.is_weights.tolist() == [22.0, 23.0, 24.0, 25.0]
+    assert kept.old_logp.tolist() == [2.0, 3.0, 4.0, 5.0] and kept.ref_logp.tolist() == [12.0, 13.0, 14.0, 15.0]
+    second = inputs.group_slice(1, 2)
+    assert rows_and_tokens(second) == ([[2], [3]], [2.0, 3.0], [3.0, 4.0, 5.0, 6.0])
+    assert second.batch.forced.tolist() == [2, 3] and second.ref_logp.tolist() == [13.0, 14.0, 15.0, 16.0]
+    joined = RolloutBatch.concat([second.batch, inputs.group_slice(0, 1).batch])
+    assert joined.prompt_ids == [[2], [3], [0], [1]] and joined.forced.tolist() == [2, 3, 0, 1]
+    assert joined.rollout_logp.tolist() == [3.0, 4.0, 5.0, 6.0, 0.0, 1.0, 2.0]
+    assert joined.truncated.tolist() == [False, True, False, True]
+    # the micro-batch of row 1 alone: the kernel's inputs, each cut to it
+    from fasttnt.policy import plan_micro_batches
+
+    mb = plan_micro_batches(inputs.batch, budget=4)[1]
+    assert (mb.first, mb.last) == (1, 2), "precondition: row 1 alone (row 2 does not fit beside it)"
+    micro = inputs.micro_batch(mb, total_tokens=7.0, total_seqs=4.0)
+    assert micro.advantages.tolist() == [1.0] and micro.first_advantages.tolist() == [11.0]
+    assert (
+        micro.old_logp.tolist() == [2.0] and micro.is_weights.tolist() == [22.0] and micro.cu_seqlens.tolist() == [0, 1]
+    )
+
+
 def test_concat_and_select_keep_each_groups_responses_together():
     k = 2
     a = _draw([3, 1, 2, 2], [0.0, 1.0, 1.0, 1.0], k, first_token=10)
     b = _draw([1, 4, 2, 3], [2.0, 0.0, -1.0, -1.0], k, first_token=20)
     both = concat_draws([a, b])
-    assert both.batch.lengths.numel() == 8 and both.timeouts == 2 and both.crashes == 10 + 20
+    assert both.batch.lengths.numel() == 8 and both.judged.timeouts == 2 and both.judged.crashes == 10 + 20
     assert both.levels.tolist() == [10, 10, 11, 11, 20, 20, 21, 21]
     assert both.batch.bounds == both.batch.cu_seqlens.tolist() == [0, 3, 4, 6, 8, 9, 13, 15, 18]
     assert both.batch.responses == a.batch.responses + b.batch.responses
@@ -143,9 +190,10 @@ def test_concat_and_select_keep_each_groups_responses_together():
     torch.testing.assert_close(picked.batch.rollout_logp, expected_logp)
     assert picked.rewards.rewards.tolist() == [0.0, 1.0, 2.0, 0.0]
     assert picked.rewards.limit.tolist() == [0.0, 0.0]  # each draw's own group 0
-    assert picked.correct.tolist() == [False, True, True, False]
-    assert picked.texts == a.texts[:2] + b.texts[:2] and picked.timeouts == 0  # a draw's counts stay with it
-    assert picked.levels.tolist() == [10, 10, 20, 20] and picked.crashes == 0
+    assert picked.judged.correct.tolist() == [False, True, True, False]
+    assert picked.judged.texts == a.judged.texts[:2] + b.judged.texts[:2]
+    assert picked.judged.timeouts == 0 and picked.judged.crashes == 0  # a draw's counts stay with it
+    assert picked.levels.tolist() == [10, 10, 20, 20]
 
 
 # -- dynamic sampling in the trainer ----------------------------------------------------------------------------
@@ -365,8 +413,8 @@ def test_verls_scores_come_from_the_configured_scheme_registered_or_not():
     cfg = RewardConfig(scheme=varied.NAME)
     scores = tnt_token_scores(responses, mask, uids, correct, think_end, config=cfg)
     order = [i for uid in ("x", "y") for i in range(len(rows)) if uids[i] == uid]  # uid x first: seen first
-    truth = compute_rewards(PackedResponses(*pack_sequences([rows[i] for i in order]), 4), torch.tensor(correct)[order],
-                            think_end, cfg, max_new_tokens=t).rewards  # fmt: skip
+    packed = RolloutBatch.of_packed(*pack_sequences([rows[i] for i in order]), 4)
+    truth = compute_rewards(packed, torch.tensor(correct)[order], think_end, cfg, max_new_tokens=t).rewards
     got = [float(scores[i, len(rows[i]) - 1]) for i in order]
     assert got == truth.tolist()
     assert got[4:] == [0.0] * 4 and got[1] - got[0] >= varied.BONUS - 4  # varied's, not tnt's: group y all 0

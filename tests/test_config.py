@@ -21,8 +21,9 @@ from fasttnt.config import (
     to_dict,
     with_overrides,
 )
+from fasttnt.engines.batch import RolloutBatch
 from fasttnt.policy import MicroBatchLossInputs
-from fasttnt.rewards import PackedResponses, RewardConfig, compute_rewards
+from fasttnt.rewards import RewardConfig, compute_rewards
 from fasttnt_kernels import PolicyLossConfig, PolicyLossInputs, RewardValues, SettingError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,7 +90,7 @@ def test_the_reward_section_builds_the_kernels_table(monkeypatch):
 
     monkeypatch.setattr(rewards, "tnt_rewards", spy)
     # a 4-token direct answer (</think> = 7 first) and a thinking one with 1 token of solution: limit 2 x 1 = 2
-    batch = PackedResponses(torch.tensor([7, 5, 5, 5, 1, 7, 2]), torch.tensor([0, 4, 7]), group_size=2)
+    batch = RolloutBatch.of_packed(torch.tensor([7, 5, 5, 5, 1, 7, 2]), torch.tensor([0, 4, 7]), group_size=2)
     out = compute_rewards(batch, torch.tensor([True, True]), 7, cfg)
     assert type(seen["values"]) is RewardValues and seen["values"] == table
     assert out.rewards.tolist() == [-3.0, 1.0]  # over the limit: the table's over_limit; thinking and right: 1

@@ -22,7 +22,7 @@ from fasttnt.config import load_config
 from fasttnt.data import PromptMode
 from fasttnt.engines.batch import FORCED_CODES, RolloutBatch
 from fasttnt.modes import CHOICE_POWER, CHOICE_SCALE, ModeMix
-from fasttnt.rewards import PackedResponses, compute_rewards
+from fasttnt.rewards import compute_rewards
 from fasttnt_kernels import PolicyLossConfig, _common, clipped_policy_loss
 
 END, THINK = 0, 1  # token ids of the bandit: </think> and a thinking answer's first token
@@ -110,7 +110,7 @@ def _loss(mix: ModeMix, cfg, logits: torch.Tensor, tokens: torch.Tensor, correct
     group's forced codes."""
     s = tokens.numel()
     cu = torch.arange(s + 1)
-    rewards = compute_rewards(PackedResponses(tokens, cu, K), correct, END, cfg.reward)
+    rewards = compute_rewards(RolloutBatch.of_packed(tokens, cu, K), correct, END, cfg.reward)
     forced = torch.tensor(codes * (s // K), dtype=torch.int8)
     batch = RolloutBatch([[0]] * s, tokens, cu, torch.zeros(s, dtype=torch.bool), K, forced=forced)
     logp_all = torch.log_softmax(logits / T, dim=-1)  # (G, 2)

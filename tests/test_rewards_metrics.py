@@ -25,7 +25,7 @@ from fasttnt.metrics import (
     to_floats,
     token_efficiency,
 )
-from fasttnt.rewards import REWARD_SCHEMES, PackedResponses, RewardConfig, compute_rewards
+from fasttnt.rewards import REWARD_SCHEMES, RewardConfig, compute_rewards
 
 TOK = build_char_tokenizer()
 END_ID = TOK.convert_tokens_to_ids(THINK_END)
@@ -35,7 +35,7 @@ def _pack(texts, group_size):
     ids = [TOK(t, add_special_tokens=False)["input_ids"] for t in texts]
     cu = torch.tensor([0, *itertools.accumulate(len(x) for x in ids)])
     flat = torch.tensor([i for x in ids for i in x])
-    return PackedResponses(flat, cu, group_size), [len(x) for x in ids]
+    return RolloutBatch.of_packed(flat, cu, group_size), [len(x) for x in ids]
 
 
 def _query():
@@ -74,10 +74,10 @@ def test_scoring_judges_truncated_responses_wrong_and_flags_the_hack():
     batch = RolloutBatch([[]] * 4, *pack_sequences(ids), torch.tensor([True, True, False, False]), 4)
     scores = scoring.score(TOK, batch, ["132"] * 4, eos_ids={TOK.eos_token_id}, reward=RewardConfig(),
                            think_end_id=END_ID, markers=SYNTHETIC_MARKERS)  # fmt: skip
-    assert scores.correct.tolist() == [False, False, True, False]  # right answers, but truncated
+    assert scores.judged.correct.tolist() == [False, False, True, False]  # right answers, but truncated
     assert scores.rewards.rewards.tolist() == [0.0, -1.0, -2.0, -1.0]  # the hack is over its limit of 22
     assert scores.hacked.tolist() == [False, False, True, False]
-    assert scores.texts == texts
+    assert scores.judged.texts == texts
 
 
 def test_reward_values_and_fallback_come_from_the_config():

@@ -19,8 +19,9 @@ from fasttnt.embedded.char_tokenizer import build_char_tokenizer  # noqa: E402
 from fasttnt.embedded.synthetic import held_out  # noqa: E402
 from fasttnt.embedded.tiny import TinyModelConfig, build_tiny_model  # noqa: E402
 from fasttnt.engines import pack_sequences  # noqa: E402
+from fasttnt.engines.batch import RolloutBatch  # noqa: E402
 from fasttnt.integrations.trl import SUPPORTED_LOSS_TYPES, FastTNTGRPOTrainer, TNTReward  # noqa: E402
-from fasttnt.rewards import PackedResponses, RewardConfig, compute_rewards, overlong_shaping  # noqa: E402
+from fasttnt.rewards import RewardConfig, compute_rewards, overlong_shaping  # noqa: E402
 
 SHAPE = TinyModelConfig(**TINY_4_HEADS)
 K = 4  # completions per prompt
@@ -280,7 +281,7 @@ def test_the_tnt_reward_equals_fasttnts_on_the_same_responses():
     ids, cu = pack_sequences(completion_ids)
     truncated = torch.tensor([not eos for _, eos in texts])
     correct = torch.tensor(list(verify_batch([t for t, _ in texts], golds, require_think_end=True))) & ~truncated
-    want = compute_rewards(PackedResponses(ids, cu, 4), correct, tok.convert_tokens_to_ids("</think>"),
+    want = compute_rewards(RolloutBatch.of_packed(ids, cu, 4), correct, tok.convert_tokens_to_ids("</think>"),
                            RewardConfig()).rewards.tolist()  # fmt: skip
     assert got == want
     assert got[:4] == [1.0, 0.0, 2.0, -2.0] and got[7] == 0.0  # over the limit; truncated is wrong

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from fasttnt.rewards import REWARD_SCHEMES, PackedResponses, RewardConfig
+from fasttnt.engines.batch import RolloutBatch
+from fasttnt.rewards import REWARD_SCHEMES, RewardConfig
 from fasttnt_kernels import TntRewards
 
 NAME = "varied"
@@ -31,7 +32,7 @@ PYTHONPATH = os.pathsep.join(p for p in (str(Path(__file__).resolve().parent), o
 BONUS = 5.0  # more than the width of TNT's rewards (-2 .. 2): an even group's odd samples always earn more
 
 
-def varied_rewards(batch: PackedResponses, correct: torch.Tensor, think_end_id: int, cfg: RewardConfig) -> TntRewards:
+def varied_rewards(batch: RolloutBatch, correct: torch.Tensor, think_end_id: int, cfg: RewardConfig) -> TntRewards:
     tnt = REWARD_SCHEMES.get("tnt")(batch, correct, think_end_id, cfg)
     rows = torch.arange(batch.lengths.numel(), device=tnt.rewards.device)  # (S,)
     group, sample = rows // batch.group_size, rows % batch.group_size

@@ -8,7 +8,7 @@ import functools
 import itertools
 import os
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -20,20 +20,31 @@ FORCED_CODES = {PromptMode.FREE: 0, PromptMode.NON_THINKING: 1, PromptMode.THINK
 """How ``RolloutBatch.forced`` codes each row's mode: free, or forced to answer directly or to think."""
 
 
+# The metadata of a RolloutBatch field of one entry per sequence or per token, which every cut and join of a batch
+# carries (RolloutBatch._cut, concat). "missing_code": a join of batches some of which lack the field fills theirs
+# with this int8 code (without one the joined field is None)
+PER_SEQUENCE = {"per": "sequence"}
+PER_TOKEN = {"per": "token"}
+
+
 @dataclass
 class RolloutBatch:
-    """S = prompts x K responses, the K samples of a prompt adjacent."""
+    """S = prompts x K responses, the K samples of a prompt adjacent. The fields of one entry per sequence or per
+    token are declared so (``PER_SEQUENCE``, ``PER_TOKEN``): ``select``, ``group_slice`` and ``concat`` carry
+    each of them."""
 
-    prompt_ids: list[list[int]]  # (S,) the prompt of each response (repeated K times)
-    response_ids: torch.Tensor  # (N,) packed response tokens, EOS included when generated
+    prompt_ids: list[list[int]] = field(metadata=PER_SEQUENCE)  # (S,) the prompt of each response (repeated K times)
+    response_ids: torch.Tensor = field(metadata=PER_TOKEN)  # (N,) packed response tokens, EOS included when generated
     cu_seqlens: torch.Tensor  # (S+1,) int64
-    truncated: torch.Tensor  # (S,) bool: the length budget ran out before EOS
+    truncated: torch.Tensor = field(metadata=PER_SEQUENCE)  # (S,) bool: the length budget ran out before EOS
     group_size: int
     # (N,) float32: the log-prob of each token under the distribution the engine sampled it from (after temperature
     # and top-p); 0 for a pre-filled prefix, which was not sampled (forced modes)
-    rollout_logp: torch.Tensor | None = None
+    rollout_logp: torch.Tensor | None = field(default=None, metadata=PER_TOKEN)
     # (S,) int8: each row's mode as FORCED_CODES codes it, when any row was forced; None when every row was free
-    forced: torch.Tensor | None = None
+    forced: torch.Tensor | None = field(
+        default=None, metadata={**PER_SEQUENCE, "missing_code": FORCED_CODES[PromptMode.FREE]}
+    )
 
     @classmethod
     def of_responses(
@@ -54,6 +65,14 @@ class RolloutBatch:
         batch = cls(prompt_ids, ids, cu, torch.tensor(truncated, dtype=torch.bool, device=device), group_size,
                     rollout_logp=logp, forced=forced)  # fmt: skip
         return batch._with_host_copies([0, *itertools.accumulate(map(len, responses))], responses)
+
+    @classmethod
+    def of_packed(cls, response_ids: torch.Tensor, cu_seqlens: torch.Tensor, group_size: int) -> RolloutBatch:
+        """Packed responses alone (another framework's, or a test's), as a reward reads them: no prompts, none
+        marked truncated (a verdict that a truncation makes wrong is the caller's)."""
+        s = len(cu_seqlens) - 1
+        truncated = torch.zeros(s, dtype=torch.bool, device=response_ids.device)
+        return cls([[] for _ in range(s)], response_ids, cu_seqlens, truncated, group_size)
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -81,6 +100,25 @@ class RolloutBatch:
         self.bounds, self.responses = bounds, responses
         return self
 
+    def _cut(
+        self, sequences: slice | list[int], tokens: slice | torch.Tensor, cu_seqlens: torch.Tensor
+    ) -> RolloutBatch:
+        """The batch of ``sequences`` (a slice, or ascending indices) whose tokens are ``tokens`` (a slice, or the
+        index of each in this batch), with boundaries ``cu_seqlens``: every per-sequence and per-token field cut."""
+        seq_index = sequences
+        if not isinstance(sequences, slice):
+            seq_index = torch.tensor(sequences, dtype=torch.long, device=self.cu_seqlens.device)
+        cut = {}
+        for f in fields(self):
+            value, per = getattr(self, f.name), f.metadata.get("per")
+            if per is None or value is None:
+                continue
+            if isinstance(value, list):
+                cut[f.name] = value[sequences] if isinstance(sequences, slice) else [value[i] for i in sequences]
+            else:
+                cut[f.name] = value[seq_index if per == PER_SEQUENCE["per"] else tokens]
+        return replace(self, cu_seqlens=cu_seqlens, **cut)
+
     def select(self, keep: list[int]) -> tuple[RolloutBatch, torch.Tensor]:
         """Sequences ``keep`` (ascending) repacked from 0, and the index (n,) of their tokens in this batch's packed
         tensors (to take the per-token inputs that go with them)."""
@@ -95,15 +133,7 @@ class RolloutBatch:
         index = torch.arange(new_bounds[-1], device=device) + torch.repeat_interleave(
             shift, self.lengths[keep_t], output_size=new_bounds[-1]
         )  # (n,)
-        kept = RolloutBatch(
-            [self.prompt_ids[i] for i in keep],
-            self.response_ids[index],
-            cu,
-            self.truncated[keep_t],
-            self.group_size,
-            rollout_logp=self.rollout_logp[index] if self.rollout_logp is not None else None,
-            forced=self.forced[keep_t] if self.forced is not None else None,
-        )
+        kept = self._cut(keep, index, cu)
         return kept._with_host_copies(new_bounds, [self.responses[i] for i in keep]), index
 
     def group_slice(self, first: int, last: int) -> RolloutBatch:
@@ -111,15 +141,7 @@ class RolloutBatch:
         k = self.group_size
         a, b = first * k, last * k
         lo, hi = self.bounds[a], self.bounds[b]
-        part = RolloutBatch(
-            self.prompt_ids[a:b],
-            self.response_ids[lo:hi],
-            self.cu_seqlens[a : b + 1] - lo,
-            self.truncated[a:b],
-            k,
-            rollout_logp=self.rollout_logp[lo:hi] if self.rollout_logp is not None else None,
-            forced=self.forced[a:b] if self.forced is not None else None,
-        )
+        part = self._cut(slice(a, b), slice(lo, hi), self.cu_seqlens[a : b + 1] - lo)
         return part._with_host_copies([x - lo for x in self.bounds[a : b + 1]], self.responses[a:b])
 
     @classmethod
@@ -129,20 +151,22 @@ class RolloutBatch:
             return batches[0]
         offsets = [0, *itertools.accumulate(b.bounds[-1] for b in batches)]
         shifted = [b.cu_seqlens[1:] + off for b, off in zip(batches, offsets, strict=False)]
-        logps = [b.rollout_logp for b in batches]
-        forced = None
-        if any(b.forced is not None for b in batches):  # a draw without forced rows: all free
-            forced = torch.cat([b.forced if b.forced is not None else b.truncated.new_zeros(b.truncated.shape,
-                                dtype=torch.int8) for b in batches])  # fmt: skip
-        batch = cls(
-            [p for b in batches for p in b.prompt_ids],
-            torch.cat([b.response_ids for b in batches]),
-            torch.cat([batches[0].cu_seqlens[:1], *shifted]),  # (S+1,)
-            torch.cat([b.truncated for b in batches]),
-            batches[0].group_size,
-            rollout_logp=torch.cat(logps) if all(lp is not None for lp in logps) else None,
-            forced=forced,
-        )
+        joined = {}
+        for f in fields(cls):
+            if f.metadata.get("per") is None:
+                continue
+            values, code = [getattr(b, f.name) for b in batches], f.metadata.get("missing_code")
+            if isinstance(values[0], list):
+                joined[f.name] = [x for v in values for x in v]
+            elif all(v is not None for v in values):
+                joined[f.name] = torch.cat(values)
+            elif code is not None and any(v is not None for v in values):  # a batch without the field: the code's
+                joined[f.name] = torch.cat([v if v is not None else torch.full(b.truncated.shape, code,
+                                            dtype=torch.int8, device=b.truncated.device)
+                                            for v, b in zip(values, batches, strict=True)])  # fmt: skip
+            else:
+                joined[f.name] = None
+        batch = replace(batches[0], cu_seqlens=torch.cat([batches[0].cu_seqlens[:1], *shifted]), **joined)  # (S+1,)
         bounds = [0] + [x + off for b, off in zip(batches, offsets, strict=False) for x in b.bounds[1:]]
         return batch._with_host_copies(bounds, [r for b in batches for r in b.responses])
 

@@ -37,8 +37,8 @@ from fasttnt_kernels import clipped_policy_loss, group_advantages
 
 from .. import scoring
 from ..data import think_end_token_id
-from ..engines.batch import cu_seqlens_of, eos_ids_of
-from ..rewards import PackedResponses, RewardConfig, compute_rewards
+from ..engines.batch import RolloutBatch, cu_seqlens_of, eos_ids_of
+from ..rewards import RewardConfig, compute_rewards
 from ..verify import VerifierPool, verify_batch
 from ..verify.answers import DEFAULT_TIMEOUT
 
@@ -280,7 +280,7 @@ def tnt_token_scores(
     order = order.to(responses.device)
     mask, cu_seqlens = _packed(response_mask[order])  # the rows in group order, so that each group is adjacent
     correct = torch.as_tensor(correct, dtype=torch.bool, device=responses.device)
-    packed = PackedResponses(responses[order][mask], cu_seqlens, group_size)
+    packed = RolloutBatch.of_packed(responses[order][mask], cu_seqlens, group_size)
     out = compute_rewards(packed, correct[order], think_end_id, cfg, max_new_tokens=responses.shape[1])
     rewards = torch.empty(len(order), dtype=torch.float32, device=responses.device)
     rewards[order] = out.rewards
