@@ -46,7 +46,7 @@ class Attribution:
 
     def __init__(self, trainer: Trainer, out: Path) -> None:
         self.trainer, self.out = trainer, out
-        self.actor, self.model = trainer.actor, trainer.model
+        self.actor, self.model = trainer.actor, trainer.parts.model
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.temperature = trainer.cfg.rollout.temperature
         self.update = self.actor.update
@@ -56,7 +56,7 @@ class Attribution:
         """(G,) digits per operand of each group's problem, read from its prompt (the embedded task's sums)."""
         out = []
         for ids in batch.prompt_ids[:: batch.group_size]:
-            text = self.trainer.tokenizer.decode(ids)
+            text = self.trainer.parts.tokenizer.decode(ids)
             sum_ = re.search(r"(\d+)\+\d+", text)
             if sum_ is None:
                 raise SystemExit(f"choice_attribution.py: a prompt without a sum a+b (the embedded task's): {text!r}")

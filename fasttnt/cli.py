@@ -194,24 +194,24 @@ def _train(args) -> int:
             print("fasttnt train: interrupted; the newest checkpoint is what --resume continues", file=sys.stderr)
             return 130
         except Preempted as stop:
-            if trainer.is_main:
+            if trainer.parts.is_main:
                 args_again = [a for a in sys.argv[2:] if a not in ("--resume", "--resume-with-new-config")]
                 again = " ".join(["fasttnt train --resume", *args_again]) if sys.argv[1:2] == ["train"] else ""
                 print(
                     f"fasttnt train: {stop}; continue with: {again or 'the same command and --resume'}",
                     file=sys.stderr,
                 )
-            if trainer.dist:
+            if trainer.parts.dist:
                 distributed.shutdown()
             return EXIT_PREEMPTED
-        if trainer.is_main:
+        if trainer.parts.is_main:
             print()
             print(summary_table(history))
             print(
                 f"\nwall time {time.perf_counter() - start:.0f} s; outputs in {args.output_dir}: config.yaml, "
                 "metrics.jsonl, checkpoints/, final/, curves.png"
             )
-        if trainer.dist:
+        if trainer.parts.dist:
             distributed.shutdown()
         return 0
 

@@ -68,6 +68,10 @@ class PhaseClock:
 
 
 class Trainer:
+    """A GRPO run: the built run (``parts``, ``fasttnt.run_setup.RunParts``: model, engine, ranks, data; read
+    through it), the trainer's state (``state``, replaced each step), the update (``actor``), the stale-weight guard
+    (``guard``), a mode-mixed run's rows and rules (``mode_mix``, else None) and the verifier's workers."""
+
     def __init__(
         self, cfg: TrainConfig, output_dir: Path, *, resume: bool = False, new_config_ok: bool = False,
         progress: bool = True,
@@ -75,9 +79,7 @@ class Trainer:
         """``progress``: show the step bar (off where several runs share one terminal, ``fasttnt compare --jobs``)."""
         self.cfg, self.out, self.progress, self.resumed = cfg, Path(output_dir), progress, resume
         self.parts = parts = run_setup.build(cfg, self.out, resume=resume, new_config_ok=new_config_ok)
-        self.dist, self.rank, self.world, self.is_main = parts.dist, parts.rank, parts.world, parts.is_main
-        self.device, self.model, self.tokenizer = parts.device, parts.model, parts.tokenizer
-        self.engine, self.stream, self.state = parts.engine, parts.stream, parts.state
+        self.state = parts.state  # the trainer's own from here: each step replaces it
         self.guard = StaleWeightGuard(cfg, separate_weights=parts.engine.separate_weights, bf16=parts.autocast,
                                       dist=parts.dist, floor=parts.state.logp_diff_floor)  # fmt: skip
         self.correction = rollout_correction(cfg)
@@ -104,7 +106,7 @@ class Trainer:
         while r.dynamic_sampling and len(draws) < r.max_draws and self._short_of_groups(sum(varied)):
             draws.append(self._draw(step, len(draws), clock))
             varied += varied_groups(draws[-1].rewards.rewards, r.group_size).tolist()
-        self.engine.end_rollout()  # the engine's memory back for the update
+        self.parts.engine.end_rollout()  # the engine's memory back for the update
         drawn = concat_draws(draws)  # every response drawn: what the step's metrics describe
         trained, filled = drawn, 0
         if r.dynamic_sampling:
@@ -133,39 +135,40 @@ class Trainer:
         update = self.actor.update(inputs)
         if below_floor is not None:  # the share of the groups over all ranks whose choice is below the floor
             counts = torch.stack([below_floor.sum(), torch.tensor(below_floor.numel(), device=below_floor.device)])
-            counts = distributed.sum_over_ranks(self.dist, counts.double())
+            counts = distributed.sum_over_ranks(self.parts.dist, counts.double())
             update["mode_floored"] = counts[0] / counts[1].clamp(min=1)
         clock.lap("update")
 
         # weight sync (the vllm engine gathers ZeRO-3 shards bucket by bucket itself)
-        self.engine.sync_weights(self.model)
+        self.parts.engine.sync_weights(self.parts.model)
         clock.lap("sync")
 
         # log
         values = self._record(step=step, lr=lr, drawn=drawn, trained=trained, update=update, n_draws=len(draws),
                               varied=varied, filled=filled, times=clock.times,
                               think_end_logp=logp.think_end_logp, below_floor=below_floor)  # fmt: skip
-        self.state = TrainerState(step=step, data_position=self.stream.position, world=self.world,
+        self.state = TrainerState(step=step, data_position=self.parts.stream.position, world=self.parts.world,
                                   logp_diff_floor=self.guard.floor, mode_token_floor_logp=self.mode_floor)  # fmt: skip
         return values
 
     def _draw(self, step: int, draw: int, clock: PhaseClock) -> ScoredBatch:
         """Draw ``draw`` of a step: the next prompts_per_step prompts, this rank's share generated (seeded per
         response; draw 0's seeds are those of a step without dynamic sampling), verified and rewarded."""
-        cfg, r, per_rank = self.cfg, self.cfg.rollout, self.parts.prompts_per_rank
-        problems = self.stream.take(r.prompts_per_step)  # every rank draws the step's prompts, generates its share
-        problems = problems[self.rank * per_rank : (self.rank + 1) * per_rank]
-        first_row = (draw * r.prompts_per_step + self.rank * per_rank) * r.group_size
-        prompts = [self.parts.prompt(p) for p in problems]
+        cfg, r, parts = self.cfg, self.cfg.rollout, self.parts
+        per_rank = parts.prompts_per_rank
+        problems = parts.stream.take(r.prompts_per_step)  # every rank draws the step's prompts, generates its share
+        problems = problems[parts.rank * per_rank : (parts.rank + 1) * per_rank]
+        first_row = (draw * r.prompts_per_step + parts.rank * per_rank) * r.group_size
+        prompts = [parts.prompt(p) for p in problems]
         seeds = {"seed": step_seed(cfg.seed, step), "first_row": first_row}
         if self.mode_mix is not None:
-            batch = self.mode_mix.rollout(self.engine, prompts, **seeds)
+            batch = self.mode_mix.rollout(parts.engine, prompts, **seeds)
         else:
-            batch = self.engine.generate(prompts, r.group_size, **seeds)
+            batch = parts.engine.generate(prompts, r.group_size, **seeds)
         clock.lap("generate")
 
         golds = [p.answer for p in problems for _ in range(r.group_size)]
-        judged = scoring.judge(self.tokenizer, batch, golds, eos_ids=self.engine.eos_ids, pool=self.verifier)
+        judged = scoring.judge(parts.tokenizer, batch, golds, eos_ids=parts.engine.eos_ids, pool=self.verifier)
         if judged.crashes >= 2 and judged.crashes > cfg.verify_max_crash_share * len(golds):
             # a crashed item counts as wrong: past a few, the rewards would be the verifier's, not the model's
             raise VerificationError(
@@ -176,9 +179,9 @@ class Trainer:
         clock.lap("verify")
 
         # all K samples of a prompt are on this rank, so the reward is local (the mode balance counts over ranks)
-        scores = scoring.add_rewards(judged, batch, reward=cfg.reward, think_end_id=self.parts.think_end_id,
-                                     markers=self.parts.markers, max_new_tokens=r.max_new_tokens,
-                                     dist=self.dist)  # fmt: skip
+        scores = scoring.add_rewards(judged, batch, reward=cfg.reward, think_end_id=parts.think_end_id,
+                                     markers=parts.markers, max_new_tokens=r.max_new_tokens,
+                                     dist=parts.dist)  # fmt: skip
         clock.lap("reward")
         # the accuracies by mode and level (metrics.mode_accuracies); -1 marks a problem without a level, so every
         # rank and draw has the same fields to gather and concatenate
@@ -192,11 +195,11 @@ class Trainer:
         """``ModeMix.mode_token_terms`` at the fade's floor: measured at the first step under ``auto`` (the smallest
         pi_old(</think> | x) over all ranks), a fixed one checked once against the first step's largest."""
         if mix.measures_floor(self.mode_floor):
-            self.mode_floor = distributed.min_over_ranks(self.dist, think_end_logp)
+            self.mode_floor = distributed.min_over_ranks(self.parts.dist, think_end_logp)
         if mix.fixed_floor and not self._checked_floor:
             self._checked_floor = True
-            warning = mix.floor_above_start(-distributed.min_over_ranks(self.dist, -think_end_logp))
-            if warning and self.is_main:
+            warning = mix.floor_above_start(-distributed.min_over_ranks(self.parts.dist, -think_end_logp))
+            if warning and self.parts.is_main:
                 tqdm.write(f"fasttnt: {warning}")
         return mix.mode_token_terms(inputs, non_thinking, think_end_logp, self.parts.think_end_id,
                                     floor_logp=mix.floor_logp(self.mode_floor))  # fmt: skip
@@ -204,7 +207,7 @@ class Trainer:
     def _short_of_groups(self, varied: int) -> bool:
         """Whether this rank, or any other, has fewer than its share of groups with differing rewards (every rank
         then draws again, so the ranks stay in step)."""
-        return any(distributed.any_over_ranks(self.dist, varied < self.parts.prompts_per_rank))
+        return any(distributed.any_over_ranks(self.parts.dist, varied < self.parts.prompts_per_rank))
 
     def _record(
         self, *, step: int, lr: float, drawn: ScoredBatch, trained: ScoredBatch, update: dict[str, torch.Tensor],
@@ -238,7 +241,7 @@ class Trainer:
             choice = {"think_end_logp": think_end_logp, "group_levels": trained.levels[:: r.group_size]}
             if below_floor is not None:
                 choice["below_floor"] = below_floor
-        if self.dist:
+        if self.parts.dist:
             per_response = {k: distributed.all_gather_cat(v) for k, v in per_response.items()}
             by_mode = {k: distributed.all_gather_cat(v) for k, v in by_mode.items()}
             choice = {k: distributed.all_gather_cat(v) for k, v in choice.items()}
@@ -248,8 +251,8 @@ class Trainer:
                   "prompt_tokens": sum(len(p) for p in batch.prompt_ids), "timeouts": judged.timeouts,
                   "crashes": judged.crashes, "varied": sum(varied), "groups": len(varied),
                   "filled": filled}  # fmt: skip
-        counts = {k: torch.tensor(float(v), dtype=torch.float64, device=self.device) for k, v in counts.items()}
-        counts = distributed.sum_named_over_ranks(self.dist, counts)
+        counts = {k: torch.tensor(float(v), dtype=torch.float64, device=self.parts.device) for k, v in counts.items()}
+        counts = distributed.sum_named_over_ranks(self.parts.dist, counts)
         present = levels_present(by_mode.get("levels"))  # sync: the levels present
         accuracies = mode_accuracies(per_response["correct"], per_response["non_thinking"], **by_mode, present=present)
         choices = choice_metrics(per_response["rewards"], per_response["non_thinking"], by_mode.get("levels"), present,
@@ -274,7 +277,7 @@ class Trainer:
                 kept_group_frac=(r.prompts_per_step - n["filled"]) / n["groups"],  # of those drawn, trained on
                 filled_groups=int(n["filled"]),
             )
-            if n["filled"] and not self._warned_cap and self.is_main:
+            if n["filled"] and not self._warned_cap and self.parts.is_main:
                 self._warned_cap = True
                 tqdm.write(
                     f"step {step}: after rollout.max_draws={r.max_draws} draws, {int(n['filled'])} of the step's "
@@ -288,8 +291,8 @@ class Trainer:
     def run(self) -> list[dict[str, float]]:
         """Train to ``steps``; raises ``Preempted`` when a signal stopped the run (after a checkpoint)."""
         cfg = self.cfg
-        wandb = WandbRun.start(cfg, self.out, resume=self.resumed) if self.is_main and cfg.logging.wandb else None
-        log = RunLog(self.out, steps=cfg.steps, done=self.state.step, active=self.is_main, progress=self.progress,
+        wandb = WandbRun.start(cfg, self.out, resume=self.resumed) if self.parts.is_main and cfg.logging.wandb else None
+        log = RunLog(self.out, steps=cfg.steps, done=self.state.step, active=self.parts.is_main, progress=self.progress,
                      wandb=wandb)  # fmt: skip
         last_save = time.monotonic()
         try:
@@ -299,7 +302,7 @@ class Trainer:
                     step, minutes = self.state.step, cfg.save_every_minutes
                     timed = minutes is not None and time.monotonic() - last_save >= 60 * minutes
                     # every rank stops and saves at the same step: one collective a step
-                    stop, timed = distributed.any_over_ranks(self.dist, signals.requested is not None, timed)
+                    stop, timed = distributed.any_over_ranks(self.parts.dist, signals.requested is not None, timed)
                     if step % cfg.save_every == 0 or step == cfg.steps or timed or stop:
                         self._save()
                         last_save = time.monotonic()
@@ -310,8 +313,8 @@ class Trainer:
         finally:
             log.close_file()
             self.verifier.close()
-        checkpoint.export_final(self.out, self.model, self.out / "tokenizer", rank=self.rank)
-        if self.is_main and log.history:
+        checkpoint.export_final(self.out, self.parts.model, self.out / "tokenizer", rank=self.parts.rank)
+        if self.parts.is_main and log.history:
             plot_curves(log.history, self.out / "curves.png")
             if log.wandb is not None:
                 log.wandb.log_image("curves", self.out / "curves.png", step=self.state.step)
@@ -319,10 +322,10 @@ class Trainer:
         return log.history
 
     def _save(self) -> None:
-        checkpoint.save(self.out / "checkpoints", self.cfg, self.state, self.model, self.actor.optimizer,
-                        self.parts.ds_engine, rank=self.rank, tokenizer=self.out / "tokenizer")  # fmt: skip
+        checkpoint.save(self.out / "checkpoints", self.cfg, self.state, self.parts.model, self.actor.optimizer,
+                        self.parts.ds_engine, rank=self.parts.rank, tokenizer=self.out / "tokenizer")  # fmt: skip
 
     def _close(self, log: RunLog) -> None:
         """The engine's memory and the run log's buffered events."""
-        self.engine.close()
+        self.parts.engine.close()
         log.close()

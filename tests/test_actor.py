@@ -24,14 +24,16 @@ def test_one_update_lowers_the_loss_on_its_batch(tmp_path):
     # a small step (AdamW moves each weight by ~lr): the first-order decrease dominates on any machine
     cfg = load_config(None, run_overrides(tmp_path, "optim.lr=1e-3", "optim.warmup_steps=0"))
     trainer = Trainer(cfg, tmp_path / "run")
-    batch = trainer.engine.generate([build_prompt(trainer.tokenizer, p.problem) for p in held_out(2)], 4, seed=0)
+    batch = trainer.parts.engine.generate(
+        [build_prompt(trainer.parts.tokenizer, p.problem) for p in held_out(2)], 4, seed=0
+    )
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5]).repeat(batch.lengths.numel() // 4)  # (S,)
-    old = trainer.actor.logprobs(trainer.model, batch, zero3_collectives=False)
+    old = trainer.actor.logprobs(trainer.parts.model, batch, zero3_collectives=False)
 
     def loss_now():
         from fasttnt_kernels import clipped_policy_loss
 
-        logp = trainer.actor.logprobs(trainer.model, batch, zero3_collectives=False)
+        logp = trainer.actor.logprobs(trainer.parts.model, batch, zero3_collectives=False)
         return clipped_policy_loss(logp, old, advantages, batch.cu_seqlens)[0].item()
 
     before = loss_now()
@@ -56,15 +58,15 @@ def test_micro_batched_update_equals_the_one_forward_update(tmp_path, agg):
                                 "optim.lr=1.0"),
         )  # fmt: skip
         trainer = Trainer(cfg, tmp_path / f"run-{budget}")
-        prompts = [build_prompt(trainer.tokenizer, p.problem) for p in held_out(2)]
-        batch = trainer.engine.generate(prompts, 4, seed=3)
+        prompts = [build_prompt(trainer.parts.tokenizer, p.problem) for p in held_out(2)]
+        batch = trainer.parts.engine.generate(prompts, 4, seed=3)
         advantages = torch.linspace(-1.5, 1.5, batch.lengths.numel())  # (S,) all different: every token moves
         n_micro = len(plan_micro_batches(batch, budget))
         # the rollout correction needs the old log-probs
         old_logp = trainer.actor.logprobs(trainer.actor.policy, batch, zero3_collectives=False)
-        before = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+        before = torch.cat([p.detach().flatten() for p in trainer.parts.model.parameters()])
         metrics = trainer.actor.update(UpdateInputs(batch, advantages, old_logp=old_logp))
-        after = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+        after = torch.cat([p.detach().flatten() for p in trainer.parts.model.parameters()])
         results.append((n_micro, {k: float(v) for k, v in metrics.items()}, before, after))
         trainer.verifier.close()
     (n_one, one, w0, w_one), (n_many, many, _, w_many) = results
@@ -100,8 +102,8 @@ def test_skipping_zero_advantage_sequences_leaves_the_update_unchanged(tmp_path,
                                 f"loss.skip_zero_advantage={skip}", "optim.eps=1.0", *extra),
         )  # fmt: skip
         trainer = Trainer(cfg, tmp_path / f"run-{skip}")
-        prompts = [build_prompt(trainer.tokenizer, p.problem) for p in held_out(3)]
-        batch = trainer.engine.generate(prompts, 4, seed=3)
+        prompts = [build_prompt(trainer.parts.tokenizer, p.problem) for p in held_out(3)]
+        batch = trainer.parts.engine.generate(prompts, 4, seed=3)
         advantages = torch.linspace(-1.5, 1.5, batch.lengths.numel())  # (S,)
         advantages[4:8] = 0.0  # a whole group
         advantages[[0, 9, 11]] = 0.0  # single sequences
@@ -110,7 +112,7 @@ def test_skipping_zero_advantage_sequences_leaves_the_update_unchanged(tmp_path,
             old_logp = trainer.actor.logprobs(trainer.actor.policy, batch, zero3_collectives=False)
         inputs = UpdateInputs(batch, advantages, old_logp=old_logp)
         metrics = {k: float(v) for k, v in trainer.actor.update(inputs).items()}
-        grads = torch.cat([p.grad.flatten() for p in trainer.model.parameters()])  # the last optimizer step's
+        grads = torch.cat([p.grad.flatten() for p in trainer.parts.model.parameters()])  # the last optimizer step's
         results.append((metrics, grads))
         trainer.verifier.close()
     (straight, g_straight), (skipped, g_skipped) = results
@@ -137,11 +139,11 @@ def test_the_skip_keeps_zero_advantage_sequences_that_still_have_a_gradient(tmp_
             None, run_overrides(tmp_path, "optim.warmup_steps=0", f"loss.skip_zero_advantage={skip}", *extra),
         )  # fmt: skip
         trainer = Trainer(cfg, tmp_path / f"run-{skip}")
-        prompts = [build_prompt(trainer.tokenizer, p.problem) for p in held_out(3)]
-        batch = trainer.engine.generate(prompts, 4, seed=3)
+        prompts = [build_prompt(trainer.parts.tokenizer, p.problem) for p in held_out(3)]
+        batch = trainer.parts.engine.generate(prompts, 4, seed=3)
         ref_logp = None
         if term == "kl":  # a reference the policy has moved away from: the k3 term has a gradient on every token
-            logp = trainer.actor.logprobs(trainer.model, batch, zero3_collectives=False)
+            logp = trainer.actor.logprobs(trainer.parts.model, batch, zero3_collectives=False)
             ref_logp = logp + 0.3 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(0))
         zeros = torch.zeros(batch.lengths.numel())
         # every advantage 0: the term alone
@@ -153,7 +155,7 @@ def test_the_skip_keeps_zero_advantage_sequences_that_still_have_a_gradient(tmp_
         advantages[[0, 9, 11]] = 0.0  # single sequences
         inputs = UpdateInputs(batch, advantages, ref_logp=ref_logp)
         metrics = {k: float(v) for k, v in trainer.actor.update(inputs).items()}
-        grads = torch.cat([p.grad.flatten() for p in trainer.model.parameters()])
+        grads = torch.cat([p.grad.flatten() for p in trainer.parts.model.parameters()])
         results.append((metrics, grads))
         trainer.verifier.close()
     (straight, g_straight), (skipped, g_skipped) = results
@@ -170,9 +172,11 @@ def test_a_step_with_every_sequence_skipped_still_steps(tmp_path):
     for skip in (False, True):
         cfg = load_config(None, run_overrides(tmp_path, f"loss.skip_zero_advantage={skip}", "optim.weight_decay=0.1"))
         trainer = Trainer(cfg, tmp_path / f"run-{skip}")
-        batch = trainer.engine.generate([build_prompt(trainer.tokenizer, p.problem) for p in held_out(2)], 4, seed=1)
+        batch = trainer.parts.engine.generate(
+            [build_prompt(trainer.parts.tokenizer, p.problem) for p in held_out(2)], 4, seed=1
+        )
         metrics = trainer.actor.update(UpdateInputs(batch, torch.zeros(batch.lengths.numel())))
-        results.append((metrics, torch.cat([p.detach().flatten() for p in trainer.model.parameters()])))
+        results.append((metrics, torch.cat([p.detach().flatten() for p in trainer.parts.model.parameters()])))
         trainer.verifier.close()
     (straight, w_straight), (skipped, w_skipped) = results
     assert float(skipped["skipped_seq_frac"]) == 1.0 and float(skipped["micro_batches"]) == 0
@@ -278,9 +282,11 @@ def test_the_update_routes_a_tied_embeddings_rows(tmp_path, monkeypatch, large):
     if large:
         monkeypatch.setattr(host_memory, "WORTH_IT_FROM_PARAMETER_BYTES", 1)
     trainer = Trainer(load_config(None, run_overrides(tmp_path, "micro_batch_tokens=64")), tmp_path / "run")
-    model = trainer.model
+    model = trainer.parts.model
     assert model.get_input_embeddings().weight is model.get_output_embeddings().weight, "the tiny model is tied"
-    batch = trainer.engine.generate([build_prompt(trainer.tokenizer, p.problem) for p in held_out(3)], 4, seed=3)
+    batch = trainer.parts.engine.generate(
+        [build_prompt(trainer.parts.tokenizer, p.problem) for p in held_out(3)], 4, seed=3
+    )
     assert not calls["forward"], "a rollout (no_grad) looks up through the embedding's own forward"
     metrics = trainer.actor.update(UpdateInputs(batch, torch.linspace(-1.5, 1.5, batch.lengths.numel())))
     trainer.verifier.close()

@@ -323,11 +323,12 @@ def main():
     def hook(module, args, out):
         if torch.is_grad_enabled():
             seen.add(str(out.dtype))
-    for m in trainer.model.modules():
+    for m in trainer.parts.model.modules():
         if isinstance(m, torch.nn.Linear):
             m.register_forward_hook(hook)
     trainer.step()
-    print(f"rank {trainer.rank} trained in {sorted(seen)} through {type(trainer.actor.policy).__name__}", flush=True)
+    policy = type(trainer.actor.policy).__name__
+    print(f"rank {trainer.parts.rank} trained in {sorted(seen)} through {policy}", flush=True)
     trainer.verifier.close()
     distributed.shutdown()
     return 0

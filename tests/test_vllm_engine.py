@@ -43,7 +43,7 @@ def test_three_steps_follow_vllms_sleep_rules(tmp_path, standin):
     assert len(built) == 1
     assert built[0]["distributed_executor_backend"] == "external_launcher" and built[0]["tensor_parallel_size"] == 1
     assert built[0]["logprobs_mode"] == "processed_logprobs" and built[0]["enable_sleep_mode"] is True
-    assert not hasattr(trainer.engine, "llm")  # closed at the end of the run: its memory released
+    assert not hasattr(trainer.parts.engine, "llm")  # closed at the end of the run: its memory released
     log = standin.LLM.logs[0]
     # asleep from the start; every rollout: weights awake and pushed, KV cache awake, generate, both asleep again
     expected = ["sleep(2)"] + 3 * STEP  # one reload per push
@@ -64,9 +64,9 @@ def test_resume_pushes_the_checkpoint_and_restores_the_rng(tmp_path, standin):
     saved = torch.load(list_checkpoints(tmp_path / "resumed" / "checkpoints")[-1] / "rng.pt", weights_only=True)
     assert torch.equal(torch.get_rng_state(), saved["torch"])
     # what the engine returns lives on the trainer's device (each rank's own, not an index-less "cuda")
-    batch = trainer.engine.generate([trainer.parts.prompt(p) for p in held_out(2)], 2, seed=0)
+    batch = trainer.parts.engine.generate([trainer.parts.prompt(p) for p in held_out(2)], 2, seed=0)
     for t in (batch.response_ids, batch.cu_seqlens, batch.truncated, batch.rollout_logp):
-        assert t.device == trainer.device
+        assert t.device == trainer.parts.device
     assert batch.rollout_logp.shape == batch.response_ids.shape and (batch.rollout_logp <= 0).all()
     trainer.run()
     resumed = metric_rows(tmp_path / "resumed")
