@@ -8,7 +8,7 @@ test:
 
 # every seed that fails: the kernel tests at 200 seeds, the tests that train at 20 (about an hour on 2 cores)
 sweep:
-	python tests/sweep_seeds.py --out sweep.json
+	python tests/support/sweep_seeds.py --out sweep.json
 
 lint:
 	ruff check . && ruff format --check .

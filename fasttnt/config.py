@@ -17,9 +17,8 @@ import yaml
 
 from fasttnt_kernels import ROLLOUT_CORRECTIONS, PolicyLossConfig, SettingError, check_reward_limits
 
-from .data import DATASETS, names_a_path
+from .data import DATASETS, MARKER_SETS, names_a_path
 from .embedded.tiny import TinyModelConfig, WarmupConfig
-from .metrics import MARKER_SETS
 from .rewards import REWARD_SCHEMES, RewardConfig
 from .typed_yaml import ConfigError, apply_overrides, build, read_yaml_mapping
 

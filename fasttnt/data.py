@@ -11,7 +11,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .metrics import MARKER_SETS, HackMarkers
+from .embedded.synthetic import STEP_PATTERN
+from .metrics import MATH_MARKERS, HackMarkers
 from .registry import Registry
 from .verify.answers import THINK_END
 
@@ -196,6 +197,12 @@ MATH_INSTRUCTION = "Please reason step by step, and put your final answer within
 SYNTHETIC = "synthetic"
 """The embedded arithmetic task (``fasttnt.embedded.synthetic``), as ``data.train`` and ``fasttnt eval --benchmarks``
 name it."""
+
+
+SYNTHETIC_MARKERS = HackMarkers(patterns=(STEP_PATTERN.pattern,))
+"""The embedded task's hack: a written-out carry step of its thinking (``STEP_PATTERN``) after ``</think>``."""
+MARKER_SETS = {"math": MATH_MARKERS, "synthetic": SYNTHETIC_MARKERS}
+"""``data.hack_markers``' choices: each task's markers of thinking, by name."""
 
 
 class DatasetStyle(NamedTuple):

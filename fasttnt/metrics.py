@@ -32,7 +32,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .embedded.synthetic import STEP_PATTERN
 from .verify import THINK_END
 
 
@@ -76,8 +75,6 @@ MATH_MARKERS = HackMarkers(
         "On second thought",
     )
 )
-SYNTHETIC_MARKERS = HackMarkers(patterns=(STEP_PATTERN.pattern,))
-MARKER_SETS = {"math": MATH_MARKERS, "synthetic": SYNTHETIC_MARKERS}
 
 
 def hack_flags(responses: list[str], non_thinking: list[bool], markers: HackMarkers) -> list[bool]:

@@ -8,7 +8,7 @@ import zlib
 
 import pytest
 import torch
-from small import SEED
+from support.small import SEED
 
 # Triton reads TRITON_INTERPRET when a kernel is defined, i.e. when fasttnt_kernels is imported: set it before
 # any test module imports it. With a GPU the kernels run natively on CUDA tensors instead.
@@ -22,8 +22,8 @@ REPLAY = f"FASTTNT_TEST_SEED={SEED}"
 
 
 def pytest_configure(config):
-    # the reward scheme whose rewards vary by construction (tests/varied.py), for the trainer tests
-    import varied
+    # the reward scheme whose rewards vary by construction (support/varied.py), for the trainer tests
+    from support import varied
 
     varied.register()
     # under pytest-xdist (the README's -n auto: a worker per core) each worker and the processes it starts take one

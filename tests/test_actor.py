@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import varied
-from small import run_overrides, short_run, train
+from support import varied
+from support.small import run_overrides, short_run, train
 
 from fasttnt import host_memory
 from fasttnt.actor import Actor, UpdateInputs

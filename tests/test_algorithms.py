@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import varied
-from small import deterministic, metric_rows, run_overrides
+from support import varied
+from support.small import deterministic, metric_rows, run_overrides
 
 from fasttnt.actor import Actor
 from fasttnt.cli import main as cli_main
@@ -201,7 +201,7 @@ def test_concat_and_select_keep_each_groups_responses_together():
 
 @pytest.mark.parametrize("max_draws", [4, 1])
 def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tmp_path, monkeypatch, max_draws):
-    # tests/varied.py: in every draw of 4 prompts, groups 0 and 2 have rewards that differ and 1 and 3 do not, by
+    # support/varied.py: in every draw of 4 prompts, groups 0 and 2 have rewards that differ and 1 and 3 do not, by
     # construction. With 4 draws allowed each step takes exactly 2 draws and trains on their 4 varied groups; with
     # 1, the step reaches the cap and fills its batch with the 2 equal-reward groups (zero advantage)
     extra = ("rollout.dynamic_sampling=true", f"rollout.max_draws={max_draws}", "steps=3", varied.OVERRIDE)
@@ -266,7 +266,7 @@ def test_dynamic_sampling_with_one_draw_changes_nothing(tmp_path):
 
 
 def test_resume_reproduces_a_dynamically_sampled_run(tmp_path):
-    # 2 draws a step by construction (tests/varied.py): the resumed stream must continue after every draw's prompts
+    # 2 draws a step by construction (support/varied.py): the resumed stream must continue after every draw's prompts
     extra = ("rollout.dynamic_sampling=true", "rollout.max_draws=3", "steps=4", varied.OVERRIDE)
 
     def run(name, *more, resume=False):
@@ -395,7 +395,7 @@ def test_verls_tnt_scores_shape_back_from_the_padded_width():
 
 
 def test_verls_scores_come_from_the_configured_scheme_registered_or_not():
-    # a scheme registered in REWARD_SCHEMES (tests/varied.py's) reaches verl's reward: two groups of 4, their rows
+    # a scheme registered in REWARD_SCHEMES (support/varied.py's) reaches verl's reward: two groups of 4, their rows
     # interleaved as verl may hand them over, against compute_rewards on the same rows laid out group by group
     from fasttnt.integrations.verl import tnt_token_scores
 

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from small import TINY_GQA
+from support.small import TINY_GQA
 
 from fasttnt.attention import Packing, varlen_attention
 from fasttnt.data import build_prompt

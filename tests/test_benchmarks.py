@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from small import SMALL
+from support.small import SMALL
 
 from fasttnt_kernels._lm_head import default_chunk_bytes
 

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from small import TINY_4_HEADS, run_overrides, short_run, train
+from support.small import TINY_4_HEADS, run_overrides, short_run, train
 
 from fasttnt.checkpoint import list_checkpoints
 from fasttnt.cli import main as cli_main

@@ -8,7 +8,7 @@ import math
 import statistics
 
 import pytest
-from small import SMALL
+from support.small import SMALL
 
 import fasttnt.compare as compare
 from fasttnt.cli import main as cli_main

@@ -12,13 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import varied
-from small import SMALL as SMALL_BASE
-from small import free_port, launch_command, metric_rows, run_job, weights_apart
+from support import varied
+from support.small import SMALL as SMALL_BASE
+from support.small import free_port, launch_command, metric_rows, run_job, weights_apart
 
 pytest.importorskip("deepspeed")
 
-# rewards that vary by construction (tests/varied.py, run as the launched module), and the entropy bonus: every step
+# rewards that vary by construction (support/varied.py, run as the launched module), and the entropy bonus: every step
 # has a gradient, so ranks that diverged in the update would show
 SMALL = [*SMALL_BASE, varied.OVERRIDE, "steps=3", "save_every=2", "optim.lr=1e-2", "loss.entropy_coef=0.01"]
 # A hang guard for every launched job: each takes under a minute on 2 idle cores, and over 240 s was measured beside
@@ -295,11 +295,11 @@ def test_dynamic_sampling_keeps_the_ranks_in_step(tmp_path):
     result = _launch("torchrun", tmp_path / "ranks", tmp_path / "cache", *extra)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     rows = metric_rows(tmp_path / "ranks")
-    # each rank's share of a draw (2 prompts) holds one group whose rewards differ (tests/varied.py): both need a
+    # each rank's share of a draw (2 prompts) holds one group whose rewards differ (support/varied.py): both need a
     # second draw, and then have enough
     assert [(r["step"], r["draws"], r["filled_groups"]) for r in rows] == [(1, 2, 0), (2, 2, 0)]
     state = read_trainer_state(tmp_path / "ranks" / "checkpoints" / "step-000002")
-    assert state.data_position == 4 * sum(r["draws"] for r in rows)  # 4 prompts a draw (tests/small.py)
+    assert state.data_position == 4 * sum(r["draws"] for r in rows)  # 4 prompts a draw (support/small.py)
 
 
 AUTOCAST_INSIDE_DEEPSPEED = """

@@ -22,7 +22,7 @@ from unittest import mock
 
 import pytest
 import yaml
-from small import SMALL
+from support.small import SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from small import TINY
+from support.small import TINY
 
 import fasttnt.evaluate as evaluate
 from fasttnt.cli import main as cli_main
@@ -213,7 +213,7 @@ def test_run_eval_averages_the_papers_sets_it_evaluated(tmp_path, models, monkey
 
 def test_a_checkpoint_evaluates_as_a_model(tmp_path):
     # every checkpoint folder holds the tokenizer beside the weights: `fasttnt eval --model run/checkpoints/step-N`
-    from small import SMALL
+    from support.small import SMALL
 
     run = tmp_path / "run"
     args = ["train", "--output-dir", str(run), f"cache_dir={tmp_path / 'cache'}", *SMALL, "warmup.steps=3",

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from small import TINY_4_HEADS, TINY_GQA, biased_lm_head, glibc_on_linux
+from support.small import TINY_4_HEADS, TINY_GQA, biased_lm_head, glibc_on_linux
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -390,7 +390,7 @@ def test_training_mode_is_restored_when_generation_fails():
 _HEAP_AFTER_A_ROLLOUT = """
 import sys
 import torch
-from small import TINY_GQA, resident_mib
+from support.small import TINY_GQA, resident_mib
 from fasttnt.embedded.char_tokenizer import build_char_tokenizer
 from fasttnt.embedded.tiny import TinyModelConfig, build_tiny_model
 from fasttnt.engines import EngineSettings

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from small import glibc_on_linux
+from support.small import glibc_on_linux
 
 from fasttnt import host_memory
 
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(not glibc_on_linux(), reason="glibc's malloc on 
 SCRIPT = """
 import ctypes, sys, torch
 sys.path.insert(0, {tests!r})
-from small import resident_mib
+from support.small import resident_mib
 from fasttnt import host_memory
 class Mallinfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in
@@ -107,7 +107,7 @@ def test_worth_it_by_the_model_size_on_the_cpu(monkeypatch):
 
 def test_a_run_applies_both_calls_by_the_model_size(tmp_path, monkeypatch):
     # run_setup.build asks worth_it once: the mmap threshold at setup and the engine's give-back after each rollout
-    from small import SMALL
+    from support.small import SMALL
 
     from fasttnt.config import load_config
     from fasttnt.run_setup import build

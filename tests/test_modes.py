@@ -11,9 +11,9 @@ import re
 
 import pytest
 import torch
-import varied
 from safetensors.torch import load_file
-from small import TINY, deterministic, metric_rows, run_overrides
+from support import varied
+from support.small import TINY, deterministic, metric_rows, run_overrides
 
 import fasttnt.trainer as trainer_module
 from fasttnt.actor import Actor, UpdateInputs

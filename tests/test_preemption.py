@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-import varied
-from small import SMALL, deterministic, launch_command
+from support import varied
+from support.small import SMALL, deterministic, launch_command
 
 from fasttnt.checkpoint import list_checkpoints
 from fasttnt.cli import main as cli_main

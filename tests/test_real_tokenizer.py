@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from small import RUN_SEED, biased_lm_head, metric_rows
+from support.small import RUN_SEED, biased_lm_head, metric_rows
 from transformers import AutoTokenizer
 
 from fasttnt import scoring

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from fasttnt import scoring
+from fasttnt.data import SYNTHETIC_MARKERS
 from fasttnt.embedded.char_tokenizer import THINK_END, build_char_tokenizer
 from fasttnt.embedded.synthetic import make_problem
 from fasttnt.engines import RolloutBatch, pack_sequences
 from fasttnt.metrics import (
     MATH_MARKERS,
-    SYNTHETIC_MARKERS,
     HackMarkers,
     choice_metrics,
     hack_flags,

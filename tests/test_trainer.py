@@ -1,7 +1,7 @@
 """The GRPO trainer end to end on a very small tiny model: outputs, packing, resume equality, mini-batches, epochs
 and KL, the run's one-line errors, the engine guard and the learning-rate schedule (the update itself, the config and
 the checkpoints: test_actor.py, test_config.py, test_checkpoint.py). Real runs, seconds each. Tests of what the
-update does run with rewards that vary by construction (tests/varied.py) and first assert that their steps had a
+update does run with rewards that vary by construction (support/varied.py) and first assert that their steps had a
 gradient."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import varied
-from small import TINY_4_HEADS, deterministic, metric_rows, run_overrides, short_run, train
+from support import varied
+from support.small import TINY_4_HEADS, deterministic, metric_rows, run_overrides, short_run, train
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fasttnt.checkpoint import list_checkpoints
@@ -115,7 +115,7 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, monkeypatch):
     assert [deterministic(r) for r in resumed] == [deterministic(r) for r in straight]
     assert draws == straight_draws, "the global RNG states after a resume are not the uninterrupted run's"
     state = json.loads((tmp_path / "resumed" / "checkpoints" / "step-000004" / "trainer_state.json").read_text())
-    assert state["data_position"] == 4 * 4  # 4 steps of 4 prompts (tests/small.py)
+    assert state["data_position"] == 4 * 4  # 4 steps of 4 prompts (support/small.py)
 
 
 def test_cli_train_runs(tmp_path):

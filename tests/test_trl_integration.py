@@ -11,7 +11,7 @@ import torch
 trl = pytest.importorskip("trl")
 
 from datasets import Dataset  # noqa: E402
-from small import TINY_4_HEADS, weights_apart  # noqa: E402
+from support.small import TINY_4_HEADS, weights_apart  # noqa: E402
 from transformers import set_seed  # noqa: E402
 
 from fasttnt.data import build_prompt  # noqa: E402

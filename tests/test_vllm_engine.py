@@ -1,5 +1,5 @@
 """The vllm engine's sleep/wake order, driven through the trainer and the evaluator against a stand-in that
-enforces vLLM's sleep-mode rules (tests/vllm_standin.py): three steps, a resume, dynamic sampling's draws and
+enforces vLLM's sleep-mode rules (support/vllm_standin.py): three steps, a resume, dynamic sampling's draws and
 evaluation of two models; a second EOS id of the generation config. Sleep mode needs CUDA; everything else runs
 against real vLLM (tests/test_vllm_real.py)."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import vllm_standin
-from small import LAUNCHER_ENV, SMALL, TINY_4_HEADS, biased_lm_head, deterministic, metric_rows, train
+from support import vllm_standin
+from support.small import LAUNCHER_ENV, SMALL, TINY_4_HEADS, biased_lm_head, deterministic, metric_rows, train
 from transformers import AutoModelForCausalLM
 
 from fasttnt.checkpoint import list_checkpoints

@@ -15,8 +15,8 @@ import torch
 
 vllm = pytest.importorskip("vllm")
 
-import varied  # noqa: E402
-from small import LAUNCHER_ENV, deterministic, launch_command, metric_rows, run_job, train  # noqa: E402
+from support import varied  # noqa: E402
+from support.small import LAUNCHER_ENV, deterministic, launch_command, metric_rows, run_job, train  # noqa: E402
 
 from fasttnt.cli import main as cli_main  # noqa: E402
 from fasttnt.data import PromptMode, build_prompt, think_end_token_id  # noqa: E402
@@ -28,7 +28,7 @@ from fasttnt.engines.vllm import VLLMEngine  # noqa: E402
 from fasttnt.evaluate import EvalSettings, run_eval  # noqa: E402
 
 # vLLM's CPU attention takes head sizes 32, 64, ... (vllm/v1/attention/backends/cpu_attn.py): width 64 over 2 heads,
-# not tests/small.py's TINY (head size 16).
+# not support/small.py's TINY (head size 16).
 # Tied embeddings, as the embedded default's; a learning rate and an entropy bonus that move every weight every step
 VLLM_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
              "num_key_value_heads": 1}  # fmt: skip
@@ -110,7 +110,7 @@ def test_dynamic_sampling_draws_with_one_push_per_step(tmp_path, monkeypatch):
     real_sync = VLLMEngine.sync_weights
     monkeypatch.setattr(VLLMEngine, "sync_weights", lambda self, m: pushes.append(1) or real_sync(self, m))
     _, rows = train(tmp_path, "run", *RUN, "steps=3", "rollout.dynamic_sampling=true", "rollout.max_draws=3")
-    # tests/varied.py: 2 of each draw's 4 groups have rewards that differ, so each step takes exactly 2 draws
+    # support/varied.py: 2 of each draw's 4 groups have rewards that differ, so each step takes exactly 2 draws
     assert [(r["draws"], r["filled_groups"]) for r in rows] == [(2, 0)] * 3
     assert len(pushes) == 1 + len(rows)  # before the first rollout, then after each update: not per draw
     assert all(r["rollout_logp_diff"] < 1e-4 for r in rows)

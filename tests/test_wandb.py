@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from small import launch_command, metric_rows, run_job, run_overrides, train
+from support.small import launch_command, metric_rows, run_job, run_overrides, train
 
 pytest.importorskip("wandb")
 

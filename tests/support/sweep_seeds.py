@@ -1,8 +1,8 @@
 """The seed sweep: the kernel tests at many seeds and the tests that train at fewer, each seed in its own pytest
 process (FASTTNT_TEST_SEED), reporting every seed that failed and what failed at it.
 
-    python tests/sweep_seeds.py                      # kernels at seeds 1-200, trainer/distributed/resume at 1-20
-    python tests/sweep_seeds.py --kernel-seeds 0 --run-seeds 5 --first 1000
+    python tests/support/sweep_seeds.py              # kernels at seeds 1-200, trainer/distributed/resume at 1-20
+    python tests/support/sweep_seeds.py --kernel-seeds 0 --run-seeds 5 --first 1000
 
 A test that fails at one seed of these fails on somebody's machine: the suite draws a fresh seed every run. Exit
 status 1 when any seed failed. One thread per job: two 2-thread processes on 2 cores run several times slower.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KERNEL_TESTS = ("tests/kernels",)
 # the tests that train: the loop, the actor's update, checkpoints, the 2-rank runs against one process, resume and
 # preemption, and the choice's bandit
