@@ -41,14 +41,14 @@ class NoGradLogprobs(NamedTuple):
     think_end_logp: torch.Tensor | None  # (G,) mode-mixed: log pi_old(</think> | x) at each group's first position
 
 
-PER_SEQUENCE = ("advantages", "first_advantages")
-PER_TOKEN = ("old_logp", "ref_logp", "is_weights")
+SEQUENCE_INPUTS = ("advantages", "first_advantages")  # UpdateInputs' fields of one entry per sequence
+TOKEN_INPUTS = ("old_logp", "ref_logp", "is_weights")  # and per token
 
 
 @dataclass(frozen=True)
 class UpdateInputs:
     """What the update needs of a step: the batch and its tensors, named as the loss kernel names them
-    (``PolicyLossInputs``), each cut with the batch (``PER_SEQUENCE``, ``PER_TOKEN``); None where not used."""
+    (``PolicyLossInputs``), each cut with the batch (``SEQUENCE_INPUTS``, ``TOKEN_INPUTS``); None where not used."""
 
     batch: RolloutBatch
     advantages: torch.Tensor  # (S,) every token's, but the first's where first_advantages is given
@@ -69,16 +69,16 @@ class UpdateInputs:
         return self._cut(kept, torch.tensor(keep, dtype=torch.long, device=self.advantages.device), tokens)
 
     def _cut(self, batch: RolloutBatch, sequences, tokens) -> UpdateInputs:
-        cut = {name: t[sequences] for name in PER_SEQUENCE if (t := getattr(self, name)) is not None}
-        cut |= {name: t[tokens] for name in PER_TOKEN if (t := getattr(self, name)) is not None}
+        cut = {name: t[sequences] for name in SEQUENCE_INPUTS if (t := getattr(self, name)) is not None}
+        cut |= {name: t[tokens] for name in TOKEN_INPUTS if (t := getattr(self, name)) is not None}
         return replace(self, batch=batch, **cut)
 
     def micro_batch(self, mb: MicroBatch, **totals) -> MicroBatchLossInputs:
         """``linear_policy_loss``'s inputs for micro-batch ``mb`` of this batch; ``totals``: the normalisers and
         settings of ``MicroBatchLossInputs``."""
         lo, hi = self.batch.bounds[mb.first], self.batch.bounds[mb.last]
-        cut = {name: t[mb.first : mb.last] for name in PER_SEQUENCE if (t := getattr(self, name)) is not None}
-        cut |= {name: t[lo:hi] for name in PER_TOKEN if (t := getattr(self, name)) is not None}
+        cut = {name: t[mb.first : mb.last] for name in SEQUENCE_INPUTS if (t := getattr(self, name)) is not None}
+        cut |= {name: t[lo:hi] for name in TOKEN_INPUTS if (t := getattr(self, name)) is not None}
         return MicroBatchLossInputs(cu_seqlens=self.batch.cu_seqlens[mb.first : mb.last + 1] - lo, **cut, **totals)
 
 

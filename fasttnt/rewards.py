@@ -129,6 +129,16 @@ def mode_balance(
     return rewards - (penalty if free is None else torch.where(free, penalty, torch.zeros_like(penalty)))
 
 
+def refuse_mode_balance(cfg: RewardConfig, where: str) -> None:
+    """Stop a reward of another framework's batches (TRL's, verl's) from taking ``mode_balance``: AutoThink's balance
+    counts a draw's freely sampled rows over the fasttnt trainer's ranks, which such a call does not see."""
+    if cfg.mode_balance:
+        raise ValueError(
+            f"{where}: reward.mode_balance=True is the fasttnt trainer's (it counts a draw's free rows over all "
+            "ranks); a reward of one batch of another framework's cannot apply it. Leave it False here"
+        )
+
+
 def compute_rewards(
     batch: RolloutBatch,
     correct: torch.Tensor,

@@ -4,7 +4,8 @@
 
 With DAPO's dynamic sampling (``fasttnt.dynamic_sampling``) a step draws more batches of prompts until enough of
 their groups have rewards that differ. The pieces live in their own modules: building the run (``run_setup``), the
-micro-batched update (``actor``), scoring (``scoring``), the logged numbers (``step_metrics``), checkpoints
+micro-batched update (``actor``), the advantages (``advantages``), mode-mixed rollouts (``modes``), the stale-weight
+guard (``guard``), scoring (``scoring``), the logged numbers (``step_metrics``), checkpoints
 (``checkpoint``), signals (``preemption``), the collectives over ranks (``distributed``) and the run's files
 (``runlog``). The rewards, advantages, log-probs and loss are the project's kernels. The device is read where a
 decision on the host needs it, each read marked ``# sync:``: per draw, the groups whose rewards differ and the modes

@@ -131,7 +131,7 @@ def test_every_per_row_field_of_a_batch_and_of_the_updates_inputs_is_carried():
     # index, so a cut that took the wrong rows shows too
     from dataclasses import fields
 
-    from fasttnt.actor import PER_SEQUENCE, PER_TOKEN, UpdateInputs
+    from fasttnt.actor import SEQUENCE_INPUTS, TOKEN_INPUTS, UpdateInputs
 
     declared = {f.name: f.metadata.get("per") for f in fields(RolloutBatch)}
     assert {n for n, per in declared.items() if per is None} == {"cu_seqlens", "group_size"}
@@ -142,7 +142,7 @@ def test_every_per_row_field_of_a_batch_and_of_the_updates_inputs_is_carried():
     seq = torch.arange(4, dtype=torch.float32)
     tok = torch.arange(7, dtype=torch.float32)
     inputs = UpdateInputs(batch, seq, seq + 10, tok, tok + 10, tok + 20)
-    assert set(PER_SEQUENCE) | set(PER_TOKEN) == {f.name for f in fields(UpdateInputs)} - {"batch"}
+    assert set(SEQUENCE_INPUTS) | set(TOKEN_INPUTS) == {f.name for f in fields(UpdateInputs)} - {"batch"}
 
     def rows_and_tokens(part):
         return part.batch.prompt_ids, part.advantages.tolist(), part.batch.rollout_logp.tolist()
@@ -388,6 +388,8 @@ def test_verls_tnt_scores_shape_back_from_the_padded_width():
     correct, uids = [True, False, True, True], ["a", "a", "b", "b"]
     plain = tnt_token_scores(responses, mask, uids, correct, think_end_id=3)
     shaped = tnt_token_scores(responses, mask, uids, correct, 3, config=RewardConfig(overlong_buffer=4))
+    with pytest.raises(ValueError, match=r"tnt_token_scores: reward.mode_balance=True is the fasttnt trainer's"):
+        tnt_token_scores(responses, mask, uids, correct, 3, config=RewardConfig(mode_balance=True))
     rows = torch.arange(4)
     last = torch.tensor(lengths) - 1
     torch.testing.assert_close(shaped[rows, last] - plain[rows, last], torch.tensor([0.0, -0.5, -1.0, 0.0]))

@@ -296,6 +296,9 @@ def test_the_tnt_reward_equals_fasttnts_on_the_same_responses():
     assert (expected < torch.tensor(want)).any()  # some response is long enough to be shaped
     with pytest.raises(ValueError, match="pass max_completion_length"):
         TNTReward(tok, 4, config=shaping)
+    # AutoThink's balance counts a draw's free rows over the trainer's ranks: refused for one batch of TRL's
+    with pytest.raises(ValueError, match=r"TNTReward: reward.mode_balance=True is the fasttnt trainer's"):
+        TNTReward(tok, 4, config=RewardConfig(mode_balance=True))
 
 
 def test_the_tnt_reward_counts_a_completion_ended_by_a_second_eos_id_as_ended(tmp_path):

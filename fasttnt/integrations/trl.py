@@ -84,7 +84,7 @@ from fasttnt_kernels import (
 from .. import scoring
 from ..data import think_end_token_id
 from ..engines.batch import cu_seqlens_of, eos_ids_of
-from ..rewards import RewardConfig
+from ..rewards import RewardConfig, refuse_mode_balance
 
 # the TRL release whose GRPOTrainer._compute_loss and _get_per_token_logps_and_entropies this module replaces and
 # is tested against; an older one is refused (its private methods differ)
@@ -436,6 +436,7 @@ class TNTReward:
             raise ValueError(f"num_generations must be >= 1, got {num_generations}")
         self.tokenizer, self.num_generations = tokenizer, num_generations
         self.config = config or RewardConfig()
+        refuse_mode_balance(self.config, "TNTReward")
         if self.config.overlong_buffer > 0 and max_completion_length is None:
             raise ValueError(
                 "TNTReward: config.overlong_buffer > 0 shapes rewards back from the length budget: pass "

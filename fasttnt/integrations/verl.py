@@ -38,7 +38,7 @@ from fasttnt_kernels import clipped_policy_loss, group_advantages
 from .. import scoring
 from ..data import think_end_token_id
 from ..engines.batch import RolloutBatch, cu_seqlens_of, eos_ids_of
-from ..rewards import RewardConfig, compute_rewards
+from ..rewards import RewardConfig, compute_rewards, refuse_mode_balance
 from ..verify import VerifierPool, verify_batch
 from ..verify.answers import DEFAULT_TIMEOUT
 
@@ -276,6 +276,7 @@ def tnt_token_scores(
     overlong shaping counts back from T, verl's response length budget (its batches are padded to it).
     """
     cfg = config or RewardConfig()
+    refuse_mode_balance(cfg, "tnt_token_scores")
     order, group_size = _group_order(index)
     order = order.to(responses.device)
     mask, cu_seqlens = _packed(response_mask[order])  # the rows in group order, so that each group is adjacent
@@ -345,6 +346,7 @@ class TNTRewardManager:
     ) -> None:
         del num_examine, compute_score, reward_fn_key  # verl's manager arguments this manager has no use for
         self.tokenizer, self.config, self.verify = tokenizer, config or RewardConfig(), verify
+        refuse_mode_balance(self.config, "TNTRewardManager")
         self.think_end_id = think_end_token_id(tokenizer)
         self.eos_ids = frozenset(eos_token_ids) if eos_token_ids is not None else eos_ids_of(tokenizer)
 
