@@ -37,13 +37,13 @@ from __future__ import annotations
 
 import gc
 import os
-import re
 import warnings
 
 import torch
 
 from .. import distributed
 from ..data import Prompt, think_end_token_id
+from ..pipeline.weights import LAYER, layer_buckets
 from .base import ENGINES, EngineSettings, Requests
 from .batch import RolloutBatch, eos_ids_of
 from .sampler import row_seeds
@@ -310,38 +310,19 @@ def _external_launcher_env() -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
-_LAYER = re.compile(r"(.*\.layers\.\d+)\.")
-
-
 def _pushed_weights(model: torch.nn.Module, bucket_bytes: int):
     """The weights vLLM's reload takes, by Hugging Face name: whole decoder layers per bucket (about
     ``bucket_bytes`` each at their full, unsharded size), gathered one bucket at a time under ZeRO-3 (the extra
     memory is one bucket of full parameters), and the tied ``lm_head.weight`` by name. Tensors outside the decoder
     layers (embedding, final norm) are copied out of a gathered bucket: vLLM holds them to the end of the call."""
-    for bucket in _layer_buckets(model, bucket_bytes):
+    for bucket in layer_buckets(model, bucket_bytes):
         params = [p for _, p in bucket]
         with distributed.gathered(params):
             sharded = distributed.zero3_sharded(params)
             for name, param in bucket:
                 tensor = param.detach()
-                if sharded and not _LAYER.match(name):
+                if sharded and not LAYER.match(name):
                     tensor = tensor.clone()
                 yield name, tensor
                 if name.endswith("embed_tokens.weight") and getattr(model.config, "tie_word_embeddings", False):
                     yield "lm_head.weight", tensor
-
-
-def _layer_buckets(model: torch.nn.Module, bucket_bytes: int):
-    """Named parameters in groups of about ``bucket_bytes`` that never split a decoder layer."""
-    bucket, size, current = [], 0, None
-    for name, param in model.named_parameters():
-        match = _LAYER.match(name)
-        layer = match.group(1) if match else name
-        if bucket and layer != current and size >= bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, param))
-        size += getattr(param, "ds_numel", param.numel()) * param.element_size()
-        current = layer
-    if bucket:
-        yield bucket

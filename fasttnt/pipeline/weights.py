@@ -1,0 +1,105 @@
+"""The trainer's weights to a rollout worker, in buckets, over torch.distributed's point-to-point ``send`` /
+``recv``: what a worker that holds its own copy of the model receives after each update.
+
+A push is a header (int64: a magic number, the weight version, the number of parameters, and a signature of their
+names, shapes and dtypes) and then one uint8 message per bucket (``layer_buckets``: whole decoder layers, about
+``bucket_bytes`` each), every parameter's bytes back to back, padded to 8 bytes. Under ZeRO-3 the sender gathers one
+bucket at a time (the gather is collective: every training rank calls ``send_weights``, the one named ``src`` sends),
+so the extra memory is one bucket of full parameters. The receiver checks the signature against its own model before
+it copies anything: a model of another shape is a ``WeightPushError``, never weights loaded out of place.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from .. import distributed
+
+MAGIC = 0x7F7A_7477_0001  # "fasttnt weights", format 1
+ALIGN = 8
+LAYER = re.compile(r"(.*\.layers\.\d+)\.")  # a decoder layer's parameter names: its prefix
+
+
+class WeightPushError(RuntimeError):
+    """A weight push that cannot be loaded: another model's parameters, or a broken message."""
+
+
+def layer_buckets(model: torch.nn.Module, bucket_bytes: int):
+    """Named parameters in groups of about ``bucket_bytes`` (at their full, unsharded size) that never split a
+    decoder layer."""
+    bucket, size, current = [], 0, None
+    for name, param in model.named_parameters():
+        match = LAYER.match(name)
+        layer = match.group(1) if match else name
+        if bucket and layer != current and size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, param))
+        size += getattr(param, "ds_numel", param.numel()) * param.element_size()
+        current = layer
+    if bucket:
+        yield bucket
+
+
+def signature(model: torch.nn.Module) -> int:
+    """A 32-bit checksum of the model's parameter names, full shapes and dtypes, in order."""
+    text = ";".join(f"{n}:{tuple(getattr(p, 'ds_shape', p.shape))}:{p.dtype}" for n, p in model.named_parameters())
+    return zlib.crc32(text.encode())
+
+
+def send_weights(model: torch.nn.Module, version: int, *, dst: int, src: int, bucket_bytes: int, group=None) -> None:
+    """Push ``model``'s weights as ``version`` from rank ``src`` to rank ``dst``; under ZeRO-3 every rank that holds
+    a shard calls it (the gathers are collective) and ``src`` alone sends."""
+    sending = dist.get_rank() == src
+    count = sum(1 for _ in model.parameters())
+    if sending:
+        header = torch.tensor([MAGIC, version, count, signature(model)], dtype=torch.int64)
+        dist.send(header, dst, group=group)
+    for bucket in layer_buckets(model, bucket_bytes):
+        params = [p for _, p in bucket]
+        with distributed.gathered(params):
+            if sending:
+                dist.send(_packed(params), dst, group=group)
+
+
+def recv_weights(model: torch.nn.Module, *, src: int, bucket_bytes: int, group=None) -> int:
+    """Receive a push from rank ``src`` (``send_weights``) into ``model``'s parameters; returns its version."""
+    header = torch.empty(4, dtype=torch.int64)
+    dist.recv(header, src, group=group)
+    magic, version, count, sent = header.tolist()
+    mine = signature(model)
+    if magic != MAGIC:
+        raise WeightPushError(f"rank {src}: not a fasttnt weight push (magic {magic:#x})")
+    if count != sum(1 for _ in model.parameters()) or sent != mine:
+        raise WeightPushError(
+            f"rank {src} pushed the weights of another model ({count} parameters, signature {sent:#x}; this worker's "
+            f"model has signature {mine:#x}): not loading them"
+        )
+    with torch.no_grad():
+        for bucket in layer_buckets(model, bucket_bytes):
+            params = [p for _, p in bucket]
+            buffer = torch.empty(_packed_size(params), dtype=torch.uint8)
+            dist.recv(buffer, src, group=group)
+            at = 0
+            for param in params:
+                nbytes = param.numel() * param.element_size()
+                param.copy_(buffer[at : at + nbytes].view(param.dtype).view(param.shape))
+                at += nbytes + (-nbytes % ALIGN)
+    return version
+
+
+def _packed(params: list[torch.Tensor]) -> torch.Tensor:
+    """The parameters' bytes back to back on the CPU, each padded to ``ALIGN``."""
+    parts = []
+    for param in params:
+        raw = param.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        parts += [raw, torch.zeros(-raw.numel() % ALIGN, dtype=torch.uint8)]
+    return torch.cat(parts)
+
+
+def _packed_size(params: list[torch.Tensor]) -> int:
+    return sum(n + (-n % ALIGN) for n in (p.numel() * p.element_size() for p in params))

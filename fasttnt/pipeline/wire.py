@@ -1,0 +1,190 @@
+"""A scored batch between processes: what a rollout worker hands a trainer, with the step it is for and the version
+of the weights it was sampled with, over torch.distributed's point-to-point ``send`` / ``recv``.
+
+A message is two sends: a header (int64: a magic number, the step, the weight version, then each field's dtype code
+and element count, ``FIELDS`` in order) and one uint8 payload holding every present field's bytes back to back, each
+padded to 8 bytes so that every field can be viewed in place as its dtype. The receiver checks the header and the
+fields' shapes against each other before it builds the batch: a malformed message is a ``WorkerError`` that names
+the worker, never a batch trained on.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fasttnt_kernels import TntRewards
+
+from ..engines.batch import RolloutBatch
+from ..scoring import Judged, ScoredBatch
+
+MAGIC = 0x7F7A_7471_0001  # "fasttnt", wire format 1
+# (name, dtype) of every field, in message order; a field may be absent (code 0) where the batch has none
+FIELDS: tuple[tuple[str, torch.dtype], ...] = (
+    ("prompt_lengths", torch.int64),  # (S,)
+    ("prompt_tokens", torch.int64),  # (sum of prompt_lengths,)
+    ("response_ids", torch.int64),  # (N,)
+    ("cu_seqlens", torch.int64),  # (S+1,)
+    ("truncated", torch.bool),  # (S,)
+    ("rollout_logp", torch.float32),  # (N,) or absent
+    ("forced", torch.int8),  # (S,) or absent
+    ("text_lengths", torch.int64),  # (S,) bytes of each decoded text (UTF-8)
+    ("text_bytes", torch.uint8),  # (sum of text_lengths,)
+    ("correct", torch.bool),  # (S,)
+    ("counts", torch.int64),  # (3,) group size, verifier timeouts, verifier crashes
+    ("rewards", torch.float32),  # (S,)
+    ("non_thinking", torch.bool),  # (S,)
+    ("solution_len", torch.int32),  # (S,)
+    ("limit", torch.float32),  # (G,)
+    ("hacked", torch.bool),  # (S,) or absent
+    ("levels", torch.int64),  # (S,) or absent
+)
+OPTIONAL = frozenset({"rollout_logp", "forced", "hacked", "levels"})
+DTYPE_CODES = {torch.int64: 1, torch.float32: 2, torch.bool: 3, torch.int8: 4, torch.int32: 5, torch.uint8: 6}
+HEADER_LEN = 4 + 2 * len(FIELDS)
+ALIGN = 8
+
+
+class WorkerError(RuntimeError):
+    """A rollout worker sent what cannot be trained on (a malformed batch), or stopped answering."""
+
+
+@dataclass
+class Shipment:
+    """A scored batch as a worker ships it: the batch, the training step it is for, and the version of the weights
+    that sampled it (the trainer's weights after that many optimizer steps)."""
+
+    scored: ScoredBatch
+    step: int
+    version: int
+
+
+def to_fields(scored: ScoredBatch) -> dict[str, torch.Tensor | None]:
+    """The batch's tensors by ``FIELDS`` name, on the CPU (a wire of gloo's), None where absent."""
+    batch, judged, r = scored.batch, scored.judged, scored.rewards
+    texts = [t.encode() for t in judged.texts]
+    fields = {
+        "prompt_lengths": torch.tensor([len(p) for p in batch.prompt_ids], dtype=torch.int64),
+        "prompt_tokens": torch.tensor([t for p in batch.prompt_ids for t in p], dtype=torch.int64),
+        "response_ids": batch.response_ids,
+        "cu_seqlens": batch.cu_seqlens,
+        "truncated": batch.truncated,
+        "rollout_logp": batch.rollout_logp,
+        "forced": batch.forced,
+        "text_lengths": torch.tensor([len(t) for t in texts], dtype=torch.int64),
+        "text_bytes": torch.frombuffer(bytearray(b"".join(texts)), dtype=torch.uint8) if any(texts) else None,
+        "correct": judged.correct,
+        "counts": torch.tensor([batch.group_size, judged.timeouts, judged.crashes], dtype=torch.int64),
+        "rewards": r.rewards,
+        "non_thinking": r.non_thinking,
+        "solution_len": r.solution_len,
+        "limit": r.limit,
+        "hacked": scored.hacked,
+        "levels": scored.levels,
+    }
+    if fields["text_bytes"] is None:
+        fields["text_bytes"] = torch.zeros(0, dtype=torch.uint8)
+    out = {}
+    for name, dtype in FIELDS:
+        t = fields[name]
+        out[name] = None if t is None else t.detach().to("cpu", dtype).contiguous().reshape(-1)
+    return out
+
+
+def from_fields(fields: dict[str, torch.Tensor | None], *, worker: str, device: torch.device | str = "cpu"):
+    """The ``ScoredBatch`` of ``fields`` (``to_fields``' inverse) on ``device``, after checking that the fields agree
+    with each other (``WorkerError`` naming ``worker`` otherwise)."""
+    missing = [name for name, _ in FIELDS if fields.get(name) is None and name not in OPTIONAL]
+    if missing:
+        raise WorkerError(f"{worker}: malformed batch: fields {missing} missing")
+    cu = fields["cu_seqlens"]
+    s = cu.numel() - 1
+    group_size, timeouts, crashes = (int(x) for x in fields["counts"].tolist())
+    _check(s >= 0 and fields["counts"].numel() == 3, worker, "cu_seqlens is empty or counts is not 3 numbers")
+    _check(group_size >= 1 and s % group_size == 0, worker, f"{s} responses are not groups of {group_size}")
+    bounds = cu.tolist()
+    n = fields["response_ids"].numel()
+    _check(bounds[0] == 0 and bounds[-1] == n and all(a <= b for a, b in itertools.pairwise(bounds)),
+           worker, f"cu_seqlens does not bound {n} response tokens")  # fmt: skip
+    per_sequence = ("prompt_lengths", "truncated", "forced", "text_lengths", "correct", "rewards", "non_thinking",
+                    "solution_len", "hacked", "levels")  # fmt: skip
+    for name in per_sequence:
+        t = fields.get(name)
+        _check(t is None or t.numel() == s, worker, f"{name} holds {None if t is None else t.numel()}, not {s}")
+    logp = fields.get("rollout_logp")
+    _check(logp is None or logp.numel() == n, worker, f"rollout_logp holds {logp.numel() if logp is not None else 0}")
+    _check(fields["limit"].numel() == s // group_size, worker, f"limit holds {fields['limit'].numel()} groups")
+    prompt_lengths, text_lengths = fields["prompt_lengths"].tolist(), fields["text_lengths"].tolist()
+    _check(sum(prompt_lengths) == fields["prompt_tokens"].numel() and min(prompt_lengths, default=0) >= 0, worker,
+           "prompt_lengths do not add up to prompt_tokens")  # fmt: skip
+    _check(sum(text_lengths) == fields["text_bytes"].numel() and min(text_lengths, default=0) >= 0, worker,
+           "text_lengths do not add up to text_bytes")  # fmt: skip
+    tokens, raw = fields["prompt_tokens"].tolist(), bytes(fields["text_bytes"].numpy())
+    prompts, texts, p, t = [], [], 0, 0
+    for pl, tl in zip(prompt_lengths, text_lengths, strict=True):
+        prompts.append(tokens[p : p + pl])
+        texts.append(raw[t : t + tl].decode(errors="replace"))
+        p, t = p + pl, t + tl
+
+    def on(name: str) -> torch.Tensor | None:
+        value = fields.get(name)
+        return None if value is None else value.to(device)
+
+    batch = RolloutBatch(prompts, on("response_ids"), on("cu_seqlens"), on("truncated"), group_size,
+                         rollout_logp=on("rollout_logp"), forced=on("forced"))  # fmt: skip
+    responses = fields["response_ids"].tolist()
+    batch._with_host_copies(bounds, [responses[a:b] for a, b in itertools.pairwise(bounds)])
+    rewards = TntRewards(on("rewards"), on("non_thinking"), on("solution_len"), on("limit"))
+    judged = Judged(texts, on("correct"), timeouts=timeouts, crashes=crashes)
+    return ScoredBatch(batch, judged, rewards, hacked=on("hacked"), levels=on("levels"))
+
+
+def _check(ok: bool, worker: str, what: str) -> None:
+    if not ok:
+        raise WorkerError(f"{worker}: malformed batch: {what}")
+
+
+def send_shipment(shipment: Shipment, dst: int, group=None) -> None:
+    """Send ``shipment`` to rank ``dst`` (``recv_shipment`` there)."""
+    fields = to_fields(shipment.scored)
+    header = [MAGIC, shipment.step, shipment.version, len(FIELDS)]
+    parts = []
+    for name, dtype in FIELDS:
+        t = fields[name]
+        header += [0, 0] if t is None else [DTYPE_CODES[dtype], t.numel()]
+        if t is not None:
+            raw = t.view(torch.uint8)
+            parts += [raw, torch.zeros(-raw.numel() % ALIGN, dtype=torch.uint8)]
+    payload = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
+    dist.send(torch.tensor(header, dtype=torch.int64), dst, group=group)
+    dist.send(payload, dst, group=group)
+
+
+def recv_shipment(src: int, group=None, *, device: torch.device | str = "cpu") -> Shipment:
+    """The shipment rank ``src`` sends (``send_shipment``), checked (``WorkerError``: malformed) and on ``device``."""
+    worker = f"rollout worker rank {src}"
+    header = torch.empty(HEADER_LEN, dtype=torch.int64)
+    dist.recv(header, src, group=group)
+    magic, step, version, n_fields, *spec = header.tolist()
+    if magic != MAGIC or n_fields != len(FIELDS):
+        raise WorkerError(f"{worker}: malformed batch: not a fasttnt shipment of this version (magic {magic:#x})")
+    codes = {code: dtype for dtype, code in DTYPE_CODES.items()}
+    layout, size = [], 0
+    for (name, dtype), code, numel in zip(FIELDS, spec[0::2], spec[1::2], strict=True):
+        if code == 0:
+            layout.append((name, None, 0, 0))
+            continue
+        if codes.get(code) != dtype or numel < 0:
+            raise WorkerError(f"{worker}: malformed batch: field {name} has dtype code {code}, count {numel}")
+        nbytes = numel * dtype.itemsize
+        layout.append((name, dtype, size, numel))
+        size += nbytes + (-nbytes % ALIGN)
+    payload = torch.empty(size, dtype=torch.uint8)
+    dist.recv(payload, src, group=group)
+    fields = {}
+    for name, dtype, at, numel in layout:
+        fields[name] = None if dtype is None else payload[at : at + numel * dtype.itemsize].view(dtype).clone()
+    return Shipment(from_fields(fields, worker=worker, device=device), step, version)

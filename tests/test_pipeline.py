@@ -1,0 +1,186 @@
+"""Generation apart from training (``fasttnt.pipeline``): the staleness bound by hand, a scored batch and a weight
+push between two processes (gloo) arriving bit for bit, and the malformed ones refused with a line that names the
+sender."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from support.small import SEED, TINY, free_port, run_job
+
+from fasttnt.embedded.char_tokenizer import build_char_tokenizer
+from fasttnt.engines.batch import RolloutBatch
+from fasttnt.pipeline.staleness import StaleBatchError, check_fresh, oldest_version, staleness
+from fasttnt.pipeline.wire import OPTIONAL, WorkerError, from_fields, to_fields
+from fasttnt.scoring import Judged, ScoredBatch
+from fasttnt_kernels import TntRewards
+
+pytest.importorskip("deepspeed")  # distributed.init joins the process group through DeepSpeed
+
+ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+HANG_S = 300  # each job takes seconds; a hang fails after this, its ranks killed with it
+
+
+def test_the_staleness_bound_by_hand():
+    # step t trains on version t - 1: on-policy (k = 0) only that version's batch is fresh; at k = 2 step 5 (version
+    # 4) may train on versions 2, 3 and 4; the first steps never ask for a version below 0
+    assert [oldest_version(t, 0) for t in (1, 2, 5)] == [0, 1, 4]
+    assert [oldest_version(t, 2) for t in (1, 2, 3, 4, 5)] == [0, 0, 0, 1, 2]
+    assert staleness(5, 2) == 2 and staleness(1, 0) == 0
+    for version in (2, 3, 4):
+        check_fresh(5, version, 2, worker="w")
+    with pytest.raises(StaleBatchError, match=r"w: step 5's batch was sampled with weight version 1, 3 behind, past "
+                       r"rollout.max_staleness=2"):  # fmt: skip
+        check_fresh(5, 1, 2, worker="w")
+    with pytest.raises(StaleBatchError, match="version 5, which the trainer has not made yet"):
+        check_fresh(5, 5, 2, worker="w")
+    check_fresh(1, 0, 0, worker="w")
+    with pytest.raises(StaleBatchError, match="1 behind"):
+        check_fresh(2, 0, 0, worker="w")
+
+
+def scored_batch(seed: int, *, optional: bool = True) -> ScoredBatch:
+    """A scored batch of 3 groups of 4 with every field filled from ``seed`` (texts with non-ASCII characters; the
+    optional fields only if ``optional``): the same on every process that asks for the same seed."""
+    g = torch.Generator().manual_seed(seed)
+    s, k = 12, 4
+    lengths = torch.randint(1, 9, (s,), generator=g)
+    cu = torch.zeros(s + 1, dtype=torch.int64)
+    cu[1:] = lengths.cumsum(0)
+    n = int(cu[-1])
+    prompts = [torch.randint(0, 50, (int(torch.randint(1, 6, (), generator=g)),), generator=g).tolist()
+               for _ in range(s // k) for _ in range(k)]  # fmt: skip
+    batch = RolloutBatch(
+        prompts, torch.randint(0, 100, (n,), generator=g), cu, torch.rand(s, generator=g) < 0.3, k,
+        rollout_logp=-torch.rand(n, generator=g) if optional else None,
+        forced=torch.randint(0, 3, (s,), generator=g, dtype=torch.int8) if optional else None,
+    )  # fmt: skip
+    texts = [f"réponse {i} → {int(torch.randint(0, 999, (), generator=g))}" for i in range(s)]
+    judged = Judged(texts, torch.rand(s, generator=g) < 0.5, timeouts=2, crashes=1)
+    solution_len = torch.randint(-1, 30, (s,), generator=g, dtype=torch.int32)
+    rewards = TntRewards(torch.randn(s, generator=g), torch.rand(s, generator=g) < 0.5, solution_len,
+                         torch.rand(s // k, generator=g))  # fmt: skip
+    hacked = torch.rand(s, generator=g) < 0.2 if optional else None
+    levels = torch.randint(-1, 5, (s,), generator=g) if optional else None
+    return ScoredBatch(batch, judged, rewards, hacked=hacked, levels=levels)
+
+
+def assert_same_batch(got: ScoredBatch, want: ScoredBatch) -> None:
+    """Every field equal, dtype included (``to_fields`` names them all)."""
+    a, b = to_fields(got), to_fields(want)
+    assert a.keys() == b.keys()
+    for name in a:
+        if b[name] is None:
+            assert a[name] is None, name
+        else:
+            assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+    assert got.batch.prompt_ids == want.batch.prompt_ids and got.judged.texts == want.judged.texts
+    assert got.batch.responses == want.batch.responses and got.batch.bounds == want.batch.bounds
+    assert got.rewards.solution_len.dtype == torch.int32 and got.judged.correct.dtype == torch.bool
+
+
+@pytest.mark.parametrize("optional", [True, False])
+def test_the_fields_of_a_scored_batch_round_trip(optional):
+    want = scored_batch(SEED, optional=optional)
+    fields = to_fields(want)
+    assert all((fields[name] is None) == (not optional) for name in OPTIONAL), "precondition: the optional fields"
+    assert_same_batch(from_fields(fields, worker="w"), want)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        # a boundary out of order (the last one still the token count)
+        ("cu_seqlens", lambda t: torch.cat([t[:5], t[6:7], t[5:6], t[7:]]), "cu_seqlens does not bound"),
+        ("limit", lambda t: t[:2], "limit holds 2 groups"),
+        ("truncated", lambda t: t[:11], "truncated holds 11, not 12"),
+        ("text_lengths", lambda t: t + 1, "text_lengths do not add up"),
+        ("counts", lambda t: torch.tensor([5, 0, 0]), "12 responses are not groups of 5"),
+        ("rewards", lambda t: None, r"fields \['rewards'\] missing"),
+    ],
+)
+def test_a_malformed_batch_is_refused_naming_the_worker(field, value, message):
+    fields = to_fields(scored_batch(SEED))
+    from_fields(dict(fields), worker="w")  # precondition: the batch as sent is whole
+    fields[field] = value(fields[field])
+    with pytest.raises(WorkerError, match=f"rollout worker rank 3: malformed batch: {message}"):
+        from_fields(fields, worker="rollout worker rank 3")
+
+
+EXCHANGE = f"""
+import sys
+import torch
+import torch.distributed as dist
+sys.path.insert(0, {str(os.path.dirname(__file__))!r})
+from test_pipeline import assert_same_batch, scored_batch, tiny_model
+from fasttnt import distributed
+from fasttnt.pipeline.weights import WeightPushError, recv_weights, send_weights
+from fasttnt.pipeline.wire import HEADER_LEN, Shipment, WorkerError, recv_shipment, send_shipment
+
+BUCKET = 4096  # bytes: several buckets, so their order and bounds are exercised
+
+def main():
+    ctx = distributed.init("cpu")
+    trainer, worker = 0, 1
+    # the worker ships step 7's batch sampled with version 5; the trainer rebuilds the same batch to compare
+    if ctx.rank == worker:
+        send_shipment(Shipment(scored_batch({SEED}), step=7, version=5), trainer)
+    else:
+        got = recv_shipment(worker)
+        assert (got.step, got.version) == (7, 5), (got.step, got.version)
+        assert_same_batch(got.scored, scored_batch({SEED}))
+        print("shipment arrived whole", flush=True)
+    # the trainer pushes its weights (seed 1) as version 8 into the worker's model (seed 2)
+    model = tiny_model(seed=1 if ctx.rank == trainer else 2)
+    if ctx.rank == trainer:
+        send_weights(model, 8, dst=worker, src=trainer, bucket_bytes=BUCKET)
+    else:
+        before = [p.detach().clone() for p in model.parameters()]
+        version = recv_weights(model, src=trainer, bucket_bytes=BUCKET)
+        want = tiny_model(seed=1)
+        assert version == 8
+        assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters())), "precondition: weights moved"
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), want.parameters()))
+        print("weights arrived whole", flush=True)
+    # a header that is not a shipment: the trainer refuses it naming the worker (the worker sends nothing more)
+    if ctx.rank == worker:
+        dist.send(torch.zeros(HEADER_LEN, dtype=torch.int64), trainer)
+    else:
+        try:
+            recv_shipment(worker)
+        except WorkerError as err:
+            print(f"refused: {{err}}", flush=True)
+    # a push from a model of another shape: the worker refuses it before loading anything
+    if ctx.rank == trainer:
+        dist.send(torch.tensor([0x7F7A74770001, 9, 1, 123], dtype=torch.int64), worker)
+    else:
+        try:
+            recv_weights(model, src=trainer, bucket_bytes=BUCKET)
+        except WeightPushError as err:
+            print(f"refused: {{err}}", flush=True)
+    distributed.shutdown()
+    return 0
+
+sys.exit(distributed.fail_fast(main))
+"""
+
+
+def tiny_model(seed: int):
+    from fasttnt.embedded.tiny import TinyModelConfig, build_tiny_model
+
+    return build_tiny_model(build_char_tokenizer(), TinyModelConfig(**TINY), seed=seed)
+
+
+def test_a_shipment_and_a_weight_push_cross_two_processes_whole(tmp_path):
+    script = tmp_path / "exchange.py"
+    script.write_text(EXCHANGE)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    result = run_job([*torchrun, "--master-port", str(free_port()), str(script)], env=ENV, timeout=HANG_S)
+    out = result.stdout
+    assert result.returncode == 0, out[-2000:] + result.stderr[-3000:]
+    assert "shipment arrived whole" in out and "weights arrived whole" in out
+    assert "refused: rollout worker rank 1: malformed batch: not a fasttnt shipment of this version" in out
+    assert "refused: rank 0 pushed the weights of another model (1 parameters, signature 0x7b;" in out
