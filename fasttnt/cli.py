@@ -139,7 +139,8 @@ def _train(args) -> int:
     from .guard import StaleWeightsError
     from .plots import summary_table
     from .preemption import EXIT_PREEMPTED, Preempted
-    from .trainer import Trainer, VerificationError
+    from .rollouts import VerificationError
+    from .trainer import Trainer
     from .variants import VariantError, read_variants_file, variant_overrides
     from .verify import VerifierStartupError
 

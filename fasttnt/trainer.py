@@ -22,15 +22,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import checkpoint, distributed, run_setup, scoring
+from . import checkpoint, distributed, run_setup
 from .actor import Actor, UpdateInputs
 from .advantages import step_advantages
 from .checkpoint import TrainerState
 from .config import TrainConfig, rollout_correction
 from .data import PromptMode
-from .dynamic_sampling import choose_groups, concat_draws, select_groups, varied_groups
 from .engines.batch import FORCED_CODES
-from .engines.sampler import step_seed
 from .guard import StaleWeightGuard
 from .metrics import (
     CHOICE_PREFIXES,
@@ -44,15 +42,12 @@ from .metrics import (
 from .modes import ModeMix, forced_rows
 from .plots import plot_curves
 from .preemption import Preempted, StopSignals
+from .rollouts import Rollouts
 from .runlog import RunLog
 from .scoring import ScoredBatch
 from .step_metrics import TOKEN_METRICS
 from .verify import VerifierPool
 from .wandb_log import WandbRun
-
-
-class VerificationError(RuntimeError):
-    """A step's rewards cannot be trusted: too many answers could not be verified."""
 
 
 class PhaseClock:
@@ -70,8 +65,9 @@ class PhaseClock:
 
 class Trainer:
     """A GRPO run: the built run (``parts``, ``fasttnt.run_setup.RunParts``: model, engine, ranks, data; read
-    through it), the trainer's state (``state``, replaced each step), the update (``actor``), the stale-weight guard
-    (``guard``), a mode-mixed run's rows and rules (``mode_mix``, else None) and the verifier's workers."""
+    through it), the trainer's state (``state``, replaced each step), the rollouts (``rollouts``), the update
+    (``actor``), the stale-weight guard (``guard``), a mode-mixed run's rows and rules (``mode_mix``, else None) and
+    the verifier's workers."""
 
     def __init__(
         self, cfg: TrainConfig, output_dir: Path, *, resume: bool = False, new_config_ok: bool = False,
@@ -88,13 +84,14 @@ class Trainer:
         self.mode_mix = ModeMix.of(cfg)  # mode-mixed: the modes of each group's rows and the mode tokens' terms
         self.mode_floor = parts.state.mode_token_floor_logp  # loss.mode_token_floor=auto: measured at step 1
         self.verifier = VerifierPool(cfg.verify_workers, cfg.verify_timeout)
+        self.rollouts = Rollouts.of(cfg, parts, self.mode_mix, self.verifier)
         self._warned_cap = False
         self._checked_floor = False  # a fixed loss.mode_token_floor against the first step's pi_old(</think>)
 
     # -- one step, phase by phase -------------------------------------------------------------------------------
 
     def step(self) -> dict[str, float]:
-        cfg, r = self.cfg, self.cfg.rollout
+        cfg = self.cfg
         step, clock = self.state.step + 1, PhaseClock()
         lr = cfg.optim.lr_at(self.state.step, cfg.steps)  # the rate this step's update uses
         for group in self.actor.optimizer.param_groups:
@@ -102,17 +99,8 @@ class Trainer:
 
         # rollout -> verify -> reward, once per draw of prompts_per_step prompts; with dynamic sampling, more draws
         # until the step has prompts_per_step groups whose rewards differ (or the cap)
-        draws = [self._draw(step, 0, clock)]
-        varied = varied_groups(draws[0].rewards.rewards, r.group_size).tolist()  # sync: one read per draw
-        while r.dynamic_sampling and len(draws) < r.max_draws and self._short_of_groups(sum(varied)):
-            draws.append(self._draw(step, len(draws), clock))
-            varied += varied_groups(draws[-1].rewards.rewards, r.group_size).tolist()
-        self.parts.engine.end_rollout()  # the engine's memory back for the update
-        drawn = concat_draws(draws)  # every response drawn: what the step's metrics describe
-        trained, filled = drawn, 0
-        if r.dynamic_sampling:
-            groups, filled = choose_groups(varied, self.parts.prompts_per_rank)
-            trained = select_groups(drawn, groups)
+        rolled = self.rollouts.step(step, clock)
+        drawn, trained = rolled.drawn, rolled.trained
 
         # old and reference log-probs (and, mode-mixed, of </think> first)
         batch, mix = trained.batch, self.mode_mix
@@ -145,50 +133,12 @@ class Trainer:
         clock.lap("sync")
 
         # log
-        values = self._record(step=step, lr=lr, drawn=drawn, trained=trained, update=update, n_draws=len(draws),
-                              varied=varied, filled=filled, times=clock.times,
+        values = self._record(step=step, lr=lr, drawn=drawn, trained=trained, update=update, n_draws=rolled.draws,
+                              varied=rolled.varied, filled=rolled.filled, times=clock.times,
                               think_end_logp=logp.think_end_logp, below_floor=below_floor)  # fmt: skip
         self.state = TrainerState(step=step, data_position=self.parts.stream.position, world=self.parts.world,
                                   logp_diff_floor=self.guard.floor, mode_token_floor_logp=self.mode_floor)  # fmt: skip
         return values
-
-    def _draw(self, step: int, draw: int, clock: PhaseClock) -> ScoredBatch:
-        """Draw ``draw`` of a step: the next prompts_per_step prompts, this rank's share generated (seeded per
-        response; draw 0's seeds are those of a step without dynamic sampling), verified and rewarded."""
-        cfg, r, parts = self.cfg, self.cfg.rollout, self.parts
-        per_rank = parts.prompts_per_rank
-        problems = parts.stream.take(r.prompts_per_step)  # every rank draws the step's prompts, generates its share
-        problems = problems[parts.rank * per_rank : (parts.rank + 1) * per_rank]
-        first_row = (draw * r.prompts_per_step + parts.rank * per_rank) * r.group_size
-        prompts = [parts.prompt(p) for p in problems]
-        seeds = {"seed": step_seed(cfg.seed, step), "first_row": first_row}
-        if self.mode_mix is not None:
-            batch = self.mode_mix.rollout(parts.engine, prompts, **seeds)
-        else:
-            batch = parts.engine.generate(prompts, r.group_size, **seeds)
-        clock.lap("generate")
-
-        golds = [p.answer for p in problems for _ in range(r.group_size)]
-        judged = scoring.judge(parts.tokenizer, batch, golds, eos_ids=parts.engine.eos_ids, pool=self.verifier)
-        if judged.crashes >= 2 and judged.crashes > cfg.verify_max_crash_share * len(golds):
-            # a crashed item counts as wrong: past a few, the rewards would be the verifier's, not the model's
-            raise VerificationError(
-                f"step {step}: the verification of {judged.crashes} of {len(golds)} answers crashed (its workers "
-                f"died; more than one and above verify_max_crash_share={cfg.verify_max_crash_share}); not training "
-                "on those rewards. Out of memory is the usual cause: lower verify_workers"
-            )
-        clock.lap("verify")
-
-        # all K samples of a prompt are on this rank, so the reward is local (the mode balance counts over ranks)
-        scores = scoring.add_rewards(judged, batch, reward=cfg.reward, think_end_id=parts.think_end_id,
-                                     markers=parts.markers, max_new_tokens=r.max_new_tokens,
-                                     dist=parts.dist)  # fmt: skip
-        clock.lap("reward")
-        # the accuracies by mode and level (metrics.mode_accuracies); -1 marks a problem without a level, so every
-        # rank and draw has the same fields to gather and concatenate
-        levels = torch.tensor([-1 if p.level is None else p.level for p in problems], device=judged.correct.device)
-        scores.levels = levels.repeat_interleave(r.group_size)
-        return scores
 
     def _mode_token_terms(
         self, mix: ModeMix, inputs: UpdateInputs, non_thinking: torch.Tensor, think_end_logp: torch.Tensor
@@ -204,11 +154,6 @@ class Trainer:
                 tqdm.write(f"fasttnt: {warning}")
         return mix.mode_token_terms(inputs, non_thinking, think_end_logp, self.parts.think_end_id,
                                     floor_logp=mix.floor_logp(self.mode_floor))  # fmt: skip
-
-    def _short_of_groups(self, varied: int) -> bool:
-        """Whether this rank, or any other, has fewer than its share of groups with differing rewards (every rank
-        then draws again, so the ranks stay in step)."""
-        return any(distributed.any_over_ranks(self.parts.dist, varied < self.parts.prompts_per_rank))
 
     def _record(
         self, *, step: int, lr: float, drawn: ScoredBatch, trained: ScoredBatch, update: dict[str, torch.Tensor],

@@ -16,6 +16,7 @@ from fasttnt.config import ConfigError, load_config
 from fasttnt.dynamic_sampling import choose_groups, concat_draws, select_groups, varied_groups
 from fasttnt.engines import RolloutBatch, pack_sequences
 from fasttnt.rewards import RewardConfig, compute_rewards, overlong_shaping
+from fasttnt.rollouts import Rollouts
 from fasttnt.scoring import Judged, ScoredBatch
 from fasttnt.trainer import Trainer
 from fasttnt.variants import VariantError, check_variant, read_variants_file, split_variants, variant_overrides
@@ -208,7 +209,7 @@ def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tmp_path, m
     cfg = load_config(None, run_overrides(tmp_path, *extra, steps=2))
     trainer = Trainer(cfg, tmp_path / "run")
     seen = []
-    real_update, real_draw = Actor.update, Trainer._draw
+    real_update, real_draw = Actor.update, Rollouts.draw
     draws = []
 
     def update(self, inputs):
@@ -221,7 +222,7 @@ def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tmp_path, m
         return out
 
     monkeypatch.setattr(Actor, "update", update)
-    monkeypatch.setattr(Trainer, "_draw", draw)
+    monkeypatch.setattr(Rollouts, "draw", draw)
     rows = trainer.run()
     k, p = cfg.rollout.group_size, cfg.rollout.prompts_per_step
     assert all(r["grad_norm"] > 0 for r in rows), "a step without a gradient"

@@ -188,7 +188,7 @@ def test_forced_responses_are_scored_as_free_ones(tmp_path):
     # the TNT reward of a mode-mixed draw is the kernel's on the same responses: no special case for forced rows
     cfg = run_overrides(tmp_path, varied.OVERRIDE, "rollout.forced_non_thinking=0.5", "reward.scheme=tnt", steps=2)
     trainer = Trainer(load_config(None, cfg), tmp_path / "run")
-    draw = trainer._draw(1, 0, PhaseClock())
+    draw = trainer.rollouts.draw(1, 0, PhaseClock())
     want = tnt_rewards(draw.batch.response_ids, draw.batch.cu_seqlens, draw.judged.correct, 4, END)
     assert draw.batch.forced is not None and (draw.rewards.non_thinking[::4]).all()
     assert torch.equal(draw.rewards.rewards, want.rewards) and torch.equal(draw.rewards.limit, want.limit)
