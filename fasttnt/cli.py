@@ -137,6 +137,7 @@ def _train(args) -> int:
     from .config import ConfigError, load_config
     from .data import DataError
     from .guard import StaleWeightsError
+    from .pipeline.remote import is_worker_rank, serve
     from .plots import summary_table
     from .preemption import EXIT_PREEMPTED, Preempted
     from .rollouts import VerificationError
@@ -177,8 +178,14 @@ def _train(args) -> int:
 
     def run() -> int:
         start = time.perf_counter()
+        resume = args.resume or args.resume_with_new_config
+        if is_worker_rank(cfg):  # a rank that only generates (rollout.workers)
+            try:
+                return serve(cfg, Path(args.output_dir), resume=resume)
+            except ConfigError as err:
+                print(f"fasttnt train: config error: {err}", file=sys.stderr)
+                return 2
         try:
-            resume = args.resume or args.resume_with_new_config
             trainer = Trainer(cfg, Path(args.output_dir), resume=resume, new_config_ok=args.resume_with_new_config)
         except ConfigError as err:
             print(f"fasttnt train: config error: {err}", file=sys.stderr)
@@ -202,7 +209,7 @@ def _train(args) -> int:
                     f"fasttnt train: {stop}; continue with: {again or 'the same command and --resume'}",
                     file=sys.stderr,
                 )
-            if trainer.parts.dist:
+            if distributed.launched_distributed():
                 distributed.shutdown()
             return EXIT_PREEMPTED
         if trainer.parts.is_main:
@@ -212,7 +219,7 @@ def _train(args) -> int:
                 f"\nwall time {time.perf_counter() - start:.0f} s; outputs in {args.output_dir}: config.yaml, "
                 "metrics.jsonl, checkpoints/, final/, curves.png"
             )
-        if trainer.parts.dist:
+        if distributed.launched_distributed():
             distributed.shutdown()
         return 0
 

@@ -87,6 +87,13 @@ class RolloutConfig:
     # None: off. Checked with an engine that samples from its own copy of the weights (vllm) at top_p 1 (under top-p
     # the engine's log-probs are renormalised over the nucleus, the trainer's are not: they differ by design)
     max_logp_diff: float | None = 0.1
+    # generation apart from training (fasttnt.pipeline): the last `workers` ranks of the launched world only generate
+    # (rollout -> verify -> reward) and ship their batches to the training ranks, which push their weights back after
+    # each update; 0: every rank generates its share between updates (the colocated loop). max_staleness k: a batch
+    # may be sampled with weights up to k updates older than the ones it trains (k = 0: on-policy, generation and
+    # training in turn; k = 1: the next step's batch is generated during this step's update)
+    workers: int = 0
+    max_staleness: int = 0
     # vllm only
     gpu_memory_utilization: float = 0.5  # on CUDA; on a CPU the engine takes a fixed 1 GiB KV cache
     sleep_between_rollouts: bool = True  # CUDA only (vLLM's sleep mode); elsewhere the engine stays awake, warned
@@ -322,6 +329,16 @@ def validate(cfg: TrainConfig) -> None:
     )
     need(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
     need(r.max_draws >= 1, "rollout.max_draws", "must be >= 1")
+    need(r.workers >= 0, "rollout.workers", "must be >= 0")
+    need(r.max_staleness >= 0, "rollout.max_staleness", "must be >= 0")
+    need(r.max_staleness == 0 or r.workers > 0, "rollout.max_staleness",
+         f"{r.max_staleness} overlaps generation with training on rollout workers of their own: with rollout.workers=0 "
+         "every rank generates between its updates, so nothing can overlap (set rollout.workers)")  # fmt: skip
+    need(r.max_staleness == 0 or sum(r.forced_rows()) == 0, "rollout.max_staleness",
+         "mode-mixed rollouts (rollout.forced_*) at a staleness >= 1 are not supported yet: their floor and mixture "
+         "rule must read the sampling weights' pi(</think>), not the trainer's")  # fmt: skip
+    need(r.workers == 0 or r.engine == "hf", "rollout.workers",
+         "a rollout worker runs the hf engine (rollout.engine=hf); vLLM as a worker is not supported yet")  # fmt: skip
     shares = {"forced_non_thinking": r.forced_non_thinking, "forced_thinking": r.forced_thinking}
     for key, share in shares.items():
         need(0 <= share <= 1, f"rollout.{key}", "must be a share of the group in [0, 1]")
@@ -452,12 +469,15 @@ def validate(cfg: TrainConfig) -> None:
 
 
 def rollout_correction(cfg: TrainConfig) -> str:
-    """``loss.rollout_correction`` with ``auto`` resolved: samples from vLLM (its own kernels and bf16 numerics) or
-    from a top-p-truncated distribution are not exactly the loss's, so they are corrected; the hf engine at
-    top_p 1 samples from the trained model itself."""
+    """``loss.rollout_correction`` with ``auto`` resolved: samples from vLLM (its own kernels and bf16 numerics), from
+    a top-p-truncated distribution or from weights up to ``rollout.max_staleness`` updates old are not exactly the
+    loss's, so they are corrected (at staleness this is the decoupled objective: the clip around the trainer's
+    weights at the update's start, the behaviour policy in the weight alone); the hf engine at top_p 1 on-policy
+    samples from the trained weights themselves."""
     mode = cfg.loss.rollout_correction
     if mode == "auto":
-        mode = "token-truncate" if cfg.rollout.engine == "vllm" or cfg.rollout.top_p < 1 else "none"
+        r = cfg.rollout
+        mode = "token-truncate" if r.engine == "vllm" or r.top_p < 1 or r.max_staleness > 0 else "none"
     assert mode in ROLLOUT_CORRECTIONS
     return mode
 

@@ -157,7 +157,9 @@ def summary_table(history: list[dict[str, float]], *, window: int = 5) -> str:
         )
     lines.append("")
     lines.append(f"time over {len(history)} steps: {total:.1f} s")
-    for key in ("generate", "verify", "reward", "logprobs", "advantage", "update", "sync"):
-        t = sum(r[f"time_{key}"] for r in history)
-        lines.append(f"  {key:<12}{t:8.1f} s  {100 * t / max(total, 1e-9):5.1f}%")
+    # the trainer's phases; with rollout workers it waits for their batches instead of generating
+    for key in ("generate", "verify", "reward", "wait", "logprobs", "advantage", "update", "sync"):
+        if all(f"time_{key}" in r for r in history):
+            t = sum(r[f"time_{key}"] for r in history)
+            lines.append(f"  {key:<12}{t:8.1f} s  {100 * t / max(total, 1e-9):5.1f}%")
     return "\n".join(lines)

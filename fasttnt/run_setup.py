@@ -32,6 +32,7 @@ from .data import Problem, PromptMode, build_prompt, dataset_style, loading_mode
 from .embedded.tiny import warmed_up_model
 from .engines import EngineSettings, RolloutEngine, build_engine
 from .metrics import HackMarkers
+from .pipeline.remote import PipelineRanks
 from .policy import PolicyHead, tied_rows_into_grad
 from .runlog import truncate_metrics
 from .stream import ProblemStream
@@ -58,6 +59,9 @@ class RunParts:
     state: TrainerState
     think_end_id: int
     markers: HackMarkers
+    # rollout.workers > 0: the world's roles (this process is its one training rank; dist is then None, since no
+    # other rank trains)
+    pipeline: PipelineRanks | None = None
 
     @property
     def rank(self) -> int:
@@ -120,8 +124,24 @@ def engine_settings(cfg: TrainConfig, model_path, device: torch.device, prompt_b
 def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: bool = False) -> RunParts:
     device_type = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
     dist = distributed.init(device_type) if distributed.launched_distributed() else None
+    pipeline = None
+    if cfg.rollout.workers:  # the workers generate (fasttnt.pipeline.remote.serve): this rank trains alone
+        if dist is None:
+            n = cfg.rollout.workers + 1
+            raise ConfigError(
+                f"rollout.workers={cfg.rollout.workers}: the workers are ranks of their own: launch {n} processes "
+                f"(torchrun --nproc-per-node {n} -m fasttnt.cli train ...)"
+            )
+        pipeline = PipelineRanks.of(cfg, dist.world)
+        if resume and cfg.rollout.max_staleness > 0:
+            raise ConfigError(
+                f"rollout.max_staleness={cfg.rollout.max_staleness}: --resume with batches in flight is not "
+                "supported yet (a resume at rollout.max_staleness=0 is exact)"
+            )
+        device, dist = dist.device, None
     world, is_main = (dist.world, dist.rank == 0) if dist else (1, True)
-    device = dist.device if dist else distributed.local_device(device_type)
+    if pipeline is None:
+        device = dist.device if dist else distributed.local_device(device_type)
     r = cfg.rollout
     if r.prompts_per_step % (world * cfg.loss.mini_batches):
         raise ValueError(
@@ -153,7 +173,7 @@ def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: b
     if not is_main:
         distributed.barrier()
     model, tokenizer, model_path = load_policy(cfg, device)
-    if is_main and dist:
+    if is_main and (dist or pipeline):  # the other ranks (or the workers) load it from the cache now
         distributed.barrier()
     if is_main:  # saved once, fresh (a leftover file would be copied into every checkpoint), and copied from here
         shutil.rmtree(out / "tokenizer", ignore_errors=True)
@@ -213,15 +233,22 @@ def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: b
     parts = RunParts(
         cfg=cfg, out=out, dist=dist, device=device, autocast=autocast, model=model, tokenizer=tokenizer,
         model_path=model_path, ref_model=ref_model, head=head, optimizer=optimizer, ds_engine=ds_engine, engine=engine,
-        stream=stream, state=state, think_end_id=think_end_id, markers=markers,
+        stream=stream, state=state, think_end_id=think_end_id, markers=markers, pipeline=pipeline,
     )  # fmt: skip
-    if prompt_budget is not None:
-        dropped = stream.drop_long_prompts(
-            lambda p: len(tokenizer(parts.prompt(p).text, add_special_tokens=False)["input_ids"]), prompt_budget
-        )
-        if dropped:
-            tqdm.write(f"data.train: {dropped} problems dropped, their prompts exceed {prompt_budget} tokens")
+    dropped = drop_long_prompts(stream, cfg, tokenizer, prompt_budget)
+    if dropped:
+        tqdm.write(f"data.train: {dropped} problems dropped, their prompts exceed {prompt_budget} tokens")
     return parts
+
+
+def drop_long_prompts(stream: ProblemStream, cfg: TrainConfig, tokenizer, prompt_budget: int | None) -> int:
+    """Drop from ``stream`` the problems whose training prompts exceed ``prompt_budget`` tokens; how many."""
+    if prompt_budget is None:
+        return 0
+    return stream.drop_long_prompts(
+        lambda p: len(tokenizer(training_prompt(cfg, tokenizer, p).text, add_special_tokens=False)["input_ids"]),
+        prompt_budget,
+    )
 
 
 def prompt_budget_of(cfg: TrainConfig) -> int | None:

@@ -40,6 +40,8 @@ from .metrics import (
     to_floats,
 )
 from .modes import ModeMix, forced_rows
+from .pipeline.remote import RemoteRollouts
+from .pipeline.staleness import staleness
 from .plots import plot_curves
 from .preemption import Preempted, StopSignals
 from .rollouts import Rollouts
@@ -77,14 +79,21 @@ class Trainer:
         self.cfg, self.out, self.progress, self.resumed = cfg, Path(output_dir), progress, resume
         self.parts = parts = run_setup.build(cfg, self.out, resume=resume, new_config_ok=new_config_ok)
         self.state = parts.state  # the trainer's own from here: each step replaces it
-        self.guard = StaleWeightGuard(cfg, separate_weights=parts.engine.separate_weights, bf16=parts.autocast,
-                                      dist=parts.dist, floor=parts.state.logp_diff_floor)  # fmt: skip
+        # a worker samples from a copy of the weights: on-policy (k = 0) the one the trainer holds, checked as vLLM's
+        separate = parts.engine.separate_weights or (parts.pipeline is not None and cfg.rollout.max_staleness == 0)
+        self.guard = StaleWeightGuard(cfg, separate_weights=separate, bf16=parts.autocast, dist=parts.dist,
+                                      floor=parts.state.logp_diff_floor)  # fmt: skip
         self.correction = rollout_correction(cfg)
         self.actor = Actor(cfg, parts, correction=self.correction)
         self.mode_mix = ModeMix.of(cfg)  # mode-mixed: the modes of each group's rows and the mode tokens' terms
         self.mode_floor = parts.state.mode_token_floor_logp  # loss.mode_token_floor=auto: measured at step 1
         self.verifier = VerifierPool(cfg.verify_workers, cfg.verify_timeout)
-        self.rollouts = Rollouts.of(cfg, parts, self.mode_mix, self.verifier)
+        self.remote = None  # rollout.workers > 0: the rollouts come from a worker of their own (fasttnt.pipeline)
+        if parts.pipeline is not None:
+            self.remote = self.rollouts = RemoteRollouts(cfg, parts.pipeline, parts.device)
+            self.remote.start(parts.model, self.state.step, self.state.data_position)
+        else:
+            self.rollouts = Rollouts.of(cfg, parts, self.mode_mix, self.verifier)
         self._warned_cap = False
         self._checked_floor = False  # a fixed loss.mode_token_floor against the first step's pi_old(</think>)
 
@@ -128,15 +137,28 @@ class Trainer:
             update["mode_floored"] = counts[0] / counts[1].clamp(min=1)
         clock.lap("update")
 
-        # weight sync (the vllm engine gathers ZeRO-3 shards bucket by bucket itself)
-        self.parts.engine.sync_weights(self.parts.model)
+        # weight sync (the vllm engine gathers ZeRO-3 shards bucket by bucket itself; a worker's push runs in the
+        # background)
+        if self.remote is not None:
+            self.remote.push(self.parts.model, step)
+        else:
+            self.parts.engine.sync_weights(self.parts.model)
         clock.lap("sync")
 
         # log
+        # the seconds the responses took to generate: the worker's, where a worker generated them
+        generate_seconds = self.remote.last.times["time_generate"] if self.remote else clock.times["time_generate"]
         values = self._record(step=step, lr=lr, drawn=drawn, trained=trained, update=update, n_draws=rolled.draws,
                               varied=rolled.varied, filled=rolled.filled, times=clock.times,
+                              generate_seconds=generate_seconds,
                               think_end_logp=logp.think_end_logp, below_floor=below_floor)  # fmt: skip
-        self.state = TrainerState(step=step, data_position=self.parts.stream.position, world=self.parts.world,
+        position = self.parts.stream.position
+        if self.remote is not None:  # the worker's: what it drew, and with which weights
+            shipped = self.remote.last
+            position = shipped.data_position
+            values.update(weight_version=shipped.version, staleness=staleness(step, shipped.version),
+                          **{f"worker_{name}": seconds for name, seconds in shipped.times.items()})  # fmt: skip
+        self.state = TrainerState(step=step, data_position=position, world=self.parts.world,
                                   logp_diff_floor=self.guard.floor, mode_token_floor_logp=self.mode_floor)  # fmt: skip
         return values
 
@@ -157,7 +179,7 @@ class Trainer:
 
     def _record(
         self, *, step: int, lr: float, drawn: ScoredBatch, trained: ScoredBatch, update: dict[str, torch.Tensor],
-        n_draws: int, varied: list[bool], filled: int, times: dict[str, float],
+        n_draws: int, varied: list[bool], filled: int, times: dict[str, float], generate_seconds: float,
         think_end_logp: torch.Tensor | None, below_floor: torch.Tensor | None = None,
     ) -> dict:  # fmt: skip
         """The step's row of metrics.jsonl: every metric over all ranks' responses (N ranks log what one process
@@ -211,7 +233,7 @@ class Trainer:
         values.update(times)
         values.update(
             step=step, lr=lr, verify_timeouts=int(n["timeouts"]), verify_crashes=int(n["crashes"]),
-            generated_tokens_per_s=n["drawn_tokens"] / max(times["time_generate"], 1e-9),
+            generated_tokens_per_s=n["drawn_tokens"] / max(generate_seconds, 1e-9),
             trained_tokens_per_s=(n["trained_tokens"] + n["prompt_tokens"]) * self.cfg.loss.ppo_epochs
             / max(times["time_update"], 1e-9),
             time_step=sum(times.values()),
@@ -259,6 +281,8 @@ class Trainer:
         finally:
             log.close_file()
             self.verifier.close()
+            if self.remote is not None:
+                self.remote.wait()
         checkpoint.export_final(self.out, self.parts.model, self.out / "tokenizer", rank=self.parts.rank)
         if self.parts.is_main and log.history:
             plot_curves(log.history, self.out / "curves.png")

@@ -4,12 +4,15 @@ sender."""
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import sys
 
 import pytest
 import torch
-from support.small import SEED, TINY, free_port, run_job
+from support import varied
+from support.small import SEED, SMALL, TINY, deterministic, free_port, launch_command, metric_rows, run_job
 
 from fasttnt.embedded.char_tokenizer import build_char_tokenizer
 from fasttnt.engines.batch import RolloutBatch
@@ -127,10 +130,13 @@ def main():
     trainer, worker = 0, 1
     # the worker ships step 7's batch sampled with version 5; the trainer rebuilds the same batch to compare
     if ctx.rank == worker:
-        send_shipment(Shipment(scored_batch({SEED}), step=7, version=5), trainer)
+        times = {{"time_generate": 1.5, "time_verify": 0.25, "time_reward": 0.125}}
+        shipment = Shipment(scored_batch({SEED}), 7, 5, [True, False, True], draws=2, data_position=96, times=times)
+        send_shipment(shipment, trainer)
     else:
         got = recv_shipment(worker)
-        assert (got.step, got.version) == (7, 5), (got.step, got.version)
+        assert (got.step, got.version, got.varied, got.draws, got.data_position) == (7, 5, [True, False, True], 2, 96)
+        assert got.times == {{"time_generate": 1.5, "time_verify": 0.25, "time_reward": 0.125}}, got.times
         assert_same_batch(got.scored, scored_batch({SEED}))
         print("shipment arrived whole", flush=True)
     # the trainer pushes its weights (seed 1) as version 8 into the worker's model (seed 2)
@@ -184,3 +190,78 @@ def test_a_shipment_and_a_weight_push_cross_two_processes_whole(tmp_path):
     assert "shipment arrived whole" in out and "weights arrived whole" in out
     assert "refused: rollout worker rank 1: malformed batch: not a fasttnt shipment of this version" in out
     assert "refused: rank 0 pushed the weights of another model (1 parameters, signature 0x7b;" in out
+
+
+# -- a run with a rollout worker ---------------------------------------------------------------------------------
+
+# rewards that vary by construction (support/varied.py) and the entropy bonus: every step moves the weights, so a
+# worker that sampled from other weights than the trainer's says so in the leading digits
+PIPELINE_RUN = [*SMALL, varied.OVERRIDE, "steps=4", "save_every=2", "optim.lr=1e-2", "loss.entropy_coef=0.01"]
+PIPELINE_ENV = {**ENV, "PYTHONPATH": varied.PYTHONPATH}
+
+
+def _run(launcher: str, out, cache, *extra: str):
+    args = ["train", "--output-dir", str(out), f"cache_dir={cache}", *PIPELINE_RUN, *extra]
+    result = run_job(launch_command(launcher, varied.MODULE, *args), env=PIPELINE_ENV, timeout=HANG_S)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return metric_rows(out)
+
+
+def test_a_worker_on_policy_trains_what_the_colocated_loop_trains(tmp_path):
+    # k = 0: the worker generates step t + 1 with the weights step t made, which the trainer pushed: the same
+    # samples, rewards and updates as one process generating between its updates, every logged value alike
+    single = _run("single", tmp_path / "single", tmp_path / "cache")
+    pipelined = _run("torchrun", tmp_path / "worker", tmp_path / "cache", "rollout.workers=1")
+    assert all(r["grad_norm"] > 0 for r in single), "precondition: every step moves the weights"
+    assert [(r["weight_version"], r["staleness"]) for r in pipelined] == [(0, 0), (1, 0), (2, 0), (3, 0)]
+    # the stale-weight guard checks the worker's copy: the same weights, the same float32 kernels
+    assert all(r["rollout_logp_diff"] < 1e-6 for r in pipelined)
+    extra = {"weight_version", "staleness"}
+    for a, b in zip(single, pipelined, strict=True):
+        b = {k: v for k, v in deterministic(b).items() if k not in extra and not k.startswith("worker_")}
+        assert deterministic(a) == b
+
+
+def test_one_step_off_policy_trains_on_the_previous_weights_samples(tmp_path):
+    # k = 1: step t's batch was generated (while step t - 1 updated) with the weights of step t - 2, never older;
+    # the rollout correction (auto: token-truncate at k >= 1) weighs each token by pi_old / pi_behaviour
+    rows = _run("torchrun", tmp_path / "worker", tmp_path / "cache", "rollout.workers=1", "rollout.max_staleness=1")
+    assert [(r["weight_version"], r["staleness"]) for r in rows] == [(0, 0), (0, 1), (1, 1), (2, 1)]
+    assert rows[0]["rollout_is_mean"] == pytest.approx(1.0, abs=1e-5), "step 1: the start's own weights"
+    assert any(abs(r["rollout_is_mean"] - 1.0) > 1e-4 for r in rows[1:]), "precondition: the batches were stale"
+    assert all(r["grad_norm"] > 0 and math.isfinite(r["loss"]) for r in rows)
+    assert all(r["worker_time_generate"] > 0 for r in rows) and all("time_wait" in r for r in rows)
+
+
+def test_the_roles_a_world_cannot_hold_are_refused_naming_the_key():
+    from fasttnt.config import ConfigError, load_config
+    from fasttnt.pipeline.remote import PipelineRanks
+
+    one = load_config(None, ["rollout.workers=1"])
+    assert PipelineRanks.of(one, 2).worker == 1
+    with pytest.raises(ConfigError, match=r"rollout.workers=1 leaves no training rank in a world of 1"):
+        PipelineRanks.of(one, 1)
+    with pytest.raises(ConfigError, match=r"rollout.workers=1 in a world of 3: one training rank and one worker"):
+        PipelineRanks.of(one, 3)
+    for overrides, message in [
+        (["rollout.max_staleness=1"], "rollout.max_staleness: 1 overlaps generation with training on rollout workers"),
+        (["rollout.workers=-1"], "rollout.workers: must be >= 0"),
+        (["rollout.workers=1", "rollout.max_staleness=-1"], "rollout.max_staleness: must be >= 0"),
+        (["rollout.workers=1", "rollout.engine=vllm"], "rollout.workers: a rollout worker runs the hf engine"),
+        (["rollout.workers=1", "rollout.max_staleness=1", "rollout.forced_non_thinking=0.5"],
+         "rollout.max_staleness: mode-mixed rollouts"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(None, overrides)
+
+
+def test_workers_in_one_process_are_refused_before_any_work(tmp_path, capsys):
+    from fasttnt.cli import main as cli_main
+
+    code = cli_main(["train", "--output-dir", str(tmp_path / "run"), f"cache_dir={tmp_path / 'cache'}",
+                     *PIPELINE_RUN[:-4], "rollout.workers=1"])  # fmt: skip
+    assert (
+        code == 2
+        and "rollout.workers=1: the workers are ranks of their own: launch 2 processes" in capsys.readouterr().err
+    )
+    assert not (tmp_path / "cache").exists(), "no warm-up was trained"

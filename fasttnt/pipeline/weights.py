@@ -51,19 +51,42 @@ def signature(model: torch.nn.Module) -> int:
     return zlib.crc32(text.encode())
 
 
-def send_weights(model: torch.nn.Module, version: int, *, dst: int, src: int, bucket_bytes: int, group=None) -> None:
+def send_weights(
+    model: torch.nn.Module, version: int, *, dst: int, src: int, bucket_bytes: int, group=None, wait: bool = True
+) -> list:
     """Push ``model``'s weights as ``version`` from rank ``src`` to rank ``dst``; under ZeRO-3 every rank that holds
-    a shard calls it (the gathers are collective) and ``src`` alone sends."""
+    a shard calls it (the gathers are collective) and ``src`` alone sends. ``wait=False``: the sends run in the
+    background from copies of the weights (the model may change at once); returns their handles, to ``wait()`` on
+    before the next push."""
     sending = dist.get_rank() == src
     count = sum(1 for _ in model.parameters())
+    sent = []
+
+    def send(message: torch.Tensor) -> None:
+        if wait:
+            dist.send(message, dst, group=group)
+        else:
+            sent.append(_Sent(dist.isend(message, dst, group=group), message))
+
     if sending:
-        header = torch.tensor([MAGIC, version, count, signature(model)], dtype=torch.int64)
-        dist.send(header, dst, group=group)
+        send(torch.tensor([MAGIC, version, count, signature(model)], dtype=torch.int64))
     for bucket in layer_buckets(model, bucket_bytes):
         params = [p for _, p in bucket]
         with distributed.gathered(params):
             if sending:
-                dist.send(_packed(params), dst, group=group)
+                send(_packed(params))  # a copy: the model may change while a background send is in flight
+    return sent
+
+
+class _Sent:
+    """A background send and the tensor it sends (kept alive until it is done)."""
+
+    def __init__(self, work, tensor: torch.Tensor) -> None:
+        self.work, self.tensor = work, tensor
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.tensor = None
 
 
 def recv_weights(model: torch.nn.Module, *, src: int, bucket_bytes: int, group=None) -> int:

@@ -1,11 +1,11 @@
 """A scored batch between processes: what a rollout worker hands a trainer, with the step it is for and the version
 of the weights it was sampled with, over torch.distributed's point-to-point ``send`` / ``recv``.
 
-A message is two sends: a header (int64: a magic number, the step, the weight version, then each field's dtype code
-and element count, ``FIELDS`` in order) and one uint8 payload holding every present field's bytes back to back, each
-padded to 8 bytes so that every field can be viewed in place as its dtype. The receiver checks the header and the
-fields' shapes against each other before it builds the batch: a malformed message is a ``WorkerError`` that names
-the worker, never a batch trained on.
+A message is two sends: a header (int64: a magic number, the step, the weight version, the draws, the data position,
+then each field's dtype code and element count, ``MESSAGE_FIELDS`` in order) and one uint8 payload holding every
+present field's bytes back to back, each padded to 8 bytes so that every field can be viewed in place as its dtype.
+The receiver checks the header and the fields' shapes against each other before it builds the batch: a malformed
+message is a ``WorkerError`` that names the worker, never a batch trained on.
 """
 
 from __future__ import annotations
@@ -43,8 +43,14 @@ FIELDS: tuple[tuple[str, torch.dtype], ...] = (
     ("levels", torch.int64),  # (S,) or absent
 )
 OPTIONAL = frozenset({"rollout_logp", "forced", "hacked", "levels"})
-DTYPE_CODES = {torch.int64: 1, torch.float32: 2, torch.bool: 3, torch.int8: 4, torch.int32: 5, torch.uint8: 6}
-HEADER_LEN = 4 + 2 * len(FIELDS)
+# what a step's rollouts add to its drawn batch: per drawn group whether its rewards differ, and the worker's seconds
+# per phase (TIMED)
+META_FIELDS: tuple[tuple[str, torch.dtype], ...] = (("varied", torch.bool), ("times", torch.float64))
+MESSAGE_FIELDS = FIELDS + META_FIELDS
+TIMED = ("generate", "verify", "reward")
+DTYPE_CODES = {torch.int64: 1, torch.float32: 2, torch.bool: 3, torch.int8: 4, torch.int32: 5, torch.uint8: 6,
+               torch.float64: 7}  # fmt: skip
+HEADER_LEN = 6 + 2 * len(MESSAGE_FIELDS)
 ALIGN = 8
 
 
@@ -54,12 +60,18 @@ class WorkerError(RuntimeError):
 
 @dataclass
 class Shipment:
-    """A scored batch as a worker ships it: the batch, the training step it is for, and the version of the weights
-    that sampled it (the trainer's weights after that many optimizer steps)."""
+    """A step's rollouts as a worker ships them: every response drawn (``scored``), the training step they are for,
+    the version of the weights that sampled them (the trainer's weights after that many optimizer steps), per drawn
+    group whether its rewards differ, the draws, the worker's data position after them, and its seconds per phase
+    (``TIMED``)."""
 
     scored: ScoredBatch
     step: int
     version: int
+    varied: list[bool]
+    draws: int = 1
+    data_position: int = 0
+    times: dict[str, float] | None = None
 
 
 def to_fields(scored: ScoredBatch) -> dict[str, torch.Tensor | None]:
@@ -150,9 +162,12 @@ def _check(ok: bool, worker: str, what: str) -> None:
 def send_shipment(shipment: Shipment, dst: int, group=None) -> None:
     """Send ``shipment`` to rank ``dst`` (``recv_shipment`` there)."""
     fields = to_fields(shipment.scored)
-    header = [MAGIC, shipment.step, shipment.version, len(FIELDS)]
+    fields["varied"] = torch.tensor(shipment.varied, dtype=torch.bool)
+    times = shipment.times or {}
+    fields["times"] = torch.tensor([times.get(f"time_{phase}", 0.0) for phase in TIMED], dtype=torch.float64)
+    header = [MAGIC, shipment.step, shipment.version, shipment.draws, shipment.data_position, len(MESSAGE_FIELDS)]
     parts = []
-    for name, dtype in FIELDS:
+    for name, dtype in MESSAGE_FIELDS:
         t = fields[name]
         header += [0, 0] if t is None else [DTYPE_CODES[dtype], t.numel()]
         if t is not None:
@@ -168,12 +183,12 @@ def recv_shipment(src: int, group=None, *, device: torch.device | str = "cpu") -
     worker = f"rollout worker rank {src}"
     header = torch.empty(HEADER_LEN, dtype=torch.int64)
     dist.recv(header, src, group=group)
-    magic, step, version, n_fields, *spec = header.tolist()
-    if magic != MAGIC or n_fields != len(FIELDS):
+    magic, step, version, draws, data_position, n_fields, *spec = header.tolist()
+    if magic != MAGIC or n_fields != len(MESSAGE_FIELDS):
         raise WorkerError(f"{worker}: malformed batch: not a fasttnt shipment of this version (magic {magic:#x})")
     codes = {code: dtype for dtype, code in DTYPE_CODES.items()}
     layout, size = [], 0
-    for (name, dtype), code, numel in zip(FIELDS, spec[0::2], spec[1::2], strict=True):
+    for (name, dtype), code, numel in zip(MESSAGE_FIELDS, spec[0::2], spec[1::2], strict=True):
         if code == 0:
             layout.append((name, None, 0, 0))
             continue
@@ -187,4 +202,10 @@ def recv_shipment(src: int, group=None, *, device: torch.device | str = "cpu") -
     fields = {}
     for name, dtype, at, numel in layout:
         fields[name] = None if dtype is None else payload[at : at + numel * dtype.itemsize].view(dtype).clone()
-    return Shipment(from_fields(fields, worker=worker, device=device), step, version)
+    scored = from_fields(fields, worker=worker, device=device)
+    groups = scored.batch.lengths.numel() // scored.batch.group_size
+    varied, times = fields.get("varied"), fields.get("times")
+    if varied is None or varied.numel() != groups or times is None or times.numel() != len(TIMED) or draws < 1:
+        raise WorkerError(f"{worker}: malformed batch: its varied flags, times or draws do not fit {groups} groups")
+    times = {f"time_{phase}": t for phase, t in zip(TIMED, times.tolist(), strict=True)}
+    return Shipment(scored, step, version, varied.tolist(), draws, data_position, times)

@@ -1,0 +1,164 @@
+"""The two ends of a run whose rollouts come from workers of their own (``rollout.workers``): the ranks' roles
+(``PipelineRanks``), the trainer's side (``RemoteRollouts``: each step's shipment received and checked, the weights
+pushed back after the update) and the worker's loop (``serve``).
+
+The protocol, one trainer and one worker: at the start the trainer sends the step and data position it starts from
+and its weights (version = that step); then for each step t the worker waits until it holds a version no older than
+t - 1 - k (``staleness.oldest_version``), runs the step's rollouts (``fasttnt.rollouts.Rollouts``, the colocated
+loop's own code) and ships them; the trainer trains on them and pushes version t, without waiting for the worker to
+take it (the sends run in the background while the trainer goes on to receive the next step's batch). It pushes only
+the versions a later step needs, so every push is taken. At k = 0 the worker generates step t + 1 with the weights
+step t made: the colocated loop's samples, on another process.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .. import distributed
+from ..config import ConfigError, TrainConfig
+from ..dynamic_sampling import choose_groups, select_groups
+from ..rollouts import StepRollouts
+from .staleness import check_fresh, oldest_version
+from .weights import recv_weights, send_weights
+from .wire import Shipment, WorkerError, recv_shipment, send_shipment
+
+TRAINER = 0  # the one training rank (rank 0 of the world); the workers are the last ranks
+
+
+@dataclass(frozen=True)
+class PipelineRanks:
+    """Who does what in a world of ``world`` ranks of which the last ``workers`` generate."""
+
+    world: int
+    workers: int
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, world: int) -> PipelineRanks:
+        """The roles, or a ``ConfigError`` naming ``rollout.workers`` where the world cannot hold them."""
+        w = cfg.rollout.workers
+        if w >= world:
+            raise ConfigError(
+                f"rollout.workers={w} leaves no training rank in a world of {world}: launch {w + 1} processes or "
+                f"more (torchrun --nproc-per-node {w + 1} -m fasttnt.cli train ...)"
+            )
+        if world - w != 1 or w != 1:
+            raise ConfigError(
+                f"rollout.workers={w} in a world of {world}: one training rank and one worker for now (a world of 2)"
+            )
+        return cls(world, w)
+
+    @property
+    def worker(self) -> int:
+        return self.world - 1
+
+
+def is_worker_rank(cfg: TrainConfig) -> bool:
+    """Whether this process, as the launcher started it, is one of the run's rollout workers."""
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    return cfg.rollout.workers > 0 and world > cfg.rollout.workers and rank >= world - cfg.rollout.workers
+
+
+class RemoteRollouts:
+    """The trainer's side: ``step`` is ``Rollouts.step``'s, from the worker's shipments."""
+
+    def __init__(self, cfg: TrainConfig, ranks: PipelineRanks, device: torch.device) -> None:
+        self.cfg, self.ranks, self.device = cfg, ranks, device
+        self.bucket_bytes = cfg.rollout.weight_sync_bucket_mb * 2**20
+        self.pending: list = []  # the sends of the last push, still in flight
+        self.last: Shipment | None = None
+
+    @property
+    def name(self) -> str:
+        return f"rollout worker rank {self.ranks.worker}"
+
+    def start(self, model: torch.nn.Module, step: int, data_position: int) -> None:
+        """The worker's starting point: the step and data position the run starts from, and its weights."""
+        dist.send(torch.tensor([step, data_position], dtype=torch.int64), self.ranks.worker)
+        send_weights(model, step, dst=self.ranks.worker, src=TRAINER, bucket_bytes=self.bucket_bytes)
+
+    def step(self, step: int, clock) -> StepRollouts:
+        """Step ``step``'s rollouts as the worker shipped them (``clock`` laps ``wait``), checked against the step and
+        the staleness bound; the groups trained on chosen as the colocated loop chooses them."""
+        shipment = recv_shipment(self.ranks.worker, device=self.device)
+        clock.lap("wait")
+        if shipment.step != step:
+            raise WorkerError(f"{self.name} shipped step {shipment.step}'s batch where step {step}'s was due")
+        check_fresh(step, shipment.version, self.cfg.rollout.max_staleness, worker=self.name)
+        self.last = shipment
+        drawn, trained, filled = shipment.scored, shipment.scored, 0
+        if self.cfg.rollout.dynamic_sampling:
+            groups, filled = choose_groups(shipment.varied, self.cfg.rollout.prompts_per_step)
+            trained = select_groups(drawn, groups)
+        return StepRollouts(drawn, trained, shipment.varied, filled, shipment.draws)
+
+    def push(self, model: torch.nn.Module, step: int) -> None:
+        """Version ``step`` (the weights after step ``step``'s update) to the worker, if a later step needs it; the
+        previous push's sends are complete first."""
+        self.wait()
+        if step <= self.cfg.steps - 1 - self.cfg.rollout.max_staleness:
+            self.pending = send_weights(model, step, dst=self.ranks.worker, src=TRAINER, bucket_bytes=self.bucket_bytes,
+                                        wait=False)  # fmt: skip
+
+    def wait(self) -> None:
+        for work in self.pending:
+            work.wait()
+        self.pending = []
+
+
+def serve(cfg: TrainConfig, out: Path, *, resume: bool) -> int:
+    """A rollout worker's process: build what a rollout needs, then generate each step's batch with weights no more
+    than ``rollout.max_staleness`` versions old and ship it to the trainer, until the run's last step."""
+    from .. import run_setup
+    from ..data import dataset_style, think_end_token_id
+    from ..engines import build_engine
+    from ..modes import ModeMix
+    from ..rollouts import Rollouts
+    from ..stream import ProblemStream
+    from ..trainer import PhaseClock
+    from ..verify import VerifierPool
+
+    del out, resume  # the trainer owns the run's files and says where it starts
+    device_type = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+    ctx = distributed.init(device_type)
+    ranks = PipelineRanks.of(cfg, ctx.world)
+    distributed.barrier()  # the trainer loads the model first (the tiny model's warm-up fills the cache)
+    model, tokenizer, model_path = run_setup.load_policy(cfg, ctx.device)
+    model.to(ctx.device).eval()
+    prompt_budget = run_setup.prompt_budget_of(cfg)
+    settings = run_setup.engine_settings(cfg, model_path, ctx.device, prompt_budget)
+    engine = build_engine(cfg.rollout.engine, model, tokenizer, settings)
+    stream = ProblemStream(cfg)
+    run_setup.drop_long_prompts(stream, cfg, tokenizer, prompt_budget)
+    start = torch.empty(2, dtype=torch.int64)
+    dist.recv(start, TRAINER)
+    first, data_position = start.tolist()
+    stream.seek(data_position)
+    bucket_bytes = cfg.rollout.weight_sync_bucket_mb * 2**20
+    version = recv_weights(model, src=TRAINER, bucket_bytes=bucket_bytes)
+    verifier = VerifierPool(cfg.verify_workers, cfg.verify_timeout)
+    rollouts = Rollouts(
+        cfg, engine=engine, stream=stream, tokenizer=tokenizer,
+        prompt=lambda p: run_setup.training_prompt(cfg, tokenizer, p), think_end_id=think_end_token_id(tokenizer),
+        markers=dataset_style(cfg.data.train, markers=cfg.data.hack_markers).markers, mode_mix=ModeMix.of(cfg),
+        verifier=verifier, prompts_per_rank=cfg.rollout.prompts_per_step,
+    )  # fmt: skip
+    try:
+        for step in range(first + 1, cfg.steps + 1):
+            while version < oldest_version(step, cfg.rollout.max_staleness):
+                version = recv_weights(model, src=TRAINER, bucket_bytes=bucket_bytes)
+            clock = PhaseClock()
+            rolled = rollouts.step(step, clock)
+            shipment = Shipment(rolled.drawn, step, version, rolled.varied, rolled.draws, stream.position, clock.times)
+            send_shipment(shipment, TRAINER)
+    finally:
+        verifier.close()
+        engine.close()
+    del ranks
+    distributed.shutdown()
+    return 0
