@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.small import SMALL
+from support.small import SMALL, free_port, metric_rows
 
 from fasttnt_kernels._lm_head import default_chunk_bytes
 
@@ -205,6 +205,19 @@ def test_quickstart_spread_runs_each_seed_from_an_empty_cache_once(tmp_path):
     out = _run(*args)
     assert "exit 0 after" not in out  # nothing ran again
     assert walls == [json.loads((tmp_path / f"seed{s}-threads1" / "wall.json").read_text()) for s in (0, 1)]
+
+
+def test_pipeline_overlap_runs_the_three_layouts_and_compares_them(tmp_path):
+    # three short runs of the small model (its own cache): the colocated loop, a worker at k = 0 and at k = 1; the
+    # table's ratios come from their logged step times, and the k = 1 run trained on one-step-old samples
+    overrides = [f"cache_dir={tmp_path / 'cache'}", *SMALL, "warmup.steps=3", "warmup.batch_size=8"]
+    out = _run("benchmarks/pipeline_overlap.py", "--steps", "3", "--skip", "1", "--out", str(tmp_path / "runs"),
+               "--json", str(tmp_path / "overlap.json"), "--port", str(free_port()), *overrides)  # fmt: skip
+    result = json.loads((tmp_path / "overlap.json").read_text())
+    assert set(result["median_step_s"]) == {"colocated", "worker_k0", "worker_k1"} and "k1_over_perfect_overlap" in out
+    assert result["k0_generation_s"] > 0 and result["k0_update_s"] > 0
+    k1 = metric_rows(tmp_path / "runs" / "worker_k1")
+    assert [r["staleness"] for r in k1] == [0, 1, 1]
 
 
 def test_train_throughput_smoke():
