@@ -33,10 +33,10 @@ GENERATION = ("worker_time_generate", "worker_time_verify", "worker_time_reward"
 UPDATE = ("time_logprobs", "time_advantage", "time_update", "time_sync")
 
 
-def run(layout: str, out: Path, steps: int, port: int, overrides: list[str]) -> list[dict]:
-    """One ``fasttnt train`` of ``layout`` (then ``overrides``); its metrics rows."""
+def run(layout: str, out: Path, steps: int, port: int, overrides: list[str], module: str) -> list[dict]:
+    """One ``fasttnt train`` of ``layout`` (then ``overrides``), as ``python -m module train``; its metrics rows."""
     folder = out / layout
-    cmd = ["-m", "fasttnt.cli", "train", "--output-dir", str(folder), f"steps={steps}", f"save_every={steps}",
+    cmd = ["-m", module, "train", "--output-dir", str(folder), f"steps={steps}", f"save_every={steps}",
            *LAYOUTS[layout], *overrides]  # fmt: skip
     if LAYOUTS[layout]:
         cmd = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port), *cmd]
@@ -53,12 +53,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--port", type=int, default=29655, help="the first of three rendezvous ports")
+    parser.add_argument("--module", default="fasttnt.cli", help="the CLI module to run (one that wraps fasttnt's)")
     parser.add_argument("overrides", nargs="*", help="config overrides for every layout (key=value)")
     args = parser.parse_intermixed_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rows = {}
     for i, layout in enumerate(LAYOUTS):  # one at a time: each takes the machine's cores (a thread per process)
-        rows[layout] = run(layout, args.out, args.steps, args.port + i, args.overrides)
+        rows[layout] = run(layout, args.out, args.steps, args.port + i, args.overrides, args.module)
     later = {layout: r[args.skip :] for layout, r in rows.items()}
     step = {layout: statistics.median(x["time_step"] for x in r) for layout, r in later.items()}
     generation = statistics.median(sum(x[k] for k in GENERATION) for x in later["worker_k0"])

@@ -40,7 +40,7 @@ from .metrics import (
     to_floats,
 )
 from .modes import ModeMix, forced_rows
-from .pipeline.remote import RemoteRollouts
+from .pipeline.remote import RemoteRollouts, probe_rows
 from .pipeline.staleness import staleness
 from .plots import plot_curves
 from .preemption import Preempted, StopSignals
@@ -138,9 +138,9 @@ class Trainer:
         clock.lap("update")
 
         # weight sync (the vllm engine gathers ZeRO-3 shards bucket by bucket itself; a worker's push runs in the
-        # background)
+        # background, at k >= 1 with the trainer's log-probs of a probe that the worker's are checked against)
         if self.remote is not None:
-            self.remote.push(self.parts.model, step)
+            self.remote.push(self.parts.model, step, probe_rows(drawn.batch), self._probe_logprobs)
         else:
             self.parts.engine.sync_weights(self.parts.model)
         clock.lap("sync")
@@ -158,9 +158,15 @@ class Trainer:
             position = shipped.data_position
             values.update(weight_version=shipped.version, staleness=staleness(step, shipped.version),
                           **{f"worker_{name}": seconds for name, seconds in shipped.times.items()})  # fmt: skip
+            if self.remote.logp_diff is not None:  # a push checked this step (k >= 1)
+                values["worker_logp_diff"] = self.remote.logp_diff
         self.state = TrainerState(step=step, data_position=position, world=self.parts.world,
                                   logp_diff_floor=self.guard.floor, mode_token_floor_logp=self.mode_floor)  # fmt: skip
         return values
+
+    def _probe_logprobs(self, probe) -> torch.Tensor:
+        """The policy's log-probs of ``probe`` (the push check of ``fasttnt.pipeline.remote``)."""
+        return self.actor.logprobs(self.actor.policy, probe, zero3_collectives=self.actor.zero3)
 
     def _mode_token_terms(
         self, mix: ModeMix, inputs: UpdateInputs, non_thinking: torch.Tensor, think_end_logp: torch.Tensor

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.small import SMALL, free_port, metric_rows
+from support import varied
+from support.small import SMALL, deterministic, free_port, metric_rows
 
 from fasttnt_kernels._lm_head import default_chunk_bytes
 
@@ -207,17 +208,36 @@ def test_quickstart_spread_runs_each_seed_from_an_empty_cache_once(tmp_path):
     assert walls == [json.loads((tmp_path / f"seed{s}-threads1" / "wall.json").read_text()) for s in (0, 1)]
 
 
-def test_pipeline_overlap_runs_the_three_layouts_and_compares_them(tmp_path):
-    # three short runs of the small model (its own cache): the colocated loop, a worker at k = 0 and at k = 1; the
-    # table's ratios come from their logged step times, and the k = 1 run trained on one-step-old samples
-    overrides = [f"cache_dir={tmp_path / 'cache'}", *SMALL, "warmup.steps=3", "warmup.batch_size=8"]
-    out = _run("benchmarks/pipeline_overlap.py", "--steps", "3", "--skip", "1", "--out", str(tmp_path / "runs"),
-               "--json", str(tmp_path / "overlap.json"), "--port", str(free_port()), *overrides)  # fmt: skip
+def test_a_rollout_worker_on_policy_and_one_step_off(tmp_path):
+    # benchmarks/pipeline_overlap.py's three layouts, 4 steps of the small model with rewards that vary by
+    # construction (support/varied.py) and the entropy bonus, so every step moves the weights:
+    # - k = 0: the worker generates step t + 1 with the weights step t made, which the trainer pushed: the same
+    #   samples, rewards and updates as one process generating between its updates, every logged value alike, and
+    #   the stale-weight guard checks the worker's copy;
+    # - k = 1: step t's batch was generated (while step t - 1 updated) with step t - 2's weights, never older; the
+    #   rollout correction (auto: token-truncate at k >= 1) weighs it, and the pushes of versions 1 and 2 are
+    #   checked with the batches of steps 3 and 4 (the worker's log-probs of a probe under each, against the trainer's)
+    overrides = [f"cache_dir={tmp_path / 'cache'}", *SMALL, varied.OVERRIDE, "optim.lr=1e-2", "loss.entropy_coef=0.01"]
+    env = {**os.environ, "PYTHONPATH": varied.PYTHONPATH}
+    out = _run("benchmarks/pipeline_overlap.py", "--steps", "4", "--skip", "1", "--out", str(tmp_path / "runs"),
+               "--json", str(tmp_path / "overlap.json"), "--port", str(free_port()), "--module", varied.MODULE,
+               *overrides, env=env)  # fmt: skip
     result = json.loads((tmp_path / "overlap.json").read_text())
     assert set(result["median_step_s"]) == {"colocated", "worker_k0", "worker_k1"} and "k1_over_perfect_overlap" in out
     assert result["k0_generation_s"] > 0 and result["k0_update_s"] > 0
-    k1 = metric_rows(tmp_path / "runs" / "worker_k1")
-    assert [r["staleness"] for r in k1] == [0, 1, 1]
+    single, k0, k1 = (metric_rows(tmp_path / "runs" / name) for name in ("colocated", "worker_k0", "worker_k1"))
+    assert all(r["grad_norm"] > 0 for r in single), "precondition: every step moves the weights"
+    assert [(r["weight_version"], r["staleness"]) for r in k0] == [(0, 0), (1, 0), (2, 0), (3, 0)]
+    assert all(r["rollout_logp_diff"] < 1e-6 for r in k0)
+    for a, b in zip(single, k0, strict=True):
+        b = {k: v for k, v in deterministic(b).items() if k not in ("weight_version", "staleness")}
+        assert deterministic(a) == {k: v for k, v in b.items() if not k.startswith("worker_")}
+    assert [(r["weight_version"], r["staleness"]) for r in k1] == [(0, 0), (0, 1), (1, 1), (2, 1)]
+    assert k1[0]["rollout_is_mean"] == pytest.approx(1.0, abs=1e-5), "step 1: the start's own weights"
+    assert any(abs(r["rollout_is_mean"] - 1.0) > 1e-4 for r in k1[1:]), "precondition: the batches were stale"
+    assert all(r["grad_norm"] > 0 and math.isfinite(r["loss"]) for r in k1)
+    assert ["worker_logp_diff" in r for r in k1] == [False, False, True, True]
+    assert all(r["worker_logp_diff"] < 1e-6 for r in k1[2:])
 
 
 def test_train_throughput_smoke():

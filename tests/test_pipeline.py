@@ -4,7 +4,6 @@ sender."""
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import sys
@@ -12,7 +11,7 @@ import sys
 import pytest
 import torch
 from support import varied
-from support.small import SEED, SMALL, TINY, deterministic, free_port, launch_command, metric_rows, run_job
+from support.small import SEED, SMALL, TINY, free_port, launch_command, metric_rows, run_job
 
 from fasttnt.embedded.char_tokenizer import build_char_tokenizer
 from fasttnt.engines.batch import RolloutBatch
@@ -192,7 +191,8 @@ def test_a_shipment_and_a_weight_push_cross_two_processes_whole(tmp_path):
     assert "refused: rank 0 pushed the weights of another model (1 parameters, signature 0x7b;" in out
 
 
-# -- a run with a rollout worker ---------------------------------------------------------------------------------
+# -- a run with a rollout worker (on-policy against the colocated loop, and one step off: tests/test_benchmarks.py's
+# test_a_rollout_worker_on_policy_and_one_step_off, through benchmarks/pipeline_overlap.py) -----------------------
 
 # rewards that vary by construction (support/varied.py) and the entropy bonus: every step moves the weights, so a
 # worker that sampled from other weights than the trainer's says so in the leading digits
@@ -200,37 +200,19 @@ PIPELINE_RUN = [*SMALL, varied.OVERRIDE, "steps=4", "save_every=2", "optim.lr=1e
 PIPELINE_ENV = {**ENV, "PYTHONPATH": varied.PYTHONPATH}
 
 
-def _run(launcher: str, out, cache, *extra: str):
-    args = ["train", "--output-dir", str(out), f"cache_dir={cache}", *PIPELINE_RUN, *extra]
-    result = run_job(launch_command(launcher, varied.MODULE, *args), env=PIPELINE_ENV, timeout=HANG_S)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    return metric_rows(out)
-
-
-def test_a_worker_on_policy_trains_what_the_colocated_loop_trains(tmp_path):
-    # k = 0: the worker generates step t + 1 with the weights step t made, which the trainer pushed: the same
-    # samples, rewards and updates as one process generating between its updates, every logged value alike
-    single = _run("single", tmp_path / "single", tmp_path / "cache")
-    pipelined = _run("torchrun", tmp_path / "worker", tmp_path / "cache", "rollout.workers=1")
-    assert all(r["grad_norm"] > 0 for r in single), "precondition: every step moves the weights"
-    assert [(r["weight_version"], r["staleness"]) for r in pipelined] == [(0, 0), (1, 0), (2, 0), (3, 0)]
-    # the stale-weight guard checks the worker's copy: the same weights, the same float32 kernels
-    assert all(r["rollout_logp_diff"] < 1e-6 for r in pipelined)
-    extra = {"weight_version", "staleness"}
-    for a, b in zip(single, pipelined, strict=True):
-        b = {k: v for k, v in deterministic(b).items() if k not in extra and not k.startswith("worker_")}
-        assert deterministic(a) == b
-
-
-def test_one_step_off_policy_trains_on_the_previous_weights_samples(tmp_path):
-    # k = 1: step t's batch was generated (while step t - 1 updated) with the weights of step t - 2, never older;
-    # the rollout correction (auto: token-truncate at k >= 1) weighs each token by pi_old / pi_behaviour
-    rows = _run("torchrun", tmp_path / "worker", tmp_path / "cache", "rollout.workers=1", "rollout.max_staleness=1")
-    assert [(r["weight_version"], r["staleness"]) for r in rows] == [(0, 0), (0, 1), (1, 1), (2, 1)]
-    assert rows[0]["rollout_is_mean"] == pytest.approx(1.0, abs=1e-5), "step 1: the start's own weights"
-    assert any(abs(r["rollout_is_mean"] - 1.0) > 1e-4 for r in rows[1:]), "precondition: the batches were stale"
-    assert all(r["grad_norm"] > 0 and math.isfinite(r["loss"]) for r in rows)
-    assert all(r["worker_time_generate"] > 0 for r in rows) and all("time_wait" in r for r in rows)
+def test_a_push_that_did_not_arrive_stops_a_stale_run(tmp_path):
+    # k = 1: the worker loses the push of version 2 (support/lossy_push.py) and samples step 4 with version 1's
+    # weights while saying 2. Its batch's log-probs cannot be checked against the trainer's (step 4 trains on version
+    # 3), so the push itself is: the worker's log-probs of a probe under version 2 against the trainer's
+    out = tmp_path / "worker"
+    args = ["train", "--output-dir", str(out), f"cache_dir={tmp_path / 'cache'}", *PIPELINE_RUN, "rollout.workers=1",
+            "rollout.max_staleness=1", "rollout.max_logp_diff=1e-4"]  # fmt: skip
+    result = run_job(launch_command("torchrun", "lossy_push", *args), env=PIPELINE_ENV, timeout=HANG_S)
+    assert result.returncode != 0, result.stdout[-2000:]
+    assert "step 4: rollout worker rank 1's log-probs of a probe under weight version 2 differ" in result.stderr
+    rows = metric_rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3], "step 4 did not train"
+    assert rows[2]["worker_logp_diff"] < 1e-6, "precondition: the push of version 1 arrived whole"
 
 
 def test_the_roles_a_world_cannot_hold_are_refused_naming_the_key():

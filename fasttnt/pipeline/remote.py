@@ -8,7 +8,12 @@ t - 1 - k (``staleness.oldest_version``), runs the step's rollouts (``fasttnt.ro
 loop's own code) and ships them; the trainer trains on them and pushes version t, without waiting for the worker to
 take it (the sends run in the background while the trainer goes on to receive the next step's batch). It pushes only
 the versions a later step needs, so every push is taken. At k = 0 the worker generates step t + 1 with the weights
-step t made: the colocated loop's samples, on another process.
+step t made: the colocated loop's samples, on another process, and the stale-weight guard compares the batch's
+log-probs with the trainer's as for vLLM. At k >= 1 the batch was sampled from older weights than the trainer holds,
+so the guard checks each push instead: the trainer computes the log-probs of a probe (the first group of the step
+whose update made the version) under the version it pushes, the worker computes them once it took that version and
+ships them with its next batch, and the guard's rule (``rollout.max_logp_diff``) stops the run where they differ:
+a push that did not arrive, or was garbled, stops it at any k.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import torch.distributed as dist
 from .. import distributed
 from ..config import ConfigError, TrainConfig
 from ..dynamic_sampling import choose_groups, select_groups
+from ..engines.batch import RolloutBatch
+from ..guard import StaleWeightsError, stale_weights
 from ..rollouts import StepRollouts
 from .staleness import check_fresh, oldest_version
 from .weights import recv_weights, send_weights
@@ -58,6 +65,11 @@ class PipelineRanks:
         return self.world - 1
 
 
+def probe_rows(batch: RolloutBatch) -> RolloutBatch:
+    """The rows whose log-probs check a push: the batch's first group."""
+    return batch.group_slice(0, 1)
+
+
 def is_worker_rank(cfg: TrainConfig) -> bool:
     """Whether this process, as the launcher started it, is one of the run's rollout workers."""
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
@@ -72,6 +84,10 @@ class RemoteRollouts:
         self.bucket_bytes = cfg.rollout.weight_sync_bucket_mb * 2**20
         self.pending: list = []  # the sends of the last push, still in flight
         self.last: Shipment | None = None
+        self.logp_diff: float | None = None  # the last push check's mean |difference| per token
+        # k >= 1: each push checked by its probe (module docstring): version -> the trainer's log-probs of the probe
+        self.probes: dict[int, torch.Tensor] = {}
+        self.check_pushes = cfg.rollout.max_staleness > 0 and cfg.rollout.max_logp_diff is not None
 
     @property
     def name(self) -> str:
@@ -90,18 +106,42 @@ class RemoteRollouts:
         if shipment.step != step:
             raise WorkerError(f"{self.name} shipped step {shipment.step}'s batch where step {step}'s was due")
         check_fresh(step, shipment.version, self.cfg.rollout.max_staleness, worker=self.name)
-        self.last = shipment
+        self.last, self.logp_diff = shipment, None
+        if shipment.probe_version >= 0:
+            self._check_push(step, shipment)
         drawn, trained, filled = shipment.scored, shipment.scored, 0
         if self.cfg.rollout.dynamic_sampling:
             groups, filled = choose_groups(shipment.varied, self.cfg.rollout.prompts_per_step)
             trained = select_groups(drawn, groups)
         return StepRollouts(drawn, trained, shipment.varied, filled, shipment.draws)
 
-    def push(self, model: torch.nn.Module, step: int) -> None:
+    def _check_push(self, step: int, shipment: Shipment) -> None:
+        """The worker's log-probs of a version's probe against the trainer's (``StaleWeightsError`` past the guard's
+        limit)."""
+        v, limit = shipment.probe_version, self.cfg.rollout.max_logp_diff
+        if not self.check_pushes or v not in self.probes:
+            raise WorkerError(f"{self.name} checked weight version {v}, which was not pushed with a probe")
+        mine = self.probes.pop(v)
+        theirs = shipment.probe_logp
+        if theirs.numel() != mine.numel():
+            raise WorkerError(f"{self.name}: malformed batch: {theirs.numel()} probe log-probs, not {mine.numel()}")
+        # both sides run the trainer's own forward (fasttnt.policy.response_logprobs) on the same rows and weights
+        self.logp_diff = float((mine.double() - theirs.to(mine.device).double()).abs().mean())
+        if stale_weights(self.logp_diff, limit):
+            raise StaleWeightsError(
+                f"step {step}: {self.name}'s log-probs of a probe under weight version {v} differ from the trainer's "
+                f"by {self.logp_diff:.3g} per token, past rollout.max_logp_diff={limit}: the push did not arrive "
+                "whole; not training on its batches"
+            )
+
+    def push(self, model: torch.nn.Module, step: int, probe: RolloutBatch | None = None, logprobs=None) -> None:
         """Version ``step`` (the weights after step ``step``'s update) to the worker, if a later step needs it; the
-        previous push's sends are complete first."""
+        previous push's sends are complete first. At k >= 1 ``logprobs(probe)`` gives the trainer's log-probs of
+        ``probe`` (``probe_rows`` of step ``step``'s batch) under it, which the worker's will be checked against."""
         self.wait()
         if step <= self.cfg.steps - 1 - self.cfg.rollout.max_staleness:
+            if self.check_pushes:
+                self.probes[step] = logprobs(probe)
             self.pending = send_weights(model, step, dst=self.ranks.worker, src=TRAINER, bucket_bytes=self.bucket_bytes,
                                         wait=False)  # fmt: skip
 
@@ -118,6 +158,7 @@ def serve(cfg: TrainConfig, out: Path, *, resume: bool) -> int:
     from ..data import dataset_style, think_end_token_id
     from ..engines import build_engine
     from ..modes import ModeMix
+    from ..policy import PolicyHead
     from ..rollouts import Rollouts
     from ..stream import ProblemStream
     from ..trainer import PhaseClock
@@ -148,17 +189,42 @@ def serve(cfg: TrainConfig, out: Path, *, resume: bool) -> int:
         markers=dataset_style(cfg.data.train, markers=cfg.data.hack_markers).markers, mode_mix=ModeMix.of(cfg),
         verifier=verifier, prompts_per_rank=cfg.rollout.prompts_per_step,
     )  # fmt: skip
+    check_pushes = cfg.rollout.max_staleness > 0 and cfg.rollout.max_logp_diff is not None
+    head = PolicyHead(model) if check_pushes else None  # the trainer's own packed forward, for the probes
+    shipped: dict[int, RolloutBatch] = {}  # step -> its batch, until the version its update makes is checked
     try:
         for step in range(first + 1, cfg.steps + 1):
+            probe_version, probe_logp = -1, None
             while version < oldest_version(step, cfg.rollout.max_staleness):
                 version = recv_weights(model, src=TRAINER, bucket_bytes=bucket_bytes)
+                if check_pushes:  # the push check (module docstring): this version's log-probs of its probe
+                    probe_version, probe_logp = version, _probe_logprobs(cfg, head, probe_rows(shipped.pop(version)))
             clock = PhaseClock()
             rolled = rollouts.step(step, clock)
-            shipment = Shipment(rolled.drawn, step, version, rolled.varied, rolled.draws, stream.position, clock.times)
+            shipment = Shipment(rolled.drawn, step, version, rolled.varied, rolled.draws, stream.position, clock.times,
+                                probe_version, probe_logp)  # fmt: skip
             send_shipment(shipment, TRAINER)
+            if check_pushes:
+                shipped[step] = rolled.drawn.batch
     finally:
         verifier.close()
         engine.close()
     del ranks
     distributed.shutdown()
     return 0
+
+
+def _probe_logprobs(cfg: TrainConfig, head: torch.nn.Module, probe: RolloutBatch) -> torch.Tensor:
+    """The log-probs (n,) of ``probe``'s response tokens under ``head`` (the worker model's ``PolicyHead``), as the
+    trainer's ``Actor.logprobs`` computes them (the same packed forward, temperature and autocast)."""
+    import contextlib
+
+    from ..policy import plan_micro_batches, response_logprobs
+    from ..run_setup import bf16_autocast
+
+    device = next(head.parameters()).device
+    bf16 = bf16_autocast(cfg, device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    with torch.no_grad(), autocast:
+        plan = plan_micro_batches(probe, cfg.micro_batch_tokens)
+        return response_logprobs(head, probe, plan, temperature=cfg.rollout.temperature)[0]

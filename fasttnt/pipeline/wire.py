@@ -2,10 +2,10 @@
 of the weights it was sampled with, over torch.distributed's point-to-point ``send`` / ``recv``.
 
 A message is two sends: a header (int64: a magic number, the step, the weight version, the draws, the data position,
-then each field's dtype code and element count, ``MESSAGE_FIELDS`` in order) and one uint8 payload holding every
-present field's bytes back to back, each padded to 8 bytes so that every field can be viewed in place as its dtype.
-The receiver checks the header and the fields' shapes against each other before it builds the batch: a malformed
-message is a ``WorkerError`` that names the worker, never a batch trained on.
+the probe's version, then each field's dtype code and element count, ``MESSAGE_FIELDS`` in order) and one uint8
+payload holding every present field's bytes back to back, each padded to 8 bytes so that every field can be viewed
+in place as its dtype. The receiver checks the header and the fields' shapes against each other before it builds the
+batch: a malformed message is a ``WorkerError`` that names the worker, never a batch trained on.
 """
 
 from __future__ import annotations
@@ -45,12 +45,17 @@ FIELDS: tuple[tuple[str, torch.dtype], ...] = (
 OPTIONAL = frozenset({"rollout_logp", "forced", "hacked", "levels"})
 # what a step's rollouts add to its drawn batch: per drawn group whether its rewards differ, and the worker's seconds
 # per phase (TIMED)
-META_FIELDS: tuple[tuple[str, torch.dtype], ...] = (("varied", torch.bool), ("times", torch.float64))
+# per phase (TIMED), and the log-probs of a probe under the last version the worker took (``remote``'s push check)
+META_FIELDS: tuple[tuple[str, torch.dtype], ...] = (
+    ("varied", torch.bool),
+    ("times", torch.float64),
+    ("probe_logp", torch.float32),
+)
 MESSAGE_FIELDS = FIELDS + META_FIELDS
 TIMED = ("generate", "verify", "reward")
 DTYPE_CODES = {torch.int64: 1, torch.float32: 2, torch.bool: 3, torch.int8: 4, torch.int32: 5, torch.uint8: 6,
                torch.float64: 7}  # fmt: skip
-HEADER_LEN = 6 + 2 * len(MESSAGE_FIELDS)
+HEADER_LEN = 7 + 2 * len(MESSAGE_FIELDS)
 ALIGN = 8
 
 
@@ -72,6 +77,10 @@ class Shipment:
     draws: int = 1
     data_position: int = 0
     times: dict[str, float] | None = None
+    # the log-probs (n,) of the probe rows of step probe_version's batch under weight version probe_version, computed
+    # by the worker once it took that version (-1, None: no version taken since the last shipment)
+    probe_version: int = -1
+    probe_logp: torch.Tensor | None = None
 
 
 def to_fields(scored: ScoredBatch) -> dict[str, torch.Tensor | None]:
@@ -165,7 +174,10 @@ def send_shipment(shipment: Shipment, dst: int, group=None) -> None:
     fields["varied"] = torch.tensor(shipment.varied, dtype=torch.bool)
     times = shipment.times or {}
     fields["times"] = torch.tensor([times.get(f"time_{phase}", 0.0) for phase in TIMED], dtype=torch.float64)
-    header = [MAGIC, shipment.step, shipment.version, shipment.draws, shipment.data_position, len(MESSAGE_FIELDS)]
+    probe = shipment.probe_logp
+    fields["probe_logp"] = None if probe is None else probe.detach().to("cpu", torch.float32).reshape(-1)
+    header = [MAGIC, shipment.step, shipment.version, shipment.draws, shipment.data_position, shipment.probe_version,
+              len(MESSAGE_FIELDS)]  # fmt: skip
     parts = []
     for name, dtype in MESSAGE_FIELDS:
         t = fields[name]
@@ -183,7 +195,7 @@ def recv_shipment(src: int, group=None, *, device: torch.device | str = "cpu") -
     worker = f"rollout worker rank {src}"
     header = torch.empty(HEADER_LEN, dtype=torch.int64)
     dist.recv(header, src, group=group)
-    magic, step, version, draws, data_position, n_fields, *spec = header.tolist()
+    magic, step, version, draws, data_position, probe_version, n_fields, *spec = header.tolist()
     if magic != MAGIC or n_fields != len(MESSAGE_FIELDS):
         raise WorkerError(f"{worker}: malformed batch: not a fasttnt shipment of this version (magic {magic:#x})")
     codes = {code: dtype for dtype, code in DTYPE_CODES.items()}
@@ -208,4 +220,8 @@ def recv_shipment(src: int, group=None, *, device: torch.device | str = "cpu") -
     if varied is None or varied.numel() != groups or times is None or times.numel() != len(TIMED) or draws < 1:
         raise WorkerError(f"{worker}: malformed batch: its varied flags, times or draws do not fit {groups} groups")
     times = {f"time_{phase}": t for phase, t in zip(TIMED, times.tolist(), strict=True)}
-    return Shipment(scored, step, version, varied.tolist(), draws, data_position, times)
+    probe = fields.get("probe_logp")
+    if (probe is None) != (probe_version < 0):
+        raise WorkerError(f"{worker}: malformed batch: probe version {probe_version} without its log-probs, or back")
+    probe = None if probe is None else probe.to(device)
+    return Shipment(scored, step, version, varied.tolist(), draws, data_position, times, probe_version, probe)
