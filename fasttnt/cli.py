@@ -209,7 +209,8 @@ def _train(args) -> int:
                     f"fasttnt train: {stop}; continue with: {again or 'the same command and --resume'}",
                     file=sys.stderr,
                 )
-            if distributed.launched_distributed():
+            # a rollout worker is mid-batch, not at the shutdown's barrier: the launcher ends it when this rank exits
+            if distributed.launched_distributed() and trainer.remote is None:
                 distributed.shutdown()
             return EXIT_PREEMPTED
         if trainer.parts.is_main:

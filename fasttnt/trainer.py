@@ -287,8 +287,8 @@ class Trainer:
         finally:
             log.close_file()
             self.verifier.close()
-            if self.remote is not None:
-                self.remote.wait()
+        if self.remote is not None:  # the last push taken (not after a stop: the worker is not taking it then)
+            self.remote.wait()
         checkpoint.export_final(self.out, self.parts.model, self.out / "tokenizer", rank=self.parts.rank)
         if self.parts.is_main and log.history:
             plot_curves(log.history, self.out / "curves.png")

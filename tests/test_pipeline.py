@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 import torch
 from support import varied
-from support.small import SEED, SMALL, TINY, free_port, launch_command, metric_rows, run_job
+from support.small import SEED, SMALL, TINY, deterministic, free_port, launch_command, metric_rows, run_job, train
 
+from fasttnt.checkpoint import list_checkpoints
 from fasttnt.embedded.char_tokenizer import build_char_tokenizer
 from fasttnt.engines.batch import RolloutBatch
 from fasttnt.pipeline.staleness import StaleBatchError, check_fresh, oldest_version, staleness
@@ -247,3 +251,31 @@ def test_workers_in_one_process_are_refused_before_any_work(tmp_path, capsys):
         and "rollout.workers=1: the workers are ranks of their own: launch 2 processes" in capsys.readouterr().err
     )
     assert not (tmp_path / "cache").exists(), "no warm-up was trained"
+
+
+def test_sigterm_saves_once_and_an_on_policy_resume_reproduces_the_run(tmp_path):
+    # torchrun passes SIGTERM to both ranks: the trainer finishes its step and saves, the worker goes on shipping
+    # until the launcher ends it; --resume sends the worker the checkpoint's step, data position and weights, so at
+    # k = 0 the resumed run logs what an uninterrupted colocated one logs (which a worker on-policy equals:
+    # test_benchmarks.py's test_a_rollout_worker_on_policy_and_one_step_off)
+    overrides = [*PIPELINE_RUN, "steps=40", "save_every=100"]
+    _, straight = train(tmp_path, "straight", *overrides)
+    out = tmp_path / "stopped"
+    args = ["train", "--output-dir", str(out), f"cache_dir={tmp_path / 'cache'}", *overrides, "rollout.workers=1"]
+    command = launch_command("torchrun", varied.MODULE, *args)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=PIPELINE_ENV)
+    deadline = time.monotonic() + HANG_S
+    metrics = out / "metrics.jsonl"
+    while not (metrics.exists() and metrics.read_text()) and time.monotonic() < deadline:  # the first step logged
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=HANG_S)
+    assert proc.returncode != 0 and "stopped by SIGTERM after step" in stderr, stderr[-3000:]
+    done = metric_rows(out)
+    assert 1 <= len(done) < 40, "stopped after a step, before the end"
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == [f"step-{len(done):06d}"]
+    resumed = run_job([*command, "--resume"], env=PIPELINE_ENV, timeout=HANG_S)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    pipeline_only = ("weight_version", "staleness", "worker_")
+    rows = [{k: v for k, v in deterministic(r).items() if not k.startswith(pipeline_only)} for r in metric_rows(out)]
+    assert rows == [deterministic(r) for r in straight]

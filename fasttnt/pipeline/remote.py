@@ -19,6 +19,7 @@ a push that did not arrive, or was garbled, stops it at any k.
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,6 +166,10 @@ def serve(cfg: TrainConfig, out: Path, *, resume: bool) -> int:
     from ..verify import VerifierPool
 
     del out, resume  # the trainer owns the run's files and says where it starts
+    # a launcher passes SIGTERM and SIGINT to every rank: the trainer finishes its step (the worker keeps shipping),
+    # saves and exits, and the launcher then ends the worker
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     device_type = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
     ctx = distributed.init(device_type)
     ranks = PipelineRanks.of(cfg, ctx.world)
