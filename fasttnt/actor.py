@@ -10,7 +10,6 @@ collective.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -24,9 +23,10 @@ from .engines.batch import RolloutBatch
 from .policy import (
     MicroBatch,
     MicroBatchLossInputs,
+    bf16_context,
     micro_batch_loss,
+    no_grad_logprobs,
     plan_micro_batches,
-    response_logprobs,
     run_dummy,
 )
 from .step_metrics import ROLLOUT_METRICS, TOKEN_METRICS, add_into
@@ -123,9 +123,8 @@ class Actor:
         parameters collectively, so every rank runs as many (the ones with fewer pad with dummy forwards)."""
         plan = plan_micro_batches(batch, self.cfg.micro_batch_tokens)
         pad_to = distributed.max_over_ranks(self.dist, len(plan)) if zero3_collectives else 0
-        with torch.no_grad(), self.autocast():
-            logp, _ = response_logprobs(model, batch, plan, temperature=self.cfg.rollout.temperature, pad_to=pad_to)
-        return logp
+        return no_grad_logprobs(model, batch, plan, temperature=self.cfg.rollout.temperature, bf16=self.autocast_on,
+                                pad_to=pad_to)  # fmt: skip
 
     # -- the update ---------------------------------------------------------------------------------------------
 
@@ -287,6 +286,4 @@ class Actor:
         return self.ds_engine is not None and self.cfg.distributed.zero3
 
     def autocast(self):
-        if not self.autocast_on:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return bf16_context(self.device, self.autocast_on)

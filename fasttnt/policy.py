@@ -13,6 +13,7 @@ logits are never materialised.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -260,6 +261,19 @@ def _forward(head, mb: MicroBatch, targets: torch.Tensor, temperature: float, wi
         with_entropy,
         loss,
     )
+
+
+def bf16_context(device: torch.device, on: bool):
+    """bf16 autocast on ``device``'s type where ``on``, else nothing."""
+    return torch.autocast(device.type, dtype=torch.bfloat16) if on else contextlib.nullcontext()
+
+
+def no_grad_logprobs(model, batch: RolloutBatch, plan: list[MicroBatch], *, temperature: float, bf16: bool,
+                     pad_to: int = 0) -> torch.Tensor:  # fmt: skip
+    """``response_logprobs``' log-probs (N,) without gradients, under bf16 autocast where ``bf16``: the pass of the
+    old and reference log-probs, and of a rollout worker's push check."""
+    with torch.no_grad(), bf16_context(batch.response_ids.device, bf16):
+        return response_logprobs(model, batch, plan, temperature=temperature, pad_to=pad_to)[0]
 
 
 def response_logprobs(

@@ -22,8 +22,8 @@ import torch
 from fasttnt_kernels import RewardValues, TntRewards, tnt_rewards
 
 from . import distributed
-from .data import PromptMode
-from .engines.batch import FORCED_CODES, RolloutBatch
+from .engines.batch import RolloutBatch
+from .modes import forced_rows
 from .registry import Registry
 
 
@@ -159,9 +159,7 @@ def compute_rewards(
         shaping = overlong_shaping(batch.lengths, max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
         out = out._replace(rewards=out.rewards + shaping)
     if cfg.mode_balance:  # the modes' shares of the free responses, over all ranks
-        nt = out.non_thinking
-        free = None if batch.forced is None else batch.forced == FORCED_CODES[PromptMode.FREE]  # (S,)
-        chose = torch.ones_like(nt, dtype=torch.bool) if free is None else free
-        shares = torch.stack([(chose & ~nt).sum(), (chose & nt).sum()]).float()  # (2,) thinking, non-thinking
+        nt, free = out.non_thinking, ~forced_rows(batch)  # (S,) each
+        shares = torch.stack([(free & ~nt).sum(), (free & nt).sum()]).float()  # (2,) thinking, non-thinking
         out = out._replace(rewards=mode_balance(out.rewards, nt, cfg, distributed.sum_over_ranks(dist, shares), free))
     return out

@@ -121,8 +121,13 @@ def engine_settings(cfg: TrainConfig, model_path, device: torch.device, prompt_b
     )
 
 
+def device_type_of(cfg: TrainConfig) -> str:
+    """The device type a run trains (and generates) on: ``device``, with ``auto`` CUDA where there is one."""
+    return "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+
+
 def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: bool = False) -> RunParts:
-    device_type = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+    device_type = device_type_of(cfg)
     dist = distributed.init(device_type) if distributed.launched_distributed() else None
     pipeline = None
     if cfg.rollout.workers:  # the workers generate (fasttnt.pipeline.remote.serve): this rank trains alone

@@ -170,8 +170,7 @@ def serve(cfg: TrainConfig, out: Path, *, resume: bool) -> int:
     # saves and exits, and the launcher then ends the worker
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    device_type = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
-    ctx = distributed.init(device_type)
+    ctx = distributed.init(run_setup.device_type_of(cfg))
     ranks = PipelineRanks.of(cfg, ctx.world)
     distributed.barrier()  # the trainer loads the model first (the tiny model's warm-up fills the cache)
     model, tokenizer, model_path = run_setup.load_policy(cfg, ctx.device)
@@ -220,16 +219,11 @@ def serve(cfg: TrainConfig, out: Path, *, resume: bool) -> int:
 
 
 def _probe_logprobs(cfg: TrainConfig, head: torch.nn.Module, probe: RolloutBatch) -> torch.Tensor:
-    """The log-probs (n,) of ``probe``'s response tokens under ``head`` (the worker model's ``PolicyHead``), as the
-    trainer's ``Actor.logprobs`` computes them (the same packed forward, temperature and autocast)."""
-    import contextlib
-
-    from ..policy import plan_micro_batches, response_logprobs
+    """The log-probs (n,) of ``probe``'s response tokens under ``head`` (the worker model's ``PolicyHead``), through
+    the pass the trainer's ``Actor.logprobs`` runs (``no_grad_logprobs``), so that equal weights give equal numbers."""
+    from ..policy import no_grad_logprobs, plan_micro_batches
     from ..run_setup import bf16_autocast
 
     device = next(head.parameters()).device
-    bf16 = bf16_autocast(cfg, device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-    with torch.no_grad(), autocast:
-        plan = plan_micro_batches(probe, cfg.micro_batch_tokens)
-        return response_logprobs(head, probe, plan, temperature=cfg.rollout.temperature)[0]
+    plan = plan_micro_batches(probe, cfg.micro_batch_tokens)
+    return no_grad_logprobs(head, probe, plan, temperature=cfg.rollout.temperature, bf16=bf16_autocast(cfg, device))
