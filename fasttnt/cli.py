@@ -137,6 +137,7 @@ def _train(args) -> int:
     from .config import ConfigError, load_config
     from .data import DataError
     from .guard import StaleWeightsError
+    from .pipeline.peer import PipelineError
     from .pipeline.remote import is_worker_rank, serve
     from .plots import summary_table
     from .preemption import EXIT_PREEMPTED, Preempted
@@ -185,6 +186,9 @@ def _train(args) -> int:
             except ConfigError as err:
                 print(f"fasttnt train: config error: {err}", file=sys.stderr)
                 return 2
+            except (PipelineError, VerificationError, VerifierStartupError) as err:
+                print(f"fasttnt train: rollout worker rank {os.environ.get('RANK', '?')}: {err}", file=sys.stderr)
+                return 1
         try:
             trainer = Trainer(cfg, Path(args.output_dir), resume=resume, new_config_ok=args.resume_with_new_config)
         except ConfigError as err:
@@ -193,9 +197,12 @@ def _train(args) -> int:
         except (DataError, FileExistsError, ResumeError) as err:
             print(f"fasttnt train: {err}", file=sys.stderr)
             return 2
+        except PipelineError as err:  # the rollout worker died or hung before the first step
+            print(f"fasttnt train: {err}", file=sys.stderr)
+            return 1
         try:
             history = trainer.run()
-        except (VerificationError, VerifierStartupError, StaleWeightsError) as err:
+        except (VerificationError, VerifierStartupError, StaleWeightsError, PipelineError) as err:
             print(f"fasttnt train: {err}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:  # the second SIGINT (or SIGTERM): at once, without a checkpoint

@@ -94,6 +94,10 @@ class RolloutConfig:
     # training in turn; k = 1: the next step's batch is generated during this step's update)
     workers: int = 0
     max_staleness: int = 0
+    # the longest a trainer waits for a worker's batch, or a worker for the trainer's weights, before it stops the
+    # run naming the other as hung (a process that died stops it at once); a step's generation or update, and a
+    # checkpoint's save, must fit in it
+    worker_timeout: float = 1800.0
     # vllm only
     gpu_memory_utilization: float = 0.5  # on CUDA; on a CPU the engine takes a fixed 1 GiB KV cache
     sleep_between_rollouts: bool = True  # CUDA only (vLLM's sleep mode); elsewhere the engine stays awake, warned
@@ -331,6 +335,7 @@ def validate(cfg: TrainConfig) -> None:
     need(r.max_draws >= 1, "rollout.max_draws", "must be >= 1")
     need(r.workers >= 0, "rollout.workers", "must be >= 0")
     need(r.max_staleness >= 0, "rollout.max_staleness", "must be >= 0")
+    need(r.worker_timeout > 0, "rollout.worker_timeout", "must be > 0 seconds")
     need(r.max_staleness == 0 or r.workers > 0, "rollout.max_staleness",
          f"{r.max_staleness} overlaps generation with training on rollout workers of their own: with rollout.workers=0 "
          "every rank generates between its updates, so nothing can overlap (set rollout.workers)")  # fmt: skip
@@ -502,6 +507,7 @@ SAFE_ON_RESUME = frozenset(
         "rollout.gpu_memory_utilization",
         "rollout.sleep_between_rollouts",
         "rollout.weight_sync_bucket_mb",
+        "rollout.worker_timeout",
         "distributed.bucket_size",
         # where the run is watched, not what it computes
         "logging.wandb",

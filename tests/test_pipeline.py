@@ -14,7 +14,18 @@ import time
 import pytest
 import torch
 from support import varied
-from support.small import SEED, SMALL, TINY, deterministic, free_port, launch_command, metric_rows, run_job, train
+from support.small import (
+    SEED,
+    SMALL,
+    TINY,
+    deterministic,
+    free_port,
+    launch_command,
+    metric_rows,
+    run_job,
+    run_ranks,
+    train,
+)
 
 from fasttnt.checkpoint import list_checkpoints
 from fasttnt.embedded.char_tokenizer import build_char_tokenizer
@@ -279,3 +290,48 @@ def test_sigterm_saves_once_and_an_on_policy_resume_reproduces_the_run(tmp_path)
     pipeline_only = ("weight_version", "staleness", "worker_")
     rows = [{k: v for k, v in deterministic(r).items() if not k.startswith(pipeline_only)} for r in metric_rows(out)]
     assert rows == [deterministic(r) for r in straight]
+
+
+# -- faults: each stops the run within a bounded time with one line naming the process at fault (support/faulty.py)
+
+FAULTY_ENV = {**ENV, "PYTHONPATH": varied.PYTHONPATH}
+
+
+def faulty_args(tmp_path, *extra: str) -> list[str]:
+    return ["train", "--output-dir", str(tmp_path / "run"), f"cache_dir={tmp_path / 'cache'}", *PIPELINE_RUN,
+            "rollout.workers=1", *extra]  # fmt: skip
+
+
+def test_a_worker_that_dies_stops_the_trainer_at_once_naming_it(tmp_path):
+    # ranks started by hand: no launcher ends the trainer when the worker's process is gone, the trainer must
+    trainer, worker = run_ranks("faulty", *faulty_args(tmp_path), env={**FAULTY_ENV, "FAULT": "worker-dies"},
+                                timeout=HANG_S)  # fmt: skip
+    assert worker.returncode == 9, "precondition: the worker died"
+    assert [r["step"] for r in metric_rows(tmp_path / "run")] == [1], "precondition: the run trained a step first"
+    assert trainer.returncode == 1, trainer.stderr[-3000:]
+    lines = [line for line in trainer.stderr.splitlines() if line.startswith("fasttnt train:")]
+    assert lines == [lines[0]] and lines[0].startswith(
+        "fasttnt train: rollout worker rank 1 is gone: its connection closed while waiting for batch"
+    ), trainer.stderr[-3000:]
+    assert "Traceback" not in trainer.stderr
+
+
+def test_a_worker_that_hangs_stops_the_trainer_after_the_timeout_naming_it(tmp_path):
+    # the worker sleeps instead of shipping step 2's batch; torchrun then ends it when the trainer has failed
+    timeout = 20  # seconds: many times a step of this run, on any machine
+    command = launch_command("torchrun", "faulty", *faulty_args(tmp_path, f"rollout.worker_timeout={timeout}"))
+    started = time.monotonic()
+    result = run_job(command, env={**FAULTY_ENV, "FAULT": "worker-hangs"}, timeout=HANG_S)
+    assert [r["step"] for r in metric_rows(tmp_path / "run")] == [1], "precondition: the run trained a step first"
+    assert result.returncode != 0
+    hung = rf"rollout worker rank 1 stopped answering: no batch for \d+ s \(rollout.worker_timeout={timeout}\)"
+    assert re.search(rf"fasttnt train: {hung}", result.stderr), result.stderr[-3000:]
+    assert time.monotonic() - started >= timeout, "the trainer waited the timeout out"
+
+
+def test_a_trainer_that_dies_stops_the_worker_naming_it(tmp_path):
+    trainer, worker = run_ranks("faulty", *faulty_args(tmp_path), env={**FAULTY_ENV, "FAULT": "trainer-dies"},
+                                timeout=HANG_S)  # fmt: skip
+    assert trainer.returncode == 9, "precondition: the trainer died"
+    assert worker.returncode == 1, worker.stderr[-3000:]
+    assert "fasttnt train: rollout worker rank 1: the trainer (rank 0) is gone: its connection closed" in worker.stderr

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from .. import distributed
 from ..config import ConfigError, TrainConfig
@@ -32,6 +31,7 @@ from ..dynamic_sampling import choose_groups, select_groups
 from ..engines.batch import RolloutBatch
 from ..guard import StaleWeightsError, stale_weights
 from ..rollouts import StepRollouts
+from .peer import recv_from, send_to
 from .staleness import check_fresh, oldest_version
 from .weights import recv_weights, send_weights
 from .wire import Shipment, WorkerError, recv_shipment, send_shipment
@@ -83,6 +83,7 @@ class RemoteRollouts:
     def __init__(self, cfg: TrainConfig, ranks: PipelineRanks, device: torch.device) -> None:
         self.cfg, self.ranks, self.device = cfg, ranks, device
         self.bucket_bytes = cfg.rollout.weight_sync_bucket_mb * 2**20
+        self.timeout = cfg.rollout.worker_timeout
         self.pending: list = []  # the sends of the last push, still in flight
         self.last: Shipment | None = None
         self.logp_diff: float | None = None  # the last push check's mean |difference| per token
@@ -96,13 +97,15 @@ class RemoteRollouts:
 
     def start(self, model: torch.nn.Module, step: int, data_position: int) -> None:
         """The worker's starting point: the step and data position the run starts from, and its weights."""
-        dist.send(torch.tensor([step, data_position], dtype=torch.int64), self.ranks.worker)
-        send_weights(model, step, dst=self.ranks.worker, src=TRAINER, bucket_bytes=self.bucket_bytes)
+        send_to(torch.tensor([step, data_position], dtype=torch.int64), self.ranks.worker, peer=self.name,
+                what="the run's starting point to be taken", timeout=self.timeout)  # fmt: skip
+        send_weights(model, step, dst=self.ranks.worker, src=TRAINER, bucket_bytes=self.bucket_bytes,
+                     timeout=self.timeout)  # fmt: skip
 
     def step(self, step: int, clock) -> StepRollouts:
         """Step ``step``'s rollouts as the worker shipped them (``clock`` laps ``wait``), checked against the step and
         the staleness bound; the groups trained on chosen as the colocated loop chooses them."""
-        shipment = recv_shipment(self.ranks.worker, device=self.device)
+        shipment = recv_shipment(self.ranks.worker, device=self.device, timeout=self.timeout)
         clock.lap("wait")
         if shipment.step != step:
             raise WorkerError(f"{self.name} shipped step {shipment.step}'s batch where step {step}'s was due")
@@ -144,7 +147,7 @@ class RemoteRollouts:
             if self.check_pushes:
                 self.probes[step] = logprobs(probe)
             self.pending = send_weights(model, step, dst=self.ranks.worker, src=TRAINER, bucket_bytes=self.bucket_bytes,
-                                        wait=False)  # fmt: skip
+                                        wait=False, timeout=self.timeout)  # fmt: skip
 
     def wait(self) -> None:
         for work in self.pending:
@@ -180,12 +183,12 @@ def serve(cfg: TrainConfig, out: Path, *, resume: bool) -> int:
     engine = build_engine(cfg.rollout.engine, model, tokenizer, settings)
     stream = ProblemStream(cfg)
     run_setup.drop_long_prompts(stream, cfg, tokenizer, prompt_budget)
-    start = torch.empty(2, dtype=torch.int64)
-    dist.recv(start, TRAINER)
+    start, timeout = torch.empty(2, dtype=torch.int64), cfg.rollout.worker_timeout
+    recv_from(start, TRAINER, peer=f"the trainer (rank {TRAINER})", what="the run's starting point", timeout=timeout)
     first, data_position = start.tolist()
     stream.seek(data_position)
     bucket_bytes = cfg.rollout.weight_sync_bucket_mb * 2**20
-    version = recv_weights(model, src=TRAINER, bucket_bytes=bucket_bytes)
+    version = recv_weights(model, src=TRAINER, bucket_bytes=bucket_bytes, timeout=timeout)
     verifier = VerifierPool(cfg.verify_workers, cfg.verify_timeout)
     rollouts = Rollouts(
         cfg, engine=engine, stream=stream, tokenizer=tokenizer,
@@ -200,14 +203,14 @@ def serve(cfg: TrainConfig, out: Path, *, resume: bool) -> int:
         for step in range(first + 1, cfg.steps + 1):
             probe_version, probe_logp = -1, None
             while version < oldest_version(step, cfg.rollout.max_staleness):
-                version = recv_weights(model, src=TRAINER, bucket_bytes=bucket_bytes)
+                version = recv_weights(model, src=TRAINER, bucket_bytes=bucket_bytes, timeout=timeout)
                 if check_pushes:  # the push check (module docstring): this version's log-probs of its probe
                     probe_version, probe_logp = version, _probe_logprobs(cfg, head, probe_rows(shipped.pop(version)))
             clock = PhaseClock()
             rolled = rollouts.step(step, clock)
             shipment = Shipment(rolled.drawn, step, version, rolled.varied, rolled.draws, stream.position, clock.times,
                                 probe_version, probe_logp)  # fmt: skip
-            send_shipment(shipment, TRAINER)
+            send_shipment(shipment, TRAINER, timeout=timeout)
             if check_pushes:
                 shipped[step] = rolled.drawn.batch
     finally:

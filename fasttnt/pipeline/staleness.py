@@ -9,8 +9,10 @@ it holds that version.
 
 from __future__ import annotations
 
+from .peer import PipelineError
 
-class StaleBatchError(RuntimeError):
+
+class StaleBatchError(PipelineError):
     """A batch sampled with weights older than ``rollout.max_staleness`` allows."""
 
 

@@ -18,13 +18,14 @@ import torch
 import torch.distributed as dist
 
 from .. import distributed
+from .peer import PipelineError, recv_from, send_to, wait_for
 
 MAGIC = 0x7F7A_7477_0001  # "fasttnt weights", format 1
 ALIGN = 8
 LAYER = re.compile(r"(.*\.layers\.\d+)\.")  # a decoder layer's parameter names: its prefix
 
 
-class WeightPushError(RuntimeError):
+class WeightPushError(PipelineError):
     """A weight push that cannot be loaded: another model's parameters, or a broken message."""
 
 
@@ -52,21 +53,23 @@ def signature(model: torch.nn.Module) -> int:
 
 
 def send_weights(
-    model: torch.nn.Module, version: int, *, dst: int, src: int, bucket_bytes: int, group=None, wait: bool = True
-) -> list:
+    model: torch.nn.Module, version: int, *, dst: int, src: int, bucket_bytes: int, group=None, wait: bool = True,
+    timeout: float | None = None,
+) -> list:  # fmt: skip
     """Push ``model``'s weights as ``version`` from rank ``src`` to rank ``dst``; under ZeRO-3 every rank that holds
     a shard calls it (the gathers are collective) and ``src`` alone sends. ``wait=False``: the sends run in the
     background from copies of the weights (the model may change at once); returns their handles, to ``wait()`` on
-    before the next push."""
+    before the next push. Each send is taken within ``timeout`` seconds (``peer.wait_for``)."""
     sending = dist.get_rank() == src
     count = sum(1 for _ in model.parameters())
     sent = []
+    worker, what = f"rollout worker rank {dst}", f"weight version {version} to be taken"
 
     def send(message: torch.Tensor) -> None:
         if wait:
-            dist.send(message, dst, group=group)
+            send_to(message, dst, peer=worker, what=what, timeout=timeout, group=group)
         else:
-            sent.append(_Sent(dist.isend(message, dst, group=group), message))
+            sent.append(_Sent(dist.isend(message, dst, group=group), message, worker, what, timeout))
 
     if sending:
         send(torch.tensor([MAGIC, version, count, signature(model)], dtype=torch.int64))
@@ -81,18 +84,22 @@ def send_weights(
 class _Sent:
     """A background send and the tensor it sends (kept alive until it is done)."""
 
-    def __init__(self, work, tensor: torch.Tensor) -> None:
-        self.work, self.tensor = work, tensor
+    def __init__(self, work, tensor: torch.Tensor, peer: str, what: str, timeout: float | None) -> None:
+        self.work, self.tensor, self.peer, self.what, self.timeout = work, tensor, peer, what, timeout
 
     def wait(self) -> None:
-        self.work.wait()
+        wait_for(self.work, peer=self.peer, what=self.what, timeout=self.timeout)
         self.tensor = None
 
 
-def recv_weights(model: torch.nn.Module, *, src: int, bucket_bytes: int, group=None) -> int:
-    """Receive a push from rank ``src`` (``send_weights``) into ``model``'s parameters; returns its version."""
+def recv_weights(
+    model: torch.nn.Module, *, src: int, bucket_bytes: int, group=None, timeout: float | None = None
+) -> int:
+    """Receive a push from rank ``src`` (``send_weights``) into ``model``'s parameters, each message within
+    ``timeout`` seconds (``peer.wait_for``); returns its version."""
+    trainer = f"the trainer (rank {src})"
     header = torch.empty(4, dtype=torch.int64)
-    dist.recv(header, src, group=group)
+    recv_from(header, src, peer=trainer, what="a weight push", timeout=timeout, group=group)
     magic, version, count, sent = header.tolist()
     mine = signature(model)
     if magic != MAGIC:
@@ -106,7 +113,7 @@ def recv_weights(model: torch.nn.Module, *, src: int, bucket_bytes: int, group=N
         for bucket in layer_buckets(model, bucket_bytes):
             params = [p for _, p in bucket]
             buffer = torch.empty(_packed_size(params), dtype=torch.uint8)
-            dist.recv(buffer, src, group=group)
+            recv_from(buffer, src, peer=trainer, what=f"weight version {version}", timeout=timeout, group=group)
             at = 0
             for param in params:
                 nbytes = param.numel() * param.element_size()

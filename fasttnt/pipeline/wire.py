@@ -14,12 +14,12 @@ import itertools
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from fasttnt_kernels import TntRewards
 
 from ..engines.batch import RolloutBatch
 from ..scoring import Judged, ScoredBatch
+from .peer import PipelineError, recv_from, send_to
 
 MAGIC = 0x7F7A_7471_0001  # "fasttnt", wire format 1
 # (name, dtype) of every field, in message order; a field may be absent (code 0) where the batch has none
@@ -59,8 +59,8 @@ HEADER_LEN = 7 + 2 * len(MESSAGE_FIELDS)
 ALIGN = 8
 
 
-class WorkerError(RuntimeError):
-    """A rollout worker sent what cannot be trained on (a malformed batch), or stopped answering."""
+class WorkerError(PipelineError):
+    """A rollout worker sent what cannot be trained on (a malformed batch)."""
 
 
 @dataclass
@@ -168,8 +168,9 @@ def _check(ok: bool, worker: str, what: str) -> None:
         raise WorkerError(f"{worker}: malformed batch: {what}")
 
 
-def send_shipment(shipment: Shipment, dst: int, group=None) -> None:
-    """Send ``shipment`` to rank ``dst`` (``recv_shipment`` there)."""
+def send_shipment(shipment: Shipment, dst: int, group=None, *, timeout: float | None = None) -> None:
+    """Send ``shipment`` to rank ``dst`` (``recv_shipment`` there), each part within ``timeout`` seconds
+    (``peer.wait_for``)."""
     fields = to_fields(shipment.scored)
     fields["varied"] = torch.tensor(shipment.varied, dtype=torch.bool)
     times = shipment.times or {}
@@ -186,15 +187,19 @@ def send_shipment(shipment: Shipment, dst: int, group=None) -> None:
             raw = t.view(torch.uint8)
             parts += [raw, torch.zeros(-raw.numel() % ALIGN, dtype=torch.uint8)]
     payload = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
-    dist.send(torch.tensor(header, dtype=torch.int64), dst, group=group)
-    dist.send(payload, dst, group=group)
+    trainer, what = f"the trainer (rank {dst})", f"step {shipment.step}'s batch to be taken"
+    send_to(torch.tensor(header, dtype=torch.int64), dst, peer=trainer, what=what, timeout=timeout, group=group)
+    send_to(payload, dst, peer=trainer, what=what, timeout=timeout, group=group)
 
 
-def recv_shipment(src: int, group=None, *, device: torch.device | str = "cpu") -> Shipment:
-    """The shipment rank ``src`` sends (``send_shipment``), checked (``WorkerError``: malformed) and on ``device``."""
+def recv_shipment(
+    src: int, group=None, *, device: torch.device | str = "cpu", timeout: float | None = None
+) -> Shipment:
+    """The shipment rank ``src`` sends (``send_shipment``), checked (``WorkerError``: malformed) and on ``device``;
+    each part within ``timeout`` seconds (``peer.wait_for``)."""
     worker = f"rollout worker rank {src}"
     header = torch.empty(HEADER_LEN, dtype=torch.int64)
-    dist.recv(header, src, group=group)
+    recv_from(header, src, peer=worker, what="batch", timeout=timeout, group=group)
     magic, step, version, draws, data_position, probe_version, n_fields, *spec = header.tolist()
     if magic != MAGIC or n_fields != len(MESSAGE_FIELDS):
         raise WorkerError(f"{worker}: malformed batch: not a fasttnt shipment of this version (magic {magic:#x})")
@@ -210,7 +215,7 @@ def recv_shipment(src: int, group=None, *, device: torch.device | str = "cpu") -
         layout.append((name, dtype, size, numel))
         size += nbytes + (-nbytes % ALIGN)
     payload = torch.empty(size, dtype=torch.uint8)
-    dist.recv(payload, src, group=group)
+    recv_from(payload, src, peer=worker, what="batch", timeout=timeout, group=group)
     fields = {}
     for name, dtype, at, numel in layout:
         fields[name] = None if dtype is None else payload[at : at + numel * dtype.itemsize].view(dtype).clone()

@@ -5,6 +5,7 @@ test."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -14,6 +15,8 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -133,6 +136,39 @@ def launch_command(launcher: str, module: str, *args: str) -> list[str]:
                 *args]  # fmt: skip
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     return [*torchrun, "--master-port", str(free_port()), "-m", module, *args]
+
+
+def run_ranks(module: str, *args: str, env: dict, timeout: float, world: int = 2) -> list[subprocess.CompletedProcess]:
+    """``python -m module args`` as ``world`` ranks started by hand, each its own process with a launcher's variables
+    (``LAUNCHER_ENV``) and no launcher to end the others when one stops: what each rank does on its own when a peer
+    dies. Past ``timeout`` every rank is killed and the test fails naming the hang."""
+    port, procs, outputs = free_port(), [], []
+    with contextlib.ExitStack() as files:
+        for rank in range(world):
+            ranks = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                     "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+            out, err = (files.enter_context(tempfile.TemporaryFile("w+")) for _ in range(2))
+            outputs.append((out, err))
+            procs.append(subprocess.Popen([sys.executable, "-m", module, *args], env={**env, **ranks}, text=True,
+                                          stdout=out, stderr=err, start_new_session=True))  # fmt: skip
+        deadline, hung = time.monotonic() + timeout, False
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                hung = True
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        results = []
+        for proc, (out, err) in zip(procs, outputs, strict=True):
+            out.seek(0), err.seek(0)
+            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read()))
+    if hung:
+        tails = "\n".join(f"rank {r}: {res.stderr[-1500:]}" for r, res in enumerate(results))
+        raise AssertionError(f"a rank hung: killed after {timeout:g} s: python -m {module}\n{tails}")
+    return results
 
 
 def weights_apart(ours: dict, theirs: dict, start: dict) -> tuple[float, float]:

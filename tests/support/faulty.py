@@ -1,0 +1,48 @@
+"""``python -m faulty train ...`` (this folder on ``PYTHONPATH``): ``fasttnt train`` with the varied reward scheme
+(``varied``) and one fault of a run with a rollout worker, named by the environment's ``FAULT`` at step ``STEP``:
+
+- ``worker-dies``: the worker's process ends (``os._exit``) instead of shipping step STEP's batch;
+- ``worker-hangs``: the worker stops answering instead of shipping it (it sleeps until killed);
+- ``trainer-dies``: the trainer's process ends instead of pushing step STEP's weights.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import varied
+
+import fasttnt.pipeline.remote as remote
+
+STEP = 2
+FAULTS = ("worker-dies", "worker-hangs", "trainer-dies")
+
+
+def main() -> int:
+    fault = os.environ["FAULT"]
+    assert fault in FAULTS, fault
+    ship, push = remote.send_shipment, remote.RemoteRollouts.push
+
+    def faulty_ship(shipment, dst, **kwargs) -> None:
+        if shipment.step == STEP and fault == "worker-dies":
+            os._exit(9)
+        if shipment.step == STEP and fault == "worker-hangs":
+            time.sleep(3600)
+        ship(shipment, dst, **kwargs)
+
+    def faulty_push(self, model, step, *args) -> None:
+        if step == STEP and fault == "trainer-dies":
+            os._exit(9)
+        push(self, model, step, *args)
+
+    remote.send_shipment, remote.RemoteRollouts.push = faulty_ship, faulty_push
+    varied.register()
+    from fasttnt.cli import main as cli_main
+
+    return cli_main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
