@@ -75,15 +75,17 @@ def checkpoint_paths(root: Path, step: int) -> tuple[Path, Path]:
 
 
 def save_checkpoint(
-    root: Path, state: TrainerState, model, optimizer, *, keep: int, config_yaml: str, tokenizer: Path | None = None
-) -> Path:
-    """Write ``root/step-NNNNNN`` atomically and keep the newest ``keep`` checkpoints (single process)."""
+    root: Path, state: TrainerState, model, optimizer, *, keep: int, config_yaml: str, tokenizer: Path | None = None,
+    extra: dict[str, object] | None = None,
+) -> Path:  # fmt: skip
+    """Write ``root/step-NNNNNN`` atomically and keep the newest ``keep`` checkpoints (single process); ``extra``:
+    files of its own (name -> what ``torch.save`` writes there)."""
     root.mkdir(parents=True, exist_ok=True)
     final, tmp = checkpoint_paths(root, state.step)
     shutil.rmtree(tmp, ignore_errors=True)
     write_model_folder(tmp, model, tokenizer)
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    write_trainer_files(tmp, state, rank=0, config_yaml=config_yaml)
+    write_trainer_files(tmp, state, rank=0, config_yaml=config_yaml, extra=extra)
     commit_checkpoint(root, tmp, final, keep=keep)
     return final
 
@@ -98,13 +100,17 @@ def write_model_folder(folder: Path, model, tokenizer: Path | None = None) -> No
             shutil.copy2(file, folder / file.name)
 
 
-def write_trainer_files(folder: Path, state: TrainerState, *, rank: int, config_yaml: str) -> None:
-    """This rank's RNG states, and (rank 0) the step, data position and ranks, and the resolved config that the
-    checkpoint means something under (a resume compares its own config with it)."""
+def write_trainer_files(
+    folder: Path, state: TrainerState, *, rank: int, config_yaml: str, extra: dict[str, object] | None = None
+) -> None:
+    """This rank's RNG states, and (rank 0) the step, data position and ranks, the resolved config that the
+    checkpoint means something under (a resume compares its own config with it) and the ``extra`` files."""
     torch.save(rng_state(), folder / f"rng{'' if rank == 0 else f'_rank{rank}'}.pt")
     if rank == 0:
         (folder / "trainer_state.json").write_text(json.dumps(state.__dict__))
         (folder / "config.yaml").write_text(config_yaml)
+        for name, value in (extra or {}).items():
+            torch.save(value, folder / name)
 
 
 def commit_checkpoint(root: Path, tmp: Path, final: Path, *, keep: int) -> None:
@@ -217,13 +223,15 @@ def save(
     *,
     rank: int = 0,
     tokenizer: Path | None = None,
+    extra: dict[str, object] | None = None,
 ) -> None:
     """The checkpoint of ``state.step``, then the newest ``keep_checkpoints`` kept. Distributed: every rank writes
     its optimizer shard and RNG state into the temporary folder, rank 0 the Hugging Face weights (gathered under
-    ZeRO-3); once all are done rank 0 renames it into place."""
+    ZeRO-3) and the ``extra`` files (name -> what ``torch.save`` writes there); once all are done rank 0 renames it
+    into place."""
     keep, text = cfg.keep_checkpoints, config_yaml(cfg)
     if ds_engine is None:
-        save_checkpoint(root, state, model, optimizer, keep=keep, config_yaml=text, tokenizer=tokenizer)
+        save_checkpoint(root, state, model, optimizer, keep=keep, config_yaml=text, tokenizer=tokenizer, extra=extra)
         return
     final, tmp = checkpoint_paths(root, state.step)
     if rank == 0:
@@ -234,7 +242,7 @@ def save(
     with distributed.gathered(list(model.parameters())):
         if rank == 0:
             write_model_folder(tmp, model, tokenizer)
-    write_trainer_files(tmp, state, rank=rank, config_yaml=text)
+    write_trainer_files(tmp, state, rank=rank, config_yaml=text, extra=extra)
     distributed.barrier()
     if rank == 0:
         commit_checkpoint(root, tmp, final, keep=keep)

@@ -38,7 +38,7 @@ from .runlog import truncate_metrics
 from .stream import ProblemStream
 
 
-@dataclass(kw_only=True)  # seventeen fields: made by name
+@dataclass(kw_only=True)  # many fields: made by name
 class RunParts:
     """Everything a run is made of, built by ``build``."""
 
@@ -62,6 +62,7 @@ class RunParts:
     # rollout.workers > 0: the world's roles (this process is its one training rank; dist is then None, since no
     # other rank trains)
     pipeline: PipelineRanks | None = None
+    resumed_from: Path | None = None  # the checkpoint a resumed run continues
 
     @property
     def rank(self) -> int:
@@ -138,11 +139,6 @@ def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: b
                 f"(torchrun --nproc-per-node {n} -m fasttnt.cli train ...)"
             )
         pipeline = PipelineRanks.of(cfg, dist.world)
-        if resume and cfg.rollout.max_staleness > 0:
-            raise ConfigError(
-                f"rollout.max_staleness={cfg.rollout.max_staleness}: --resume with batches in flight is not "
-                "supported yet (a resume at rollout.max_staleness=0 is exact)"
-            )
         device, dist = dist.device, None
     world, is_main = (dist.world, dist.rank == 0) if dist else (1, True)
     if pipeline is None:
@@ -239,6 +235,7 @@ def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: b
         cfg=cfg, out=out, dist=dist, device=device, autocast=autocast, model=model, tokenizer=tokenizer,
         model_path=model_path, ref_model=ref_model, head=head, optimizer=optimizer, ds_engine=ds_engine, engine=engine,
         stream=stream, state=state, think_end_id=think_end_id, markers=markers, pipeline=pipeline,
+        resumed_from=resume_from,
     )  # fmt: skip
     dropped = drop_long_prompts(stream, cfg, tokenizer, prompt_budget)
     if dropped:

@@ -90,7 +90,7 @@ class Trainer:
         self.verifier = VerifierPool(cfg.verify_workers, cfg.verify_timeout)
         self.remote = None  # rollout.workers > 0: the rollouts come from a worker of their own (fasttnt.pipeline)
         if parts.pipeline is not None:
-            self.remote = self.rollouts = RemoteRollouts(cfg, parts.pipeline, parts.device)
+            self.remote = self.rollouts = RemoteRollouts(cfg, parts.pipeline, parts.device, parts.resumed_from)
             self.remote.start(parts.model, self.state.step, self.state.data_position)
         else:
             self.rollouts = Rollouts.of(cfg, parts, self.mode_mix, self.verifier)
@@ -298,8 +298,11 @@ class Trainer:
         return log.history
 
     def _save(self) -> None:
+        # with rollout workers at k >= 1, the batches in flight are kept with the weights (RemoteRollouts.in_flight)
+        in_flight = self.remote.in_flight(self.state.step) if self.remote is not None else None
         checkpoint.save(self.out / "checkpoints", self.cfg, self.state, self.parts.model, self.actor.optimizer,
-                        self.parts.ds_engine, rank=self.parts.rank, tokenizer=self.out / "tokenizer")  # fmt: skip
+                        self.parts.ds_engine, rank=self.parts.rank, tokenizer=self.out / "tokenizer",
+                        extra=in_flight)  # fmt: skip
 
     def _close(self, log: RunLog) -> None:
         """The engine's memory and the run log's buffered events."""

@@ -30,8 +30,9 @@ from support.small import (
 from fasttnt.checkpoint import list_checkpoints
 from fasttnt.embedded.char_tokenizer import build_char_tokenizer
 from fasttnt.engines.batch import RolloutBatch
+from fasttnt.pipeline.remote import IN_FLIGHT
 from fasttnt.pipeline.staleness import StaleBatchError, check_fresh, oldest_version, staleness
-from fasttnt.pipeline.wire import OPTIONAL, WorkerError, from_fields, to_fields
+from fasttnt.pipeline.wire import OPTIONAL, WorkerError, decode, from_fields, to_fields
 from fasttnt.scoring import Judged, ScoredBatch
 from fasttnt_kernels import TntRewards
 
@@ -335,3 +336,42 @@ def test_a_trainer_that_dies_stops_the_worker_naming_it(tmp_path):
     assert trainer.returncode == 9, "precondition: the trainer died"
     assert worker.returncode == 1, worker.stderr[-3000:]
     assert "fasttnt train: rollout worker rank 1: the trainer (rank 0) is gone: its connection closed" in worker.stderr
+
+
+def test_a_run_killed_one_step_off_resumes_to_what_an_uninterrupted_run_logs(tmp_path):
+    # k = 1 and a checkpoint after every step: each keeps the batch in flight (the next step's, sampled from weights
+    # the checkpoint no longer holds). The job is killed -9, every rank, while its trainer pauses at step 2's push
+    # (support/faulty.py), after step 1's checkpoint; --resume continues it from there
+    overrides = [*PIPELINE_RUN, "steps=5", "save_every=1", "rollout.workers=1", "rollout.max_staleness=1"]
+
+    def command(module: str, out: str) -> list[str]:
+        args = ["train", "--output-dir", str(tmp_path / out), f"cache_dir={tmp_path / 'cache'}", *overrides]
+        return launch_command("torchrun", module, *args)
+
+    straight = run_job(command(varied.MODULE, "straight"), env=PIPELINE_ENV, timeout=HANG_S)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    paused = tmp_path / "paused"
+    env = {**FAULTY_ENV, "FAULT": "trainer-pauses", "FAULT_FILE": str(paused)}
+    proc = subprocess.Popen(command("faulty", "killed"), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + HANG_S
+    while not paused.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert paused.exists(), "precondition: the trainer reached step 2's push"
+    out = tmp_path / "killed"
+    assert [r["step"] for r in metric_rows(out)] == [1]
+    (checkpoint,) = list_checkpoints(out / "checkpoints")
+    saved = torch.load(checkpoint / IN_FLIGHT, weights_only=True)
+    (in_flight,) = (decode(*message, worker="test") for message in saved["queue"])
+    assert (in_flight.step, staleness(in_flight.step, in_flight.version)) == (2, 1), "a stale batch was in flight"
+
+    resumed = run_job([*command(varied.MODULE, "killed"), "--resume"], env=PIPELINE_ENV, timeout=HANG_S)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows, expected = metric_rows(out), metric_rows(tmp_path / "straight")
+    assert [r["staleness"] for r in rows] == [0, 1, 1, 1, 1]
+    checked = [r.get("worker_logp_diff") for r in rows]
+    assert [c is not None for c in checked] == [False, False, True, True, True]
+    assert max(checked[2:]) < 1e-6, "the checkpoint's weights were checked as a push, and arrived whole"
+    assert [deterministic(r) for r in rows] == [deterministic(r) for r in expected]

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import os
 import signal
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .. import distributed
+from ..checkpoint import ResumeError
 from ..config import ConfigError, TrainConfig
 from ..dynamic_sampling import choose_groups, select_groups
 from ..engines.batch import RolloutBatch
@@ -34,9 +36,10 @@ from ..rollouts import StepRollouts
 from .peer import recv_from, send_to
 from .staleness import check_fresh, oldest_version
 from .weights import recv_weights, send_weights
-from .wire import Shipment, WorkerError, recv_shipment, send_shipment
+from .wire import Shipment, WorkerError, decode, encode, recv_shipment, send_shipment
 
 TRAINER = 0  # the one training rank (rank 0 of the world); the workers are the last ranks
+IN_FLIGHT = "in_flight.pt"  # a checkpoint's file at rollout.max_staleness >= 1 (RemoteRollouts.in_flight)
 
 
 @dataclass(frozen=True)
@@ -80,36 +83,45 @@ def is_worker_rank(cfg: TrainConfig) -> bool:
 class RemoteRollouts:
     """The trainer's side: ``step`` is ``Rollouts.step``'s, from the worker's shipments."""
 
-    def __init__(self, cfg: TrainConfig, ranks: PipelineRanks, device: torch.device) -> None:
+    def __init__(self, cfg: TrainConfig, ranks: PipelineRanks, device: torch.device, resumed_from: Path | None) -> None:
+        """``resumed_from``: the checkpoint a resumed run continues, whose batches in flight (``IN_FLIGHT``) this
+        trains on first."""
         self.cfg, self.ranks, self.device = cfg, ranks, device
         self.bucket_bytes = cfg.rollout.weight_sync_bucket_mb * 2**20
         self.timeout = cfg.rollout.worker_timeout
         self.pending: list = []  # the sends of the last push, still in flight
-        self.last: Shipment | None = None
+        self.last: Shipment | None = None  # the shipment of the step trained last
+        self.queue: deque[Shipment] = deque()  # shipments received ahead of their step (in_flight)
         self.logp_diff: float | None = None  # the last push check's mean |difference| per token
         # k >= 1: each push checked by its probe (module docstring): version -> the trainer's log-probs of the probe
         self.probes: dict[int, torch.Tensor] = {}
         self.check_pushes = cfg.rollout.max_staleness > 0 and cfg.rollout.max_logp_diff is not None
+        if resumed_from is not None and cfg.rollout.max_staleness > 0:
+            self._restore(resumed_from / IN_FLIGHT)
 
     @property
     def name(self) -> str:
         return f"rollout worker rank {self.ranks.worker}"
 
     def start(self, model: torch.nn.Module, step: int, data_position: int) -> None:
-        """The worker's starting point: the step and data position the run starts from, and its weights."""
-        send_to(torch.tensor([step, data_position], dtype=torch.int64), self.ranks.worker, peer=self.name,
+        """The worker's starting point: the step it generates from and its data position there, the weights, and a
+        resumed run's shipments (the last trained and those in flight, whose first groups the worker's push checks
+        read)."""
+        first = step + len(self.queue)  # the worker generates step first + 1 on
+        position = self.queue[-1].data_position if self.queue else data_position
+        back = [self.last, *self.queue] if self.last is not None else []
+        send_to(torch.tensor([first, position, len(back)], dtype=torch.int64), self.ranks.worker, peer=self.name,
                 what="the run's starting point to be taken", timeout=self.timeout)  # fmt: skip
         send_weights(model, step, dst=self.ranks.worker, src=TRAINER, bucket_bytes=self.bucket_bytes,
                      timeout=self.timeout)  # fmt: skip
+        for shipment in back:
+            send_shipment(shipment, self.ranks.worker, timeout=self.timeout, peer=self.name)
 
     def step(self, step: int, clock) -> StepRollouts:
         """Step ``step``'s rollouts as the worker shipped them (``clock`` laps ``wait``), checked against the step and
         the staleness bound; the groups trained on chosen as the colocated loop chooses them."""
-        shipment = recv_shipment(self.ranks.worker, device=self.device, timeout=self.timeout)
+        shipment = self.queue.popleft() if self.queue else self._receive(step)
         clock.lap("wait")
-        if shipment.step != step:
-            raise WorkerError(f"{self.name} shipped step {shipment.step}'s batch where step {step}'s was due")
-        check_fresh(step, shipment.version, self.cfg.rollout.max_staleness, worker=self.name)
         self.last, self.logp_diff = shipment, None
         if shipment.probe_version >= 0:
             self._check_push(step, shipment)
@@ -118,6 +130,37 @@ class RemoteRollouts:
             groups, filled = choose_groups(shipment.varied, self.cfg.rollout.prompts_per_step)
             trained = select_groups(drawn, groups)
         return StepRollouts(drawn, trained, shipment.varied, filled, shipment.draws)
+
+    def _receive(self, step: int) -> Shipment:
+        """The worker's next shipment, which must be step ``step``'s, sampled within the staleness bound."""
+        shipment = recv_shipment(self.ranks.worker, device=self.device, timeout=self.timeout)
+        if shipment.step != step:
+            raise WorkerError(f"{self.name} shipped step {shipment.step}'s batch where step {step}'s was due")
+        check_fresh(step, shipment.version, self.cfg.rollout.max_staleness, worker=self.name)
+        return shipment
+
+    def in_flight(self, step: int) -> dict[str, object] | None:
+        """What a checkpoint after step ``step`` keeps of the pipeline (its ``extra`` files), so that a resume logs
+        what an uninterrupted run logs: at k >= 1, the next k steps' batches (received now: the worker sampled them
+        from weights the checkpoint no longer holds), the shipment of step ``step`` and the probes of the pushes not
+        checked yet. At k = 0 nothing is in flight between steps: None."""
+        k = self.cfg.rollout.max_staleness
+        if k == 0:
+            return None
+        while len(self.queue) < k and step + len(self.queue) < self.cfg.steps:
+            self.queue.append(self._receive(step + len(self.queue) + 1))
+        saved = {"last": encode(self.last), "queue": [encode(s) for s in self.queue], "probes": dict(self.probes)}
+        return {IN_FLIGHT: saved}
+
+    def _restore(self, path: Path) -> None:
+        """``in_flight``'s file, read back."""
+        if not path.is_file():
+            raise ResumeError(f"--resume: {path} is missing: a checkpoint at rollout.max_staleness >= 1 keeps the "
+                              "batches in flight there")  # fmt: skip
+        saved = torch.load(path, weights_only=True)
+        self.last = decode(*saved["last"], worker=f"{path}", device=self.device)
+        self.queue.extend(decode(*message, worker=f"{path}", device=self.device) for message in saved["queue"])
+        self.probes = dict(saved["probes"])
 
     def _check_push(self, step: int, shipment: Shipment) -> None:
         """The worker's log-probs of a version's probe against the trainer's (``StaleWeightsError`` past the guard's
@@ -183,12 +226,15 @@ def serve(cfg: TrainConfig, out: Path, *, resume: bool) -> int:
     engine = build_engine(cfg.rollout.engine, model, tokenizer, settings)
     stream = ProblemStream(cfg)
     run_setup.drop_long_prompts(stream, cfg, tokenizer, prompt_budget)
-    start, timeout = torch.empty(2, dtype=torch.int64), cfg.rollout.worker_timeout
-    recv_from(start, TRAINER, peer=f"the trainer (rank {TRAINER})", what="the run's starting point", timeout=timeout)
-    first, data_position = start.tolist()
+    trainer, timeout = f"the trainer (rank {TRAINER})", cfg.rollout.worker_timeout
+    start = torch.empty(3, dtype=torch.int64)
+    recv_from(start, TRAINER, peer=trainer, what="the run's starting point", timeout=timeout)
+    first, data_position, n_back = start.tolist()
     stream.seek(data_position)
     bucket_bytes = cfg.rollout.weight_sync_bucket_mb * 2**20
     version = recv_weights(model, src=TRAINER, bucket_bytes=bucket_bytes, timeout=timeout)
+    # a resumed run's last trained shipment and those in flight (RemoteRollouts.start): what this worker had shipped
+    back = [recv_shipment(TRAINER, device=ctx.device, timeout=timeout, peer=trainer) for _ in range(n_back)]
     verifier = VerifierPool(cfg.verify_workers, cfg.verify_timeout)
     rollouts = Rollouts(
         cfg, engine=engine, stream=stream, tokenizer=tokenizer,
@@ -198,10 +244,13 @@ def serve(cfg: TrainConfig, out: Path, *, resume: bool) -> int:
     )  # fmt: skip
     check_pushes = cfg.rollout.max_staleness > 0 and cfg.rollout.max_logp_diff is not None
     head = PolicyHead(model) if check_pushes else None  # the trainer's own packed forward, for the probes
-    shipped: dict[int, RolloutBatch] = {}  # step -> its batch, until the version its update makes is checked
+    # step -> its batch, until the version its update makes is checked
+    shipped: dict[int, RolloutBatch] = {s.step: s.scored.batch for s in back} if check_pushes else {}
+    probe_version, probe_logp = -1, None
+    if version in shipped:  # resumed at k >= 1: the checkpoint's weights are a version taken like any push
+        probe_version, probe_logp = version, _probe_logprobs(cfg, head, probe_rows(shipped.pop(version)))
     try:
         for step in range(first + 1, cfg.steps + 1):
-            probe_version, probe_logp = -1, None
             while version < oldest_version(step, cfg.rollout.max_staleness):
                 version = recv_weights(model, src=TRAINER, bucket_bytes=bucket_bytes, timeout=timeout)
                 if check_pushes:  # the push check (module docstring): this version's log-probs of its probe
@@ -211,6 +260,7 @@ def serve(cfg: TrainConfig, out: Path, *, resume: bool) -> int:
             shipment = Shipment(rolled.drawn, step, version, rolled.varied, rolled.draws, stream.position, clock.times,
                                 probe_version, probe_logp)  # fmt: skip
             send_shipment(shipment, TRAINER, timeout=timeout)
+            probe_version, probe_logp = -1, None
             if check_pushes:
                 shipped[step] = rolled.drawn.batch
     finally:

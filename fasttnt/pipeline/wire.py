@@ -168,9 +168,8 @@ def _check(ok: bool, worker: str, what: str) -> None:
         raise WorkerError(f"{worker}: malformed batch: {what}")
 
 
-def send_shipment(shipment: Shipment, dst: int, group=None, *, timeout: float | None = None) -> None:
-    """Send ``shipment`` to rank ``dst`` (``recv_shipment`` there), each part within ``timeout`` seconds
-    (``peer.wait_for``)."""
+def encode(shipment: Shipment) -> tuple[torch.Tensor, torch.Tensor]:
+    """``shipment`` as its message: the header (int64, ``HEADER_LEN``) and the payload (uint8)."""
     fields = to_fields(shipment.scored)
     fields["varied"] = torch.tensor(shipment.varied, dtype=torch.bool)
     times = shipment.times or {}
@@ -187,22 +186,16 @@ def send_shipment(shipment: Shipment, dst: int, group=None, *, timeout: float | 
             raw = t.view(torch.uint8)
             parts += [raw, torch.zeros(-raw.numel() % ALIGN, dtype=torch.uint8)]
     payload = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
-    trainer, what = f"the trainer (rank {dst})", f"step {shipment.step}'s batch to be taken"
-    send_to(torch.tensor(header, dtype=torch.int64), dst, peer=trainer, what=what, timeout=timeout, group=group)
-    send_to(payload, dst, peer=trainer, what=what, timeout=timeout, group=group)
+    return torch.tensor(header, dtype=torch.int64), payload
 
 
-def recv_shipment(
-    src: int, group=None, *, device: torch.device | str = "cpu", timeout: float | None = None
-) -> Shipment:
-    """The shipment rank ``src`` sends (``send_shipment``), checked (``WorkerError``: malformed) and on ``device``;
-    each part within ``timeout`` seconds (``peer.wait_for``)."""
-    worker = f"rollout worker rank {src}"
-    header = torch.empty(HEADER_LEN, dtype=torch.int64)
-    recv_from(header, src, peer=worker, what="batch", timeout=timeout, group=group)
-    magic, step, version, draws, data_position, probe_version, n_fields, *spec = header.tolist()
-    if magic != MAGIC or n_fields != len(MESSAGE_FIELDS):
+def payload_layout(header: torch.Tensor, *, worker: str) -> tuple[list[tuple], int]:
+    """Where each field lies in the payload a header announces: ``(name, dtype or None, offset, count)`` per field,
+    and the payload's size in bytes (``WorkerError`` where the header is not one of ``encode``'s)."""
+    magic, *_, n_fields = header[:7].tolist()
+    if header.numel() != HEADER_LEN or magic != MAGIC or n_fields != len(MESSAGE_FIELDS):
         raise WorkerError(f"{worker}: malformed batch: not a fasttnt shipment of this version (magic {magic:#x})")
+    spec = header[7:].tolist()
     codes = {code: dtype for dtype, code in DTYPE_CODES.items()}
     layout, size = [], 0
     for (name, dtype), code, numel in zip(MESSAGE_FIELDS, spec[0::2], spec[1::2], strict=True):
@@ -214,8 +207,15 @@ def recv_shipment(
         nbytes = numel * dtype.itemsize
         layout.append((name, dtype, size, numel))
         size += nbytes + (-nbytes % ALIGN)
-    payload = torch.empty(size, dtype=torch.uint8)
-    recv_from(payload, src, peer=worker, what="batch", timeout=timeout, group=group)
+    return layout, size
+
+
+def decode(header: torch.Tensor, payload: torch.Tensor, *, worker: str, device: torch.device | str = "cpu") -> Shipment:
+    """``encode``'s inverse, checked (``WorkerError`` naming ``worker``: malformed), on ``device``."""
+    layout, size = payload_layout(header, worker=worker)
+    if payload.numel() != size:
+        raise WorkerError(f"{worker}: malformed batch: a payload of {payload.numel()} bytes where {size} are due")
+    _, step, version, draws, data_position, probe_version, _ = header[:7].tolist()
     fields = {}
     for name, dtype, at, numel in layout:
         fields[name] = None if dtype is None else payload[at : at + numel * dtype.itemsize].view(dtype).clone()
@@ -230,3 +230,29 @@ def recv_shipment(
         raise WorkerError(f"{worker}: malformed batch: probe version {probe_version} without its log-probs, or back")
     probe = None if probe is None else probe.to(device)
     return Shipment(scored, step, version, varied.tolist(), draws, data_position, times, probe_version, probe)
+
+
+def send_shipment(
+    shipment: Shipment, dst: int, group=None, *, timeout: float | None = None, peer: str | None = None
+) -> None:
+    """Send ``shipment`` to rank ``dst`` (``recv_shipment`` there), each part within ``timeout`` seconds
+    (``peer.wait_for``); ``peer`` names rank ``dst`` in errors (by default the trainer, which batches go to)."""
+    header, payload = encode(shipment)
+    peer, what = peer or f"the trainer (rank {dst})", f"step {shipment.step}'s batch to be taken"
+    send_to(header, dst, peer=peer, what=what, timeout=timeout, group=group)
+    send_to(payload, dst, peer=peer, what=what, timeout=timeout, group=group)
+
+
+def recv_shipment(
+    src: int, group=None, *, device: torch.device | str = "cpu", timeout: float | None = None, peer: str | None = None
+) -> Shipment:
+    """The shipment rank ``src`` sends (``send_shipment``), checked (``WorkerError``: malformed) and on ``device``;
+    each part within ``timeout`` seconds (``peer.wait_for``); ``peer`` names rank ``src`` in errors (by default a
+    rollout worker, which batches come from)."""
+    worker = peer or f"rollout worker rank {src}"
+    header = torch.empty(HEADER_LEN, dtype=torch.int64)
+    recv_from(header, src, peer=worker, what="batch", timeout=timeout, group=group)
+    _, size = payload_layout(header, worker=worker)
+    payload = torch.empty(size, dtype=torch.uint8)
+    recv_from(payload, src, peer=worker, what="batch", timeout=timeout, group=group)
+    return decode(header, payload, worker=worker, device=device)

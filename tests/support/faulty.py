@@ -3,7 +3,9 @@
 
 - ``worker-dies``: the worker's process ends (``os._exit``) instead of shipping step STEP's batch;
 - ``worker-hangs``: the worker stops answering instead of shipping it (it sleeps until killed);
-- ``trainer-dies``: the trainer's process ends instead of pushing step STEP's weights.
+- ``trainer-dies``: the trainer's process ends instead of pushing step STEP's weights;
+- ``trainer-pauses``: the trainer stops there until killed, after creating the file the environment's
+  ``FAULT_FILE`` names (a test kills the job then, at a known point).
 """
 
 from __future__ import annotations
@@ -11,13 +13,14 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 import varied
 
 import fasttnt.pipeline.remote as remote
 
 STEP = 2
-FAULTS = ("worker-dies", "worker-hangs", "trainer-dies")
+FAULTS = ("worker-dies", "worker-hangs", "trainer-dies", "trainer-pauses")
 
 
 def main() -> int:
@@ -35,6 +38,9 @@ def main() -> int:
     def faulty_push(self, model, step, *args) -> None:
         if step == STEP and fault == "trainer-dies":
             os._exit(9)
+        if step == STEP and fault == "trainer-pauses":
+            Path(os.environ["FAULT_FILE"]).touch()
+            time.sleep(3600)
         push(self, model, step, *args)
 
     remote.send_shipment, remote.RemoteRollouts.push = faulty_ship, faulty_push
