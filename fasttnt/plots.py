@@ -41,8 +41,8 @@ def _rolling(values: list[float], window: int) -> list[float]:
 
 
 def plot_curves(history: list[dict[str, float]], path: Path, *, title: str = "fasttnt GRPO") -> None:
-    """curves.png: the run's metrics by step; where direct answers were trained on data with levels, a third row
-    shows the choice by level (``_plot_choice``)."""
+    """curves.png: the run's metrics by step; where direct answers were trained on data with levels, a row shows the
+    choice by level (``_plot_choice``); where rollout workers generated, a row shows them (``_plot_pipeline``)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -59,7 +59,8 @@ def plot_curves(history: list[dict[str, float]], path: Path, *, title: str = "fa
         return h.get(key, float("nan"))  # the accuracies by mode: absent in a step without such a response
 
     levels = choice_levels(history)
-    rows = 3 if levels else 2
+    pipeline = any("weight_version" in h for h in history)
+    rows = 2 + bool(levels) + pipeline
     fig, axes = plt.subplots(rows, 3, figsize=(13, 3.5 * rows), constrained_layout=True)
     for ax, (name, series) in zip(axes.flat, _PANELS, strict=False):
         for key, label in series:
@@ -81,6 +82,8 @@ def plot_curves(history: list[dict[str, float]], path: Path, *, title: str = "fa
             ax.legend(fontsize=8)
     if levels:
         _plot_choice(axes[2], steps, history, levels)
+    if pipeline:
+        _plot_pipeline(axes[-1], steps, history)
     fig.suptitle(title)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -123,6 +126,27 @@ def _plot_choice(axes, steps: list[int], history: list[dict[str, float]], levels
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=7)
+
+
+# (title, [(metric, label), ...]) per panel of the pipeline's row
+_PIPELINE_PANELS = [
+    ("idle seconds a step", [("time_wait", "trainer: waiting for a batch"),
+                             ("worker_time_idle", "worker: waiting for weights or for the trainer")]),
+    ("tokens/s", [("generated_tokens_per_s", "generated (worker)"), ("trained_tokens_per_s", "trained")]),
+    ("weight staleness", [("staleness", "versions behind the trained weights")]),
+]  # fmt: skip
+
+
+def _plot_pipeline(axes, steps: list[int], history: list[dict[str, float]]) -> None:
+    """Generation apart from training (``rollout.workers``): how long each side waited for the other, the tokens
+    generated and trained per second, and how stale each step's batch was."""
+    for ax, (name, series) in zip(axes, _PIPELINE_PANELS, strict=True):
+        for key, label in series:
+            ax.plot(steps, [h.get(key, math.nan) for h in history], label=label, linewidth=1.5)
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
 
 
 SUMMARY_KEYS = [

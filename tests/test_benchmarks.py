@@ -233,6 +233,7 @@ def test_a_rollout_worker_on_policy_and_one_step_off(tmp_path):
         b = {k: v for k, v in deterministic(b).items() if k not in ("weight_version", "staleness")}
         assert deterministic(a) == {k: v for k, v in b.items() if not k.startswith("worker_")}
     assert [(r["weight_version"], r["staleness"]) for r in k1] == [(0, 0), (0, 1), (1, 1), (2, 1)]
+    assert all(r["worker_time_idle"] >= 0 and r["time_wait"] >= 0 for r in k0 + k1), "each side's idle seconds"
     assert k1[0]["rollout_is_mean"] == pytest.approx(1.0, abs=1e-5), "step 1: the start's own weights"
     assert any(abs(r["rollout_is_mean"] - 1.0) > 1e-4 for r in k1[1:]), "precondition: the batches were stale"
     assert all(r["grad_norm"] > 0 and math.isfinite(r["loss"]) for r in k1)

@@ -145,13 +145,13 @@ def main():
     trainer, worker = 0, 1
     # the worker ships step 7's batch sampled with version 5; the trainer rebuilds the same batch to compare
     if ctx.rank == worker:
-        times = {{"time_generate": 1.5, "time_verify": 0.25, "time_reward": 0.125}}
+        times = {{"time_generate": 1.5, "time_verify": 0.25, "time_reward": 0.125, "time_idle": 0.5}}
         shipment = Shipment(scored_batch({SEED}), 7, 5, [True, False, True], draws=2, data_position=96, times=times)
         send_shipment(shipment, trainer)
     else:
         got = recv_shipment(worker)
         assert (got.step, got.version, got.varied, got.draws, got.data_position) == (7, 5, [True, False, True], 2, 96)
-        assert got.times == {{"time_generate": 1.5, "time_verify": 0.25, "time_reward": 0.125}}, got.times
+        assert got.times == {{"time_generate": 1.5, "time_verify": 0.25, "time_reward": 0.125, "time_idle": 0.5}}
         assert_same_batch(got.scored, scored_batch({SEED}))
         print("shipment arrived whole", flush=True)
     # the trainer pushes its weights (seed 1) as version 8 into the worker's model (seed 2)
@@ -375,3 +375,17 @@ def test_a_run_killed_one_step_off_resumes_to_what_an_uninterrupted_run_logs(tmp
     assert [c is not None for c in checked] == [False, False, True, True, True]
     assert max(checked[2:]) < 1e-6, "the checkpoint's weights were checked as a push, and arrived whole"
     assert [deterministic(r) for r in rows] == [deterministic(r) for r in expected]
+
+
+def test_the_curves_of_a_run_with_workers_gain_the_pipelines_row(tmp_path):
+    from matplotlib.image import imread
+
+    from fasttnt.plots import plot_curves
+
+    colocated = [{"step": s, "reward": 0.1 * s, "acc": 0.5, "len": 10.0, "non_thinking_ratio": 0.0} for s in (1, 2, 3)]
+    pipelined = [{**row, "weight_version": row["step"] - 2, "staleness": 1, "time_wait": 0.1, "worker_time_idle": 0.2,
+                  "generated_tokens_per_s": 100.0, "trained_tokens_per_s": 300.0} for row in colocated]  # fmt: skip
+    plot_curves(colocated, tmp_path / "colocated.png")
+    plot_curves(pipelined, tmp_path / "pipelined.png")
+    two_rows, three_rows = (imread(tmp_path / f"{name}.png").shape[0] for name in ("colocated", "pipelined"))
+    assert three_rows == pytest.approx(two_rows * 3 / 2, rel=0.01), "a third row of 3.5 inches"

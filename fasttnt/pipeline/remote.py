@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -249,17 +250,22 @@ def serve(cfg: TrainConfig, out: Path, *, resume: bool) -> int:
     probe_version, probe_logp = -1, None
     if version in shipped:  # resumed at k >= 1: the checkpoint's weights are a version taken like any push
         probe_version, probe_logp = version, _probe_logprobs(cfg, head, probe_rows(shipped.pop(version)))
+    idle = 0.0  # seconds waiting since the last batch was generated: for weights, and for the trainer to take it
     try:
         for step in range(first + 1, cfg.steps + 1):
             while version < oldest_version(step, cfg.rollout.max_staleness):
+                waited = time.perf_counter()
                 version = recv_weights(model, src=TRAINER, bucket_bytes=bucket_bytes, timeout=timeout)
+                idle += time.perf_counter() - waited
                 if check_pushes:  # the push check (module docstring): this version's log-probs of its probe
                     probe_version, probe_logp = version, _probe_logprobs(cfg, head, probe_rows(shipped.pop(version)))
             clock = PhaseClock()
             rolled = rollouts.step(step, clock)
-            shipment = Shipment(rolled.drawn, step, version, rolled.varied, rolled.draws, stream.position, clock.times,
-                                probe_version, probe_logp)  # fmt: skip
+            shipment = Shipment(rolled.drawn, step, version, rolled.varied, rolled.draws, stream.position,
+                                {**clock.times, "time_idle": idle}, probe_version, probe_logp)  # fmt: skip
+            waited = time.perf_counter()
             send_shipment(shipment, TRAINER, timeout=timeout)
+            idle = time.perf_counter() - waited
             probe_version, probe_logp = -1, None
             if check_pushes:
                 shipped[step] = rolled.drawn.batch

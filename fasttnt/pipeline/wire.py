@@ -21,7 +21,7 @@ from ..engines.batch import RolloutBatch
 from ..scoring import Judged, ScoredBatch
 from .peer import PipelineError, recv_from, send_to
 
-MAGIC = 0x7F7A_7471_0001  # "fasttnt", wire format 1
+MAGIC = 0x7F7A_7471_0002  # "fasttnt", wire format 2
 # (name, dtype) of every field, in message order; a field may be absent (code 0) where the batch has none
 FIELDS: tuple[tuple[str, torch.dtype], ...] = (
     ("prompt_lengths", torch.int64),  # (S,)
@@ -43,16 +43,17 @@ FIELDS: tuple[tuple[str, torch.dtype], ...] = (
     ("levels", torch.int64),  # (S,) or absent
 )
 OPTIONAL = frozenset({"rollout_logp", "forced", "hacked", "levels"})
-# what a step's rollouts add to its drawn batch: per drawn group whether its rewards differ, and the worker's seconds
-# per phase (TIMED)
-# per phase (TIMED), and the log-probs of a probe under the last version the worker took (``remote``'s push check)
+# what a step's rollouts add to its drawn batch: per drawn group whether its rewards differ, the worker's seconds per
+# phase (TIMED), and the log-probs of a probe under the last version the worker took (``remote``'s push check)
 META_FIELDS: tuple[tuple[str, torch.dtype], ...] = (
     ("varied", torch.bool),
     ("times", torch.float64),
     ("probe_logp", torch.float32),
 )
 MESSAGE_FIELDS = FIELDS + META_FIELDS
-TIMED = ("generate", "verify", "reward")
+# the worker's seconds generating, verifying and rewarding the batch, and idle before it: waiting for weights, and for
+# the trainer to take its previous batch
+TIMED = ("generate", "verify", "reward", "idle")
 DTYPE_CODES = {torch.int64: 1, torch.float32: 2, torch.bool: 3, torch.int8: 4, torch.int32: 5, torch.uint8: 6,
                torch.float64: 7}  # fmt: skip
 HEADER_LEN = 7 + 2 * len(MESSAGE_FIELDS)
