@@ -339,9 +339,6 @@ def validate(cfg: TrainConfig) -> None:
     need(r.max_staleness == 0 or r.workers > 0, "rollout.max_staleness",
          f"{r.max_staleness} overlaps generation with training on rollout workers of their own: with rollout.workers=0 "
          "every rank generates between its updates, so nothing can overlap (set rollout.workers)")  # fmt: skip
-    need(r.max_staleness == 0 or sum(r.forced_rows()) == 0, "rollout.max_staleness",
-         "mode-mixed rollouts (rollout.forced_*) at a staleness >= 1 are not supported yet: their floor and mixture "
-         "rule must read the sampling weights' pi(</think>), not the trainer's")  # fmt: skip
     need(r.workers == 0 or r.engine == "hf", "rollout.workers",
          "a rollout worker runs the hf engine (rollout.engine=hf); vLLM as a worker is not supported yet")  # fmt: skip
     shares = {"forced_non_thinking": r.forced_non_thinking, "forced_thinking": r.forced_thinking}

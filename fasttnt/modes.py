@@ -201,12 +201,17 @@ class ModeMix:
         (``half``, ``policy``) or as the importance weight pi_old / mu (``mixture``) in ``is_weights``, and the
         settled-choice fade a(p) on the ``</think>`` of every non-thinking row (``non_thinking`` (S,)) given the log
         of the fade's floor (``floor_logp``; None: no fade); and the groups below the floor (G,) bool, or None.
-        ``think_end_logp`` (G,): each group's log pi_old(</think> | x) (``probe``). The first tokens' rollout
-        log-probs become their old ones, so the engine's correction, the stale-weight guard and its diagnostics
-        leave them out (a pre-filled token was not sampled)."""
+        ``think_end_logp`` (G,): each group's log pi_old(</think> | x) (``probe``). A batch that older weights
+        sampled (a rollout worker's at ``rollout.max_staleness`` >= 1) carries their log-probs
+        (``behaviour_logprobs``): the mixture and the fade read the sampling policy's, the ratio stays pi / pi_old
+        (the decoupled objective). The first tokens' rollout log-probs become their old ones, so the engine's
+        correction, the stale-weight guard and its diagnostics leave them out (a pre-filled token was not
+        sampled)."""
         batch, old_logp, is_weights = inputs.batch, inputs.old_logp, inputs.is_weights
         first = first_token_index(batch)
         behaviour = self.behaviour_logp(batch, old_logp[first], think_end_logp, think_end_id)
+        if batch.behaviour_think_end_logp is not None:  # sampled from older weights: the fade reads their choice
+            think_end_logp = batch.behaviour_think_end_logp[:: self.group_size]
         if self.mode_token_logp == "mixture":
             weight = torch.exp(old_logp[first] - behaviour)  # at most 1 / (the smallest share): no cap needed
             is_weights = torch.ones_like(old_logp).index_copy(0, first, weight)
@@ -227,7 +232,9 @@ class ModeMix:
         self, batch: RolloutBatch, first_logp: torch.Tensor, think_end_logp: torch.Tensor, think_end_id: int
     ) -> torch.Tensor:
         """The behaviour log-prob (S,) of each row's first token: ``first_logp`` (S,) is its log-prob under the old
-        policy, ``think_end_logp`` (G,) each group's log pi_old(</think> | x) at the first position."""
+        policy, ``think_end_logp`` (G,) each group's log pi_old(</think> | x) at the first position. Under
+        ``mixture`` the policy in mu is the one that sampled the batch: the old policy's, or the older weights'
+        that the batch carries (``RolloutBatch.behaviour_first_logp``)."""
         if self.mode_token_logp == "policy":
             return first_logp
         if self.mode_token_logp == "half":
@@ -235,6 +242,8 @@ class ModeMix:
         k = self.group_size
         s_n, s_t, s_f = self.forced_non_thinking_rows / k, self.forced_thinking_rows / k, self.free_rows / k
         end = think_end_logp.double().repeat_interleave(k)  # (S,) log p
+        if batch.behaviour_first_logp is not None:
+            first_logp, end = batch.behaviour_first_logp, batch.behaviour_think_end_logp.double()
         first = batch.response_ids[first_token_index(batch)]  # (S,) every response has a first token
         # log(s_N + s_F p), the two terms in log space (either share may be 0)
         log_end = torch.logaddexp(torch.full_like(end, _log(s_n)), end + _log(s_f))
@@ -333,6 +342,25 @@ def first_token_index(batch: RolloutBatch) -> torch.Tensor:
     """(S,) the packed index of each response's first token (every response has one: an engine returns at least
     one token, the pre-filled ``</think>`` or a sampled one)."""
     return batch.cu_seqlens[:-1]
+
+
+def first_token_rows(batch: RolloutBatch) -> RolloutBatch:
+    """Each row's prompt and its first response token alone, whose log-prob under a model is log pi(y1 | x)."""
+    device = batch.response_ids.device
+    ids = batch.response_ids[first_token_index(batch)]  # (S,)
+    cu = torch.arange(ids.numel() + 1, dtype=batch.cu_seqlens.dtype, device=device)  # (S+1,)
+    return RolloutBatch(batch.prompt_ids, ids, cu, torch.zeros_like(batch.truncated), batch.group_size)
+
+
+def behaviour_logprobs(batch: RolloutBatch, think_end_id: int, logprobs) -> RolloutBatch:
+    """``batch`` with the log-probs the mixture's behaviour policy needs under the weights that sampled it
+    (``logprobs(rows)``: the log-probs (n,) of ``rows``' response tokens under them): each row's first token's, and
+    its group's log pi(</think> | x) on each of the group's rows. A rollout worker adds them at
+    ``rollout.max_staleness`` >= 1, where those weights are older than the trainer's."""
+    batch.behaviour_first_logp = logprobs(first_token_rows(batch)).float()  # (S,)
+    ends = logprobs(think_end_probe(batch, think_end_id)).float()  # (G,)
+    batch.behaviour_think_end_logp = ends.repeat_interleave(batch.group_size)  # (S,)
+    return batch
 
 
 def think_end_probe(batch: RolloutBatch, think_end_id: int) -> RolloutBatch:

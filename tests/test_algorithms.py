@@ -140,6 +140,7 @@ def test_every_per_row_field_of_a_batch_and_of_the_updates_inputs_is_carried():
     batch = RolloutBatch.of_responses([[i] for i in range(4)], rows, [False, True, False, True], 2,
                                       rollout_logp=[float(t) for t in range(7)],
                                       forced=torch.arange(4, dtype=torch.int8))  # fmt: skip
+    batch.behaviour_first_logp, batch.behaviour_think_end_logp = torch.arange(4.0) + 100, torch.arange(4.0) + 200
     seq = torch.arange(4, dtype=torch.float32)
     tok = torch.arange(7, dtype=torch.float32)
     inputs = UpdateInputs(batch, seq, seq + 10, tok, tok + 10, tok + 20)
@@ -151,6 +152,7 @@ def test_every_per_row_field_of_a_batch_and_of_the_updates_inputs_is_carried():
     kept = inputs.select([1, 2])
     assert rows_and_tokens(kept) == ([[1], [2]], [1.0, 2.0], [2.0, 3.0, 4.0, 5.0])
     assert kept.batch.forced.tolist() == [1, 2] and kept.batch.truncated.tolist() == [True, False]
+    assert kept.batch.behaviour_first_logp.tolist() == [101, 102] and kept.batch.behaviour_think_end_logp[0] == 201
     assert kept.first_advantages.tolist() == [11.0, 12.0] and kept.is_weights.tolist() == [22.0, 23.0, 24.0, 25.0]
     assert kept.old_logp.tolist() == [2.0, 3.0, 4.0, 5.0] and kept.ref_logp.tolist() == [12.0, 13.0, 14.0, 15.0]
     second = inputs.group_slice(1, 2)
@@ -160,6 +162,8 @@ def test_every_per_row_field_of_a_batch_and_of_the_updates_inputs_is_carried():
     assert joined.prompt_ids == [[2], [3], [0], [1]] and joined.forced.tolist() == [2, 3, 0, 1]
     assert joined.rollout_logp.tolist() == [3.0, 4.0, 5.0, 6.0, 0.0, 1.0, 2.0]
     assert joined.truncated.tolist() == [False, True, False, True]
+    assert joined.behaviour_first_logp.tolist() == [102, 103, 100, 101]
+    assert joined.behaviour_think_end_logp.tolist() == [202, 203, 200, 201]
     # the micro-batch of row 1 alone: the kernel's inputs, each cut to it
     from fasttnt.policy import plan_micro_batches
 

@@ -72,6 +72,40 @@ def test_the_first_tokens_behaviour_log_probs_by_hand():
     torch.testing.assert_close(got, old_first, rtol=1e-6, atol=1e-7)
 
 
+def test_a_stale_batch_weighs_its_mode_tokens_against_the_weights_that_sampled_it():
+    # k >= 1: the batch was sampled with older weights (pi_b), the ratio is around the trainer's (pi_old). The
+    # group of test_the_first_tokens_behaviour_log_probs_by_hand, where pi_b(</think> | x) = 0.4, pi_b(A) = 0.25,
+    # pi_b(B) = 0.05 and pi_old as there:
+    #   mu(</think>) = 1/4 + 1/2 * 0.4                = 0.45
+    #   mu(A)        = 0.25 * (1/4 / (1 - 0.4) + 1/2)  = 0.25 * 11/12
+    #   mu(B)        = 0.05 * 11/12
+    # and the mixture's weight w = pi_old(y1) / mu(y1): 0.2 / 0.45, 0.3 / (0.25 * 11/12), 0.2 / 0.45, ...
+    batch = _batch([END, A, END, B], [1, 2, 0, 0], 4)
+    batch.behaviour_first_logp = torch.tensor([0.4, 0.25, 0.4, 0.05]).log()
+    batch.behaviour_think_end_logp = torch.full((4,), math.log(0.4))
+    old_first = torch.tensor([0.2, 0.3, 0.2, 0.1], dtype=torch.float64).log()
+    end_logp = torch.tensor([0.2]).log()  # the trainer's: not the mixture's at k >= 1
+    mixture = ModeMix(1, 1, 4, "mixture", "shared")
+    mu = torch.tensor([0.45, 0.25 * 11 / 12, 0.45, 0.05 * 11 / 12], dtype=torch.float64)
+    got = mixture.behaviour_logp(batch, old_first.float(), end_logp, END)
+    torch.testing.assert_close(got.double(), mu.log(), rtol=0, atol=4 * torch.finfo(torch.float32).eps)
+    old_logp = torch.full((batch.response_ids.numel(),), -0.5)
+    first = batch.cu_seqlens[:-1]
+    old_logp[first] = old_first.float()
+    inputs = UpdateInputs(batch, torch.zeros(4), torch.zeros(4), old_logp=old_logp)
+    terms, _ = mixture.mode_token_terms(inputs, torch.tensor([True, False, True, False]), end_logp, END)
+    want = old_first.exp() / mu
+    torch.testing.assert_close(terms.is_weights[first].double(), want, rtol=1e-6, atol=0)
+    assert terms.old_logp is old_logp or torch.equal(terms.old_logp, old_logp), "the ratio stays around pi_old"
+    # the fade reads the sampling weights' choice: at a floor of 0.8, (0.4 / 0.8) ** 4 on the direct rows' </think>,
+    # not the trainer's (0.2 / 0.8) ** 4
+    policy = ModeMix(1, 1, 4, "policy", "shared")
+    faded, below = policy.mode_token_terms(inputs, torch.tensor([True, False, True, False]), end_logp, END,
+                                           floor_logp=math.log(0.8))  # fmt: skip
+    torch.testing.assert_close(faded.is_weights[first], torch.tensor([0.5**4, 1.0, 0.5**4, 1.0]), rtol=1e-6, atol=0)
+    assert below.tolist() == [True]
+
+
 def test_the_loss_gradient_on_the_mode_token_by_hand():
     # "mixture": the forced non-thinking row's mode token has pi_old(</think>) = 0.2 and mu = 0.35, so its importance
     # weight w = 0.2 / 0.35 = 4/7 multiplies the clipped term from outside, whose ratio starts at 1: no clip binds

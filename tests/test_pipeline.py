@@ -4,6 +4,7 @@ sender."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -75,6 +76,8 @@ def scored_batch(seed: int, *, optional: bool = True) -> ScoredBatch:
         prompts, torch.randint(0, 100, (n,), generator=g), cu, torch.rand(s, generator=g) < 0.3, k,
         rollout_logp=-torch.rand(n, generator=g) if optional else None,
         forced=torch.randint(0, 3, (s,), generator=g, dtype=torch.int8) if optional else None,
+        behaviour_first_logp=-torch.rand(s, generator=g) if optional else None,
+        behaviour_think_end_logp=-torch.rand(s // k, generator=g).repeat_interleave(k) if optional else None,
     )  # fmt: skip
     texts = [f"réponse {i} → {int(torch.randint(0, 999, (), generator=g))}" for i in range(s)]
     judged = Judged(texts, torch.rand(s, generator=g) < 0.5, timeouts=2, crashes=1)
@@ -246,8 +249,6 @@ def test_the_roles_a_world_cannot_hold_are_refused_naming_the_key():
         (["rollout.workers=-1"], "rollout.workers: must be >= 0"),
         (["rollout.workers=1", "rollout.max_staleness=-1"], "rollout.max_staleness: must be >= 0"),
         (["rollout.workers=1", "rollout.engine=vllm"], "rollout.workers: a rollout worker runs the hf engine"),
-        (["rollout.workers=1", "rollout.max_staleness=1", "rollout.forced_non_thinking=0.5"],
-         "rollout.max_staleness: mode-mixed rollouts"),
     ]:  # fmt: skip
         with pytest.raises(ConfigError, match=re.escape(message)):
             load_config(None, overrides)
@@ -389,3 +390,18 @@ def test_the_curves_of_a_run_with_workers_gain_the_pipelines_row(tmp_path):
     plot_curves(pipelined, tmp_path / "pipelined.png")
     two_rows, three_rows = (imread(tmp_path / f"{name}.png").shape[0] for name in ("colocated", "pipelined"))
     assert three_rows == pytest.approx(two_rows * 3 / 2, rel=0.01), "a third row of 3.5 inches"
+
+
+def test_a_mode_mixed_run_one_step_off_trains_on_a_worker(tmp_path):
+    # k = 1 with forced rows in both modes under the mixture rule: the worker adds each row's first-token log-prob
+    # and its group's pi(</think> | x) under the weights that sampled it (modes.behaviour_logprobs), which the
+    # mixture and the fade read (tests/test_modes.py works the weights by hand)
+    mixed = ["rollout.forced_non_thinking=0.25", "rollout.forced_thinking=0.25", "loss.mode_token_logp=mixture"]
+    args = ["train", "--output-dir", str(tmp_path / "run"), f"cache_dir={tmp_path / 'cache'}", *PIPELINE_RUN, *mixed,
+            "rollout.workers=1", "rollout.max_staleness=1"]  # fmt: skip
+    result = run_job(launch_command("torchrun", varied.MODULE, *args), env=PIPELINE_ENV, timeout=HANG_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = metric_rows(tmp_path / "run")
+    assert [r["staleness"] for r in rows] == [0, 1, 1, 1]
+    assert all(r["grad_norm"] > 0 and math.isfinite(r["loss"]) for r in rows)
+    assert any(abs(r["rollout_is_mean"] - 1.0) > 1e-4 for r in rows[1:]), "precondition: the batches were stale"

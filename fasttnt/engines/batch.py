@@ -45,6 +45,11 @@ class RolloutBatch:
     forced: torch.Tensor | None = field(
         default=None, metadata={**PER_SEQUENCE, "missing_code": FORCED_CODES[PromptMode.FREE]}
     )
+    # mode-mixed rows sampled by a rollout worker at rollout.max_staleness >= 1 (fasttnt.modes.behaviour_logprobs),
+    # under the weights that sampled them: (S,) float32 each row's first token's log-prob, and its group's
+    # log pi(</think> | x) on each of the group's rows; None where the trainer's own weights sampled the batch
+    behaviour_first_logp: torch.Tensor | None = field(default=None, metadata=PER_SEQUENCE)
+    behaviour_think_end_logp: torch.Tensor | None = field(default=None, metadata=PER_SEQUENCE)
 
     @classmethod
     def of_responses(

@@ -205,7 +205,7 @@ def serve(cfg: TrainConfig, out: Path, *, resume: bool) -> int:
     from .. import run_setup
     from ..data import dataset_style, think_end_token_id
     from ..engines import build_engine
-    from ..modes import ModeMix
+    from ..modes import ModeMix, behaviour_logprobs
     from ..policy import PolicyHead
     from ..rollouts import Rollouts
     from ..stream import ProblemStream
@@ -237,14 +237,18 @@ def serve(cfg: TrainConfig, out: Path, *, resume: bool) -> int:
     # a resumed run's last trained shipment and those in flight (RemoteRollouts.start): what this worker had shipped
     back = [recv_shipment(TRAINER, device=ctx.device, timeout=timeout, peer=trainer) for _ in range(n_back)]
     verifier = VerifierPool(cfg.verify_workers, cfg.verify_timeout)
+    think_end_id = think_end_token_id(tokenizer)
     rollouts = Rollouts(
         cfg, engine=engine, stream=stream, tokenizer=tokenizer,
-        prompt=lambda p: run_setup.training_prompt(cfg, tokenizer, p), think_end_id=think_end_token_id(tokenizer),
+        prompt=lambda p: run_setup.training_prompt(cfg, tokenizer, p), think_end_id=think_end_id,
         markers=dataset_style(cfg.data.train, markers=cfg.data.hack_markers).markers, mode_mix=ModeMix.of(cfg),
         verifier=verifier, prompts_per_rank=cfg.rollout.prompts_per_step,
     )  # fmt: skip
     check_pushes = cfg.rollout.max_staleness > 0 and cfg.rollout.max_logp_diff is not None
-    head = PolicyHead(model) if check_pushes else None  # the trainer's own packed forward, for the probes
+    # mode-mixed at k >= 1: the mixture and the fade read the sampling weights' log-probs (modes.behaviour_logprobs)
+    behaviour = cfg.rollout.max_staleness > 0 and ModeMix.of(cfg) is not None
+    # the trainer's own packed forward, for the probes and the behaviour log-probs
+    head = PolicyHead(model) if check_pushes or behaviour else None
     # step -> its batch, until the version its update makes is checked
     shipped: dict[int, RolloutBatch] = {s.step: s.scored.batch for s in back} if check_pushes else {}
     probe_version, probe_logp = -1, None
@@ -261,6 +265,9 @@ def serve(cfg: TrainConfig, out: Path, *, resume: bool) -> int:
                     probe_version, probe_logp = version, _probe_logprobs(cfg, head, probe_rows(shipped.pop(version)))
             clock = PhaseClock()
             rolled = rollouts.step(step, clock)
+            if behaviour:  # part of the batch's generation: under the weights that sampled it
+                behaviour_logprobs(rolled.drawn.batch, think_end_id, lambda rows: _probe_logprobs(cfg, head, rows))
+                clock.lap("generate")
             shipment = Shipment(rolled.drawn, step, version, rolled.varied, rolled.draws, stream.position,
                                 {**clock.times, "time_idle": idle}, probe_version, probe_logp)  # fmt: skip
             waited = time.perf_counter()

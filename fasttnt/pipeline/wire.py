@@ -21,7 +21,7 @@ from ..engines.batch import RolloutBatch
 from ..scoring import Judged, ScoredBatch
 from .peer import PipelineError, recv_from, send_to
 
-MAGIC = 0x7F7A_7471_0002  # "fasttnt", wire format 2
+MAGIC = 0x7F7A_7471_0003  # "fasttnt", wire format 3
 # (name, dtype) of every field, in message order; a field may be absent (code 0) where the batch has none
 FIELDS: tuple[tuple[str, torch.dtype], ...] = (
     ("prompt_lengths", torch.int64),  # (S,)
@@ -41,8 +41,10 @@ FIELDS: tuple[tuple[str, torch.dtype], ...] = (
     ("limit", torch.float32),  # (G,)
     ("hacked", torch.bool),  # (S,) or absent
     ("levels", torch.int64),  # (S,) or absent
+    ("behaviour_first_logp", torch.float32),  # (S,) or absent
+    ("behaviour_think_end_logp", torch.float32),  # (S,) or absent
 )
-OPTIONAL = frozenset({"rollout_logp", "forced", "hacked", "levels"})
+OPTIONAL = frozenset({"rollout_logp", "forced", "hacked", "levels", "behaviour_first_logp", "behaviour_think_end_logp"})
 # what a step's rollouts add to its drawn batch: per drawn group whether its rewards differ, the worker's seconds per
 # phase (TIMED), and the log-probs of a probe under the last version the worker took (``remote``'s push check)
 META_FIELDS: tuple[tuple[str, torch.dtype], ...] = (
@@ -106,6 +108,8 @@ def to_fields(scored: ScoredBatch) -> dict[str, torch.Tensor | None]:
         "limit": r.limit,
         "hacked": scored.hacked,
         "levels": scored.levels,
+        "behaviour_first_logp": batch.behaviour_first_logp,
+        "behaviour_think_end_logp": batch.behaviour_think_end_logp,
     }
     if fields["text_bytes"] is None:
         fields["text_bytes"] = torch.zeros(0, dtype=torch.uint8)
@@ -132,7 +136,7 @@ def from_fields(fields: dict[str, torch.Tensor | None], *, worker: str, device: 
     _check(bounds[0] == 0 and bounds[-1] == n and all(a <= b for a, b in itertools.pairwise(bounds)),
            worker, f"cu_seqlens does not bound {n} response tokens")  # fmt: skip
     per_sequence = ("prompt_lengths", "truncated", "forced", "text_lengths", "correct", "rewards", "non_thinking",
-                    "solution_len", "hacked", "levels")  # fmt: skip
+                    "solution_len", "hacked", "levels", "behaviour_first_logp", "behaviour_think_end_logp")  # fmt: skip
     for name in per_sequence:
         t = fields.get(name)
         _check(t is None or t.numel() == s, worker, f"{name} holds {None if t is None else t.numel()}, not {s}")
@@ -156,7 +160,9 @@ def from_fields(fields: dict[str, torch.Tensor | None], *, worker: str, device: 
         return None if value is None else value.to(device)
 
     batch = RolloutBatch(prompts, on("response_ids"), on("cu_seqlens"), on("truncated"), group_size,
-                         rollout_logp=on("rollout_logp"), forced=on("forced"))  # fmt: skip
+                         rollout_logp=on("rollout_logp"), forced=on("forced"),
+                         behaviour_first_logp=on("behaviour_first_logp"),
+                         behaviour_think_end_logp=on("behaviour_think_end_logp"))  # fmt: skip
     responses = fields["response_ids"].tolist()
     batch._with_host_copies(bounds, [responses[a:b] for a, b in itertools.pairwise(bounds)])
     rewards = TntRewards(on("rewards"), on("non_thinking"), on("solution_len"), on("limit"))
