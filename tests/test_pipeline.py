@@ -405,3 +405,17 @@ def test_a_mode_mixed_run_one_step_off_trains_on_a_worker(tmp_path):
     assert [r["staleness"] for r in rows] == [0, 1, 1, 1]
     assert all(r["grad_norm"] > 0 and math.isfinite(r["loss"]) for r in rows)
     assert any(abs(r["rollout_is_mean"] - 1.0) > 1e-4 for r in rows[1:]), "precondition: the batches were stale"
+
+
+def test_a_worker_ahead_of_a_slow_trainer_never_samples_past_the_bound(tmp_path):
+    # k = 2 and a trainer that sleeps before every push (support/faulty.py): the worker, free of its own work, waits
+    # for the oldest version each step may use and takes no other, so step t trains on version max(0, t - 3)
+    args = faulty_args(tmp_path, "steps=6", "rollout.max_staleness=2")
+    result = run_job(launch_command("torchrun", "faulty", *args), env={**FAULTY_ENV, "FAULT": "trainer-slow"},
+                     timeout=HANG_S)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = metric_rows(tmp_path / "run")
+    assert [r["weight_version"] for r in rows] == [0, 0, 0, 1, 2, 3]
+    assert [r["staleness"] for r in rows] == [0, 1, 2, 2, 2, 2]
+    waited, slept = sum(r["time_wait"] for r in rows[3:]), sum(r["time_sync"] for r in rows[3:])
+    assert waited < slept, "precondition: the worker was ahead of the trainer (its batch ready before it was due)"

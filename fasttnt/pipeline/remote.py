@@ -90,7 +90,7 @@ class RemoteRollouts:
         self.cfg, self.ranks, self.device = cfg, ranks, device
         self.bucket_bytes = cfg.rollout.weight_sync_bucket_mb * 2**20
         self.timeout = cfg.rollout.worker_timeout
-        self.pending: list = []  # the sends of the last push, still in flight
+        self.pending: list = []  # the sends of the pushes still in flight
         self.last: Shipment | None = None  # the shipment of the step trained last
         self.queue: deque[Shipment] = deque()  # shipments received ahead of their step (in_flight)
         self.logp_diff: float | None = None  # the last push check's mean |difference| per token
@@ -183,15 +183,18 @@ class RemoteRollouts:
             )
 
     def push(self, model: torch.nn.Module, step: int, probe: RolloutBatch | None = None, logprobs=None) -> None:
-        """Version ``step`` (the weights after step ``step``'s update) to the worker, if a later step needs it; the
-        previous push's sends are complete first. At k >= 1 ``logprobs(probe)`` gives the trainer's log-probs of
-        ``probe`` (``probe_rows`` of step ``step``'s batch) under it, which the worker's will be checked against."""
-        self.wait()
+        """Version ``step`` (the weights after step ``step``'s update) to the worker, if a later step needs it, in the
+        background. Earlier pushes may still be in flight: at k >= 2 the worker takes a version only when a step it
+        generates needs it, k - 1 steps after it was pushed, and until then it is sending batches that the trainer
+        takes after this push, so waiting here for the previous push would deadlock (each push in flight holds a
+        copy of the weights on the host). At k >= 1 ``logprobs(probe)`` gives the trainer's log-probs of ``probe``
+        (``probe_rows`` of step ``step``'s batch) under it, which the worker's will be checked against."""
+        self.pending = [work for work in self.pending if not work.done()]
         if step <= self.cfg.steps - 1 - self.cfg.rollout.max_staleness:
             if self.check_pushes:
                 self.probes[step] = logprobs(probe)
-            self.pending = send_weights(model, step, dst=self.ranks.worker, src=TRAINER, bucket_bytes=self.bucket_bytes,
-                                        wait=False, timeout=self.timeout)  # fmt: skip
+            self.pending += send_weights(model, step, dst=self.ranks.worker, src=TRAINER,
+                                         bucket_bytes=self.bucket_bytes, wait=False, timeout=self.timeout)  # fmt: skip
 
     def wait(self) -> None:
         for work in self.pending:

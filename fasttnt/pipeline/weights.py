@@ -58,8 +58,8 @@ def send_weights(
 ) -> list:  # fmt: skip
     """Push ``model``'s weights as ``version`` from rank ``src`` to rank ``dst``; under ZeRO-3 every rank that holds
     a shard calls it (the gathers are collective) and ``src`` alone sends. ``wait=False``: the sends run in the
-    background from copies of the weights (the model may change at once); returns their handles, to ``wait()`` on
-    before the next push. Each send is taken within ``timeout`` seconds (``peer.wait_for``)."""
+    background from copies of the weights (the model may change at once); returns their handles (``wait()``,
+    ``done()``). Each send is taken within ``timeout`` seconds (``peer.wait_for``)."""
     sending = dist.get_rank() == src
     count = sum(1 for _ in model.parameters())
     sent = []
@@ -90,6 +90,11 @@ class _Sent:
     def wait(self) -> None:
         wait_for(self.work, peer=self.peer, what=self.what, timeout=self.timeout)
         self.tensor = None
+
+    def done(self) -> bool:
+        """Whether the send is over, without waiting (one that failed is dropped too: its worker is gone, which the
+        trainer's next receive from it says)."""
+        return self.work.is_completed()
 
 
 def recv_weights(

@@ -5,7 +5,8 @@
 - ``worker-hangs``: the worker stops answering instead of shipping it (it sleeps until killed);
 - ``trainer-dies``: the trainer's process ends instead of pushing step STEP's weights;
 - ``trainer-pauses``: the trainer stops there until killed, after creating the file the environment's
-  ``FAULT_FILE`` names (a test kills the job then, at a known point).
+  ``FAULT_FILE`` names (a test kills the job then, at a known point);
+- ``trainer-slow``: the trainer sleeps ``SLOW_S`` before every push, so that a worker free to run ahead would.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import varied
 import fasttnt.pipeline.remote as remote
 
 STEP = 2
-FAULTS = ("worker-dies", "worker-hangs", "trainer-dies", "trainer-pauses")
+SLOW_S = 1.0
+FAULTS = ("worker-dies", "worker-hangs", "trainer-dies", "trainer-pauses", "trainer-slow")
 
 
 def main() -> int:
@@ -38,6 +40,8 @@ def main() -> int:
     def faulty_push(self, model, step, *args) -> None:
         if step == STEP and fault == "trainer-dies":
             os._exit(9)
+        if fault == "trainer-slow":
+            time.sleep(SLOW_S)
         if step == STEP and fault == "trainer-pauses":
             Path(os.environ["FAULT_FILE"]).touch()
             time.sleep(3600)
