@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from support import varied
-from support.small import SMALL, deterministic, free_port, metric_rows
+from support.small import SMALL, deterministic, free_port, metric_rows, warmups
 
 from fasttnt_kernels._lm_head import default_chunk_bytes
 
@@ -217,7 +217,7 @@ def test_a_rollout_worker_on_policy_and_one_step_off(tmp_path):
     # - k = 1: step t's batch was generated (while step t - 1 updated) with step t - 2's weights, never older; the
     #   rollout correction (auto: token-truncate at k >= 1) weighs it, and the pushes of versions 1 and 2 are
     #   checked with the batches of steps 3 and 4 (the worker's log-probs of a probe under each, against the trainer's)
-    overrides = [f"cache_dir={tmp_path / 'cache'}", *SMALL, varied.OVERRIDE, "optim.lr=1e-2", "loss.entropy_coef=0.01"]
+    overrides = [f"cache_dir={warmups(tmp_path)}", *SMALL, varied.OVERRIDE, "optim.lr=1e-2", "loss.entropy_coef=0.01"]
     env = {**os.environ, "PYTHONPATH": varied.PYTHONPATH}
     out = _run("benchmarks/pipeline_overlap.py", "--steps", "4", "--skip", "1", "--out", str(tmp_path / "runs"),
                "--json", str(tmp_path / "overlap.json"), "--port", str(free_port()), "--module", varied.MODULE,

@@ -8,7 +8,7 @@ import math
 import statistics
 
 import pytest
-from support.small import SMALL
+from support.small import SMALL, warmups
 
 import fasttnt.compare as compare
 from fasttnt.cli import main as cli_main
@@ -34,7 +34,7 @@ def _args(tmp_path, *extra):
         "--output-dir",
         str(tmp_path / "cmp"),
         *extra,
-        f"cache_dir={tmp_path / 'cache'}",
+        f"cache_dir={warmups(tmp_path)}",
         *SMALL,
         "warmup.steps=3",
         "warmup.batch_size=8",

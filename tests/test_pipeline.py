@@ -26,6 +26,7 @@ from support.small import (
     run_job,
     run_ranks,
     train,
+    warmups,
 )
 
 from fasttnt.checkpoint import list_checkpoints
@@ -224,7 +225,7 @@ def test_a_push_that_did_not_arrive_stops_a_stale_run(tmp_path):
     # weights while saying 2. Its batch's log-probs cannot be checked against the trainer's (step 4 trains on version
     # 3), so the push itself is: the worker's log-probs of a probe under version 2 against the trainer's
     out = tmp_path / "worker"
-    args = ["train", "--output-dir", str(out), f"cache_dir={tmp_path / 'cache'}", *PIPELINE_RUN, "rollout.workers=1",
+    args = ["train", "--output-dir", str(out), f"cache_dir={warmups(tmp_path)}", *PIPELINE_RUN, "rollout.workers=1",
             "rollout.max_staleness=1", "rollout.max_logp_diff=1e-4"]  # fmt: skip
     result = run_job(launch_command("torchrun", "lossy_push", *args), env=PIPELINE_ENV, timeout=HANG_S)
     assert result.returncode != 0, result.stdout[-2000:]
@@ -274,7 +275,7 @@ def test_sigterm_saves_once_and_an_on_policy_resume_reproduces_the_run(tmp_path)
     overrides = [*PIPELINE_RUN, "steps=40", "save_every=100"]
     _, straight = train(tmp_path, "straight", *overrides)
     out = tmp_path / "stopped"
-    args = ["train", "--output-dir", str(out), f"cache_dir={tmp_path / 'cache'}", *overrides, "rollout.workers=1"]
+    args = ["train", "--output-dir", str(out), f"cache_dir={warmups(tmp_path)}", *overrides, "rollout.workers=1"]
     command = launch_command("torchrun", varied.MODULE, *args)
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=PIPELINE_ENV)
     deadline = time.monotonic() + HANG_S
@@ -300,7 +301,7 @@ FAULTY_ENV = {**ENV, "PYTHONPATH": varied.PYTHONPATH}
 
 
 def faulty_args(tmp_path, *extra: str) -> list[str]:
-    return ["train", "--output-dir", str(tmp_path / "run"), f"cache_dir={tmp_path / 'cache'}", *PIPELINE_RUN,
+    return ["train", "--output-dir", str(tmp_path / "run"), f"cache_dir={warmups(tmp_path)}", *PIPELINE_RUN,
             "rollout.workers=1", *extra]  # fmt: skip
 
 
@@ -320,7 +321,7 @@ def test_a_worker_that_dies_stops_the_trainer_at_once_naming_it(tmp_path):
 
 def test_a_worker_that_hangs_stops_the_trainer_after_the_timeout_naming_it(tmp_path):
     # the worker sleeps instead of shipping step 2's batch; torchrun then ends it when the trainer has failed
-    timeout = 20  # seconds: many times a step of this run, on any machine
+    timeout = 10  # seconds: many times a step of this run, on any machine
     command = launch_command("torchrun", "faulty", *faulty_args(tmp_path, f"rollout.worker_timeout={timeout}"))
     started = time.monotonic()
     result = run_job(command, env={**FAULTY_ENV, "FAULT": "worker-hangs"}, timeout=HANG_S)
@@ -346,7 +347,7 @@ def test_a_run_killed_one_step_off_resumes_to_what_an_uninterrupted_run_logs(tmp
     overrides = [*PIPELINE_RUN, "steps=5", "save_every=1", "rollout.workers=1", "rollout.max_staleness=1"]
 
     def command(module: str, out: str) -> list[str]:
-        args = ["train", "--output-dir", str(tmp_path / out), f"cache_dir={tmp_path / 'cache'}", *overrides]
+        args = ["train", "--output-dir", str(tmp_path / out), f"cache_dir={warmups(tmp_path)}", *overrides]
         return launch_command("torchrun", module, *args)
 
     straight = run_job(command(varied.MODULE, "straight"), env=PIPELINE_ENV, timeout=HANG_S)
@@ -397,7 +398,7 @@ def test_a_mode_mixed_run_one_step_off_trains_on_a_worker(tmp_path):
     # and its group's pi(</think> | x) under the weights that sampled it (modes.behaviour_logprobs), which the
     # mixture and the fade read (tests/test_modes.py works the weights by hand)
     mixed = ["rollout.forced_non_thinking=0.25", "rollout.forced_thinking=0.25", "loss.mode_token_logp=mixture"]
-    args = ["train", "--output-dir", str(tmp_path / "run"), f"cache_dir={tmp_path / 'cache'}", *PIPELINE_RUN, *mixed,
+    args = ["train", "--output-dir", str(tmp_path / "run"), f"cache_dir={warmups(tmp_path)}", *PIPELINE_RUN, *mixed,
             "rollout.workers=1", "rollout.max_staleness=1"]  # fmt: skip
     result = run_job(launch_command("torchrun", varied.MODULE, *args), env=PIPELINE_ENV, timeout=HANG_S)
     assert result.returncode == 0, result.stderr[-3000:]

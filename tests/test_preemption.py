@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from support import varied
-from support.small import SMALL, deterministic, launch_command
+from support.small import SMALL, deterministic, launch_command, warmups
 
 from fasttnt.checkpoint import list_checkpoints
 from fasttnt.cli import main as cli_main
@@ -49,7 +49,7 @@ def _signal_after_first_step(cmd: list[str], out: Path, sig: int = signal.SIGTER
 
 @pytest.mark.parametrize("launcher", ["single", "torchrun"])
 def test_sigterm_saves_and_resume_reproduces_the_run(tmp_path, launcher):
-    cache = tmp_path / "cache"
+    cache = warmups(tmp_path)
     straight = subprocess.run(
         launch_command(launcher, varied.MODULE, *_args(tmp_path / "straight", cache)),
         capture_output=True, text=True, env=ENV, timeout=300,
@@ -78,7 +78,7 @@ def test_sigterm_saves_and_resume_reproduces_the_run(tmp_path, launcher):
 
 def test_a_second_sigint_stops_at_once(tmp_path):
     out = tmp_path / "run"
-    cmd = launch_command("single", varied.MODULE, *_args(out, tmp_path / "cache", "steps=100000"))
+    cmd = launch_command("single", varied.MODULE, *_args(out, warmups(tmp_path), "steps=100000"))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     deadline = time.monotonic() + 240
     while not _metrics(out) and time.monotonic() < deadline:
@@ -92,22 +92,22 @@ def test_a_second_sigint_stops_at_once(tmp_path):
 
 def test_time_based_checkpoints(tmp_path):
     out = tmp_path / "run"
-    args = _args(out, tmp_path / "cache", "steps=3", "save_every_minutes=1e-6", "keep_checkpoints=5")
+    args = _args(out, warmups(tmp_path), "steps=3", "save_every_minutes=1e-6", "keep_checkpoints=5")
     assert cli_main(args) == 0
     assert [p.name for p in list_checkpoints(out / "checkpoints")] == [f"step-{s:06d}" for s in (1, 2, 3)]
 
 
 def test_resume_refuses_a_config_that_changes_the_checkpoints_meaning(tmp_path, capsys):
     out = tmp_path / "run"
-    assert cli_main(_args(out, tmp_path / "cache", "steps=2")) == 0
+    assert cli_main(_args(out, warmups(tmp_path), "steps=2")) == 0
     capsys.readouterr()
-    changed = _args(out, tmp_path / "cache", "steps=3", "rollout.group_size=2", "reward.scheme=binary")
+    changed = _args(out, warmups(tmp_path), "steps=3", "rollout.group_size=2", "reward.scheme=binary")
     assert cli_main([*changed, "--resume"]) == 2
     err = capsys.readouterr().err
     assert "the config differs from step-000002's in reward.scheme, rollout.group_size;" in err
     assert "--resume-with-new-config" in err and err.count("\n") == 1
     # the steps, the save cadence, the verifier's workers may change
-    assert cli_main([*_args(out, tmp_path / "cache", "steps=3", "save_every=1", "verify_workers=2"), "--resume"]) == 0
+    assert cli_main([*_args(out, warmups(tmp_path), "steps=3", "save_every=1", "verify_workers=2"), "--resume"]) == 0
     assert [r["step"] for r in _metrics(out)] == [1, 2, 3]
     # and the user may insist
     assert cli_main([*changed[:-1], "steps=4", "--resume-with-new-config"]) == 0

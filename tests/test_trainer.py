@@ -178,7 +178,8 @@ def test_a_fresh_run_will_not_overwrite_another_runs_checkpoints(tmp_path, capsy
 def test_bad_data_is_reported_before_the_model_loads(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"problem": "1+1"}\n')
-    args = ["train", "--output-dir", str(tmp_path / "out"), *run_overrides(tmp_path, f"data.train={bad}")]
+    own_cache = f"cache_dir={tmp_path / 'cache'}"
+    args = ["train", "--output-dir", str(tmp_path / "out"), *run_overrides(tmp_path, f"data.train={bad}", own_cache)]
     assert cli_main(args) == 2
     assert "bad.jsonl: row 1: missing field 'answer'" in capsys.readouterr().err
     assert not (tmp_path / "cache").exists(), "the model was built before the data was checked"

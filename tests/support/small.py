@@ -60,18 +60,26 @@ def short_run(*extra: str, steps: int = 4) -> list[str]:
             "save_every=2", *extra]  # fmt: skip
 
 
+def warmups(tmp_path: Path) -> Path:
+    """The warm-up cache the tests of this process share (``cache_dir``): beside ``tmp_path``, in the folder pytest
+    gives this process (one per pytest-xdist worker, whose tests run one at a time), so a recipe's warm-up is
+    trained once per worker rather than once per test, and no two processes write one entry at once. A test of
+    the cache itself uses a folder of its own."""
+    return tmp_path.parent / "warmups"
+
+
 def run_overrides(tmp_path: Path, *extra: str, steps: int = 4) -> list[str]:
-    """short_run's overrides with the test's own cache (``tmp_path / "cache"``)."""
-    return [f"cache_dir={tmp_path / 'cache'}", *short_run(*extra, steps=steps)]
+    """short_run's overrides with the shared warm-up cache (``warmups``)."""
+    return [f"cache_dir={warmups(tmp_path)}", *short_run(*extra, steps=steps)]
 
 
 def train(tmp_path: Path, out: str, *overrides: str, resume: bool = False) -> tuple[Trainer, list[dict]]:
-    """Train under ``overrides`` into ``tmp_path / out`` (the cache in ``tmp_path / "cache"``, shared by a test's
-    runs): ``(trainer, rows)``, the trainer after its run and the metrics rows it logged."""
+    """Train under ``overrides`` into ``tmp_path / out`` (the cache: ``warmups``): ``(trainer, rows)``, the trainer
+    after its run and the metrics rows it logged."""
     from fasttnt.config import load_config  # here, not at the top: conftest imports this module
     from fasttnt.trainer import Trainer
 
-    trainer = Trainer(load_config(None, [f"cache_dir={tmp_path / 'cache'}", *overrides]), tmp_path / out, resume=resume)
+    trainer = Trainer(load_config(None, [f"cache_dir={warmups(tmp_path)}", *overrides]), tmp_path / out, resume=resume)
     trainer.run()
     return trainer, metric_rows(tmp_path / out)
 
