@@ -275,15 +275,17 @@ class Trainer:
                     log.write(self.step())
                     step, minutes = self.state.step, cfg.save_every_minutes
                     timed = minutes is not None and time.monotonic() - last_save >= 60 * minutes
-                    # every rank stops and saves at the same step: one collective a step
-                    stop, timed = distributed.any_over_ranks(self.parts.dist, signals.requested is not None, timed)
+                    # every rank stops and saves at the same step: one collective a step; a rollout worker asked
+                    # to stop says so with its batch
+                    asked = signals.requested is not None or (self.remote is not None and self.remote.stop_requested)
+                    stop, timed = distributed.any_over_ranks(self.parts.dist, asked, timed)
                     if step % cfg.save_every == 0 or step == cfg.steps or timed or stop:
                         self._save()
                         last_save = time.monotonic()
                     if stop and step < cfg.steps:  # a signal during the last step: finish normally
                         self._close(log)
                         where = checkpoint.checkpoint_paths(self.out / "checkpoints", step)[0]
-                        raise Preempted(signals.requested or "a signal on another rank", step, where)
+                        raise Preempted(signals.requested or "a signal to another rank", step, where)
         finally:
             log.close_file()
             self.verifier.close()

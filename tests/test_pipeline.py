@@ -320,15 +320,16 @@ def test_a_worker_that_dies_stops_the_trainer_at_once_naming_it(tmp_path):
 
 
 def test_a_worker_that_hangs_stops_the_trainer_after_the_timeout_naming_it(tmp_path):
-    # the worker sleeps instead of shipping step 2's batch; torchrun then ends it when the trainer has failed
+    # the worker sleeps instead of shipping step 2's batch; ranks started by hand, the worker killed once the trainer
+    # has stopped (a launcher would end it then)
     timeout = 10  # seconds: many times a step of this run, on any machine
-    command = launch_command("torchrun", "faulty", *faulty_args(tmp_path, f"rollout.worker_timeout={timeout}"))
+    args = faulty_args(tmp_path, f"rollout.worker_timeout={timeout}")
     started = time.monotonic()
-    result = run_job(command, env={**FAULTY_ENV, "FAULT": "worker-hangs"}, timeout=HANG_S)
+    trainer, _ = run_ranks("faulty", *args, env={**FAULTY_ENV, "FAULT": "worker-hangs"}, timeout=HANG_S, until=0)
     assert [r["step"] for r in metric_rows(tmp_path / "run")] == [1], "precondition: the run trained a step first"
-    assert result.returncode != 0
+    assert trainer.returncode == 1, trainer.stderr[-3000:]
     hung = rf"rollout worker rank 1 stopped answering: no batch for \d+ s \(rollout.worker_timeout={timeout}\)"
-    assert re.search(rf"fasttnt train: {hung}", result.stderr), result.stderr[-3000:]
+    assert re.search(rf"fasttnt train: {hung}", trainer.stderr), trainer.stderr[-3000:]
     assert time.monotonic() - started >= timeout, "the trainer waited the timeout out"
 
 
@@ -420,3 +421,15 @@ def test_a_worker_ahead_of_a_slow_trainer_never_samples_past_the_bound(tmp_path)
     assert [r["staleness"] for r in rows] == [0, 1, 2, 2, 2, 2]
     waited, slept = sum(r["time_wait"] for r in rows[3:]), sum(r["time_sync"] for r in rows[3:])
     assert waited < slept, "precondition: the worker was ahead of the trainer (its batch ready before it was due)"
+
+
+def test_a_signal_to_the_worker_alone_stops_both_after_one_checkpoint(tmp_path):
+    # ranks started by hand, the worker alone gets SIGTERM after shipping step 1: its step 2 batch says so, the
+    # trainer trains step 2, saves and exits 3, and the worker, asked to stop, exits 3 when the trainer is gone
+    trainer, worker = run_ranks("faulty", *faulty_args(tmp_path), env={**FAULTY_ENV, "FAULT": "worker-signalled"},
+                                timeout=HANG_S)  # fmt: skip
+    assert trainer.returncode == 3, trainer.stderr[-3000:]
+    assert "fasttnt train: stopped by a signal to another rank after step 2" in trainer.stderr
+    assert worker.returncode == 3, worker.stderr[-3000:]
+    assert [r["step"] for r in metric_rows(tmp_path / "run")] == [1, 2]
+    assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step-000002"]

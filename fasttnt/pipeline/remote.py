@@ -19,7 +19,6 @@ a push that did not arrive, or was garbled, stops it at any k.
 from __future__ import annotations
 
 import os
-import signal
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -33,8 +32,9 @@ from ..config import ConfigError, TrainConfig
 from ..dynamic_sampling import choose_groups, select_groups
 from ..engines.batch import RolloutBatch
 from ..guard import StaleWeightsError, stale_weights
+from ..preemption import EXIT_PREEMPTED, StopSignals
 from ..rollouts import StepRollouts
-from .peer import recv_from, send_to
+from .peer import PeerLostError, recv_from, send_to
 from .staleness import check_fresh, oldest_version
 from .weights import recv_weights, send_weights
 from .wire import Shipment, WorkerError, decode, encode, recv_shipment, send_shipment
@@ -94,6 +94,7 @@ class RemoteRollouts:
         self.last: Shipment | None = None  # the shipment of the step trained last
         self.queue: deque[Shipment] = deque()  # shipments received ahead of their step (in_flight)
         self.logp_diff: float | None = None  # the last push check's mean |difference| per token
+        self.stop_requested = False  # the worker was asked to stop (a signal to it alone): the trainer stops too
         # k >= 1: each push checked by its probe (module docstring): version -> the trainer's log-probs of the probe
         self.probes: dict[int, torch.Tensor] = {}
         self.check_pushes = cfg.rollout.max_staleness > 0 and cfg.rollout.max_logp_diff is not None
@@ -124,6 +125,7 @@ class RemoteRollouts:
         shipment = self.queue.popleft() if self.queue else self._receive(step)
         clock.lap("wait")
         self.last, self.logp_diff = shipment, None
+        self.stop_requested |= shipment.stop
         if shipment.probe_version >= 0:
             self._check_push(step, shipment)
         drawn, trained, filled = shipment.scored, shipment.scored, 0
@@ -205,6 +207,14 @@ class RemoteRollouts:
 def serve(cfg: TrainConfig, out: Path, *, resume: bool) -> int:
     """A rollout worker's process: build what a rollout needs, then generate each step's batch with weights no more
     than ``rollout.max_staleness`` versions old and ship it to the trainer, until the run's last step."""
+    del out, resume  # the trainer owns the run's files and says where it starts
+    # SIGTERM or SIGINT (a launcher passes them to every rank; a scheduler may send one to this rank alone): the
+    # worker keeps shipping, and says so with its next batch, while the trainer finishes its step, saves and exits
+    with StopSignals() as signals:
+        return _serve(cfg, signals)
+
+
+def _serve(cfg: TrainConfig, signals: StopSignals) -> int:
     from .. import run_setup
     from ..data import dataset_style, think_end_token_id
     from ..engines import build_engine
@@ -215,11 +225,6 @@ def serve(cfg: TrainConfig, out: Path, *, resume: bool) -> int:
     from ..trainer import PhaseClock
     from ..verify import VerifierPool
 
-    del out, resume  # the trainer owns the run's files and says where it starts
-    # a launcher passes SIGTERM and SIGINT to every rank: the trainer finishes its step (the worker keeps shipping),
-    # saves and exits, and the launcher then ends the worker
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = distributed.init(run_setup.device_type_of(cfg))
     ranks = PipelineRanks.of(cfg, ctx.world)
     distributed.barrier()  # the trainer loads the model first (the tiny model's warm-up fills the cache)
@@ -272,13 +277,18 @@ def serve(cfg: TrainConfig, out: Path, *, resume: bool) -> int:
                 behaviour_logprobs(rolled.drawn.batch, think_end_id, lambda rows: _probe_logprobs(cfg, head, rows))
                 clock.lap("generate")
             shipment = Shipment(rolled.drawn, step, version, rolled.varied, rolled.draws, stream.position,
-                                {**clock.times, "time_idle": idle}, probe_version, probe_logp)  # fmt: skip
+                                {**clock.times, "time_idle": idle}, probe_version, probe_logp,
+                                stop=signals.requested is not None)  # fmt: skip
             waited = time.perf_counter()
             send_shipment(shipment, TRAINER, timeout=timeout)
             idle = time.perf_counter() - waited
             probe_version, probe_logp = -1, None
             if check_pushes:
                 shipped[step] = rolled.drawn.batch
+    except PeerLostError:
+        if signals.requested is None:
+            raise
+        return EXIT_PREEMPTED  # asked to stop: the trainer did, after its checkpoint
     finally:
         verifier.close()
         engine.close()

@@ -2,7 +2,8 @@
 of the weights it was sampled with, over torch.distributed's point-to-point ``send`` / ``recv``.
 
 A message is two sends: a header (int64: a magic number, the step, the weight version, the draws, the data position,
-the probe's version, then each field's dtype code and element count, ``MESSAGE_FIELDS`` in order) and one uint8
+the probe's version, whether the worker was asked to stop, the number of fields, then each field's dtype code and
+element count, ``MESSAGE_FIELDS`` in order) and one uint8
 payload holding every present field's bytes back to back, each padded to 8 bytes so that every field can be viewed
 in place as its dtype. The receiver checks the header and the fields' shapes against each other before it builds the
 batch: a malformed message is a ``WorkerError`` that names the worker, never a batch trained on.
@@ -21,7 +22,7 @@ from ..engines.batch import RolloutBatch
 from ..scoring import Judged, ScoredBatch
 from .peer import PipelineError, recv_from, send_to
 
-MAGIC = 0x7F7A_7471_0003  # "fasttnt", wire format 3
+MAGIC = 0x7F7A_7471_0004  # "fasttnt", wire format 4
 # (name, dtype) of every field, in message order; a field may be absent (code 0) where the batch has none
 FIELDS: tuple[tuple[str, torch.dtype], ...] = (
     ("prompt_lengths", torch.int64),  # (S,)
@@ -58,7 +59,8 @@ MESSAGE_FIELDS = FIELDS + META_FIELDS
 TIMED = ("generate", "verify", "reward", "idle")
 DTYPE_CODES = {torch.int64: 1, torch.float32: 2, torch.bool: 3, torch.int8: 4, torch.int32: 5, torch.uint8: 6,
                torch.float64: 7}  # fmt: skip
-HEADER_LEN = 7 + 2 * len(MESSAGE_FIELDS)
+HEADER_INTS = 8  # before the fields' codes and counts
+HEADER_LEN = HEADER_INTS + 2 * len(MESSAGE_FIELDS)
 ALIGN = 8
 
 
@@ -84,6 +86,7 @@ class Shipment:
     # by the worker once it took that version (-1, None: no version taken since the last shipment)
     probe_version: int = -1
     probe_logp: torch.Tensor | None = None
+    stop: bool = False  # the worker was asked to stop (SIGTERM or SIGINT): the trainer stops after this step
 
 
 def to_fields(scored: ScoredBatch) -> dict[str, torch.Tensor | None]:
@@ -184,7 +187,7 @@ def encode(shipment: Shipment) -> tuple[torch.Tensor, torch.Tensor]:
     probe = shipment.probe_logp
     fields["probe_logp"] = None if probe is None else probe.detach().to("cpu", torch.float32).reshape(-1)
     header = [MAGIC, shipment.step, shipment.version, shipment.draws, shipment.data_position, shipment.probe_version,
-              len(MESSAGE_FIELDS)]  # fmt: skip
+              int(shipment.stop), len(MESSAGE_FIELDS)]  # fmt: skip
     parts = []
     for name, dtype in MESSAGE_FIELDS:
         t = fields[name]
@@ -199,10 +202,10 @@ def encode(shipment: Shipment) -> tuple[torch.Tensor, torch.Tensor]:
 def payload_layout(header: torch.Tensor, *, worker: str) -> tuple[list[tuple], int]:
     """Where each field lies in the payload a header announces: ``(name, dtype or None, offset, count)`` per field,
     and the payload's size in bytes (``WorkerError`` where the header is not one of ``encode``'s)."""
-    magic, *_, n_fields = header[:7].tolist()
+    magic, *_, n_fields = header[:HEADER_INTS].tolist()
     if header.numel() != HEADER_LEN or magic != MAGIC or n_fields != len(MESSAGE_FIELDS):
         raise WorkerError(f"{worker}: malformed batch: not a fasttnt shipment of this version (magic {magic:#x})")
-    spec = header[7:].tolist()
+    spec = header[HEADER_INTS:].tolist()
     codes = {code: dtype for dtype, code in DTYPE_CODES.items()}
     layout, size = [], 0
     for (name, dtype), code, numel in zip(MESSAGE_FIELDS, spec[0::2], spec[1::2], strict=True):
@@ -222,7 +225,7 @@ def decode(header: torch.Tensor, payload: torch.Tensor, *, worker: str, device: 
     layout, size = payload_layout(header, worker=worker)
     if payload.numel() != size:
         raise WorkerError(f"{worker}: malformed batch: a payload of {payload.numel()} bytes where {size} are due")
-    _, step, version, draws, data_position, probe_version, _ = header[:7].tolist()
+    _, step, version, draws, data_position, probe_version, stop, _ = header[:HEADER_INTS].tolist()
     fields = {}
     for name, dtype, at, numel in layout:
         fields[name] = None if dtype is None else payload[at : at + numel * dtype.itemsize].view(dtype).clone()
@@ -236,7 +239,8 @@ def decode(header: torch.Tensor, payload: torch.Tensor, *, worker: str, device: 
     if (probe is None) != (probe_version < 0):
         raise WorkerError(f"{worker}: malformed batch: probe version {probe_version} without its log-probs, or back")
     probe = None if probe is None else probe.to(device)
-    return Shipment(scored, step, version, varied.tolist(), draws, data_position, times, probe_version, probe)
+    return Shipment(scored, step, version, varied.tolist(), draws, data_position, times, probe_version, probe,
+                    bool(stop))  # fmt: skip
 
 
 def send_shipment(

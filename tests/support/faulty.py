@@ -6,12 +6,15 @@
 - ``trainer-dies``: the trainer's process ends instead of pushing step STEP's weights;
 - ``trainer-pauses``: the trainer stops there until killed, after creating the file the environment's
   ``FAULT_FILE`` names (a test kills the job then, at a known point);
-- ``trainer-slow``: the trainer sleeps ``SLOW_S`` before every push, so that a worker free to run ahead would.
+- ``trainer-slow``: the trainer sleeps ``SLOW_S`` before every push, so that a worker free to run ahead would;
+- ``worker-signalled``: the worker gets SIGTERM (sent to itself: a signal to it alone) after it shipped step STEP - 1's
+  batch, so that step STEP's says so.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -22,7 +25,7 @@ import fasttnt.pipeline.remote as remote
 
 STEP = 2
 SLOW_S = 1.0
-FAULTS = ("worker-dies", "worker-hangs", "trainer-dies", "trainer-pauses", "trainer-slow")
+FAULTS = ("worker-dies", "worker-hangs", "trainer-dies", "trainer-pauses", "trainer-slow", "worker-signalled")
 
 
 def main() -> int:
@@ -36,6 +39,8 @@ def main() -> int:
         if shipment.step == STEP and fault == "worker-hangs":
             time.sleep(3600)
         ship(shipment, dst, **kwargs)
+        if shipment.step == STEP - 1 and fault == "worker-signalled":
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def faulty_push(self, model, step, *args) -> None:
         if step == STEP and fault == "trainer-dies":

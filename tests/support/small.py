@@ -154,10 +154,13 @@ def launch_command(launcher: str, module: str, *args: str) -> list[str]:
     return [*torchrun, "--master-port", str(free_port()), "-m", module, *args]
 
 
-def run_ranks(module: str, *args: str, env: dict, timeout: float, world: int = 2) -> list[subprocess.CompletedProcess]:
+def run_ranks(
+    module: str, *args: str, env: dict, timeout: float, world: int = 2, until: int | None = None
+) -> list[subprocess.CompletedProcess]:
     """``python -m module args`` as ``world`` ranks started by hand, each its own process with a launcher's variables
     (``LAUNCHER_ENV``) and no launcher to end the others when one stops: what each rank does on its own when a peer
-    dies. Past ``timeout`` every rank is killed and the test fails naming the hang."""
+    dies. ``until``: once that rank has exited, the others are killed (a rank made to hang). Past ``timeout`` every
+    rank is killed and the test fails naming the hang."""
     port, procs, outputs = free_port(), [], []
     with contextlib.ExitStack() as files:
         for rank in range(world):
@@ -168,7 +171,7 @@ def run_ranks(module: str, *args: str, env: dict, timeout: float, world: int = 2
             procs.append(subprocess.Popen([sys.executable, "-m", module, *args], env={**env, **ranks}, text=True,
                                           stdout=out, stderr=err, start_new_session=True))  # fmt: skip
         deadline, hung = time.monotonic() + timeout, False
-        for proc in procs:
+        for proc in procs if until is None else procs[until : until + 1]:
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
