@@ -23,7 +23,7 @@ class PeerLostError(PipelineError):
 
 
 def wait_for(work, *, peer: str, what: str, timeout: float | None) -> None:
-    """Wait for ``work`` (an ``isend`` / ``irecv``) at most ``timeout`` seconds (None: the process group's own)."""
+    """Wait for ``work`` (``isend`` / ``irecv`` here) at most ``timeout`` seconds (None: the process group's own)."""
     start = time.monotonic()
     try:
         if timeout is None:
@@ -36,15 +36,35 @@ def wait_for(work, *, peer: str, what: str, timeout: float | None) -> None:
             raise PeerLostError(
                 f"{peer} stopped answering: no {what} for {waited:.0f} s (rollout.worker_timeout={timeout:g})"
             ) from err
-        reason = str(err).split("] ", 1)[-1].split(". ")[0]  # gloo's "[file:line] Connection closed by peer ..."
-        raise PeerLostError(f"{peer} is gone: its connection closed while waiting for {what} ({reason})") from err
+        raise _gone(peer, what, err) from err
+
+
+def isend(tensor: torch.Tensor, dst: int, *, peer: str, what: str, group=None):
+    """``dist.isend``; a peer already gone is a ``PeerLostError`` (gloo refuses to post to a closed connection)."""
+    try:
+        return dist.isend(tensor, dst, group=group)
+    except RuntimeError as err:
+        raise _gone(peer, what, err) from err
+
+
+def irecv(tensor: torch.Tensor, src: int, *, peer: str, what: str, group=None):
+    """``dist.irecv``; a peer already gone is a ``PeerLostError``."""
+    try:
+        return dist.irecv(tensor, src, group=group)
+    except RuntimeError as err:
+        raise _gone(peer, what, err) from err
 
 
 def recv_from(tensor: torch.Tensor, src: int, *, peer: str, what: str, timeout: float | None, group=None) -> None:
     """``dist.recv`` of ``tensor`` from rank ``src`` within ``timeout`` seconds (``wait_for``)."""
-    wait_for(dist.irecv(tensor, src, group=group), peer=peer, what=what, timeout=timeout)
+    wait_for(irecv(tensor, src, peer=peer, what=what, group=group), peer=peer, what=what, timeout=timeout)
 
 
 def send_to(tensor: torch.Tensor, dst: int, *, peer: str, what: str, timeout: float | None, group=None) -> None:
     """``dist.send`` of ``tensor`` to rank ``dst`` within ``timeout`` seconds (``wait_for``)."""
-    wait_for(dist.isend(tensor, dst, group=group), peer=peer, what=what, timeout=timeout)
+    wait_for(isend(tensor, dst, peer=peer, what=what, group=group), peer=peer, what=what, timeout=timeout)
+
+
+def _gone(peer: str, what: str, err: RuntimeError) -> PeerLostError:
+    reason = str(err).split("] ", 1)[-1].split(". ")[0]  # gloo's "[file:line] Connection closed by peer ..."
+    return PeerLostError(f"{peer} is gone: its connection closed while waiting for {what} ({reason})")

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import distributed
-from .peer import PipelineError, recv_from, send_to, wait_for
+from .peer import PipelineError, isend, recv_from, send_to, wait_for
 
 MAGIC = 0x7F7A_7477_0001  # "fasttnt weights", format 1
 ALIGN = 8
@@ -69,7 +69,7 @@ def send_weights(
         if wait:
             send_to(message, dst, peer=worker, what=what, timeout=timeout, group=group)
         else:
-            sent.append(_Sent(dist.isend(message, dst, group=group), message, worker, what, timeout))
+            sent.append(_Sent(isend(message, dst, peer=worker, what=what, group=group), message, worker, what, timeout))
 
     if sending:
         send(torch.tensor([MAGIC, version, count, signature(model)], dtype=torch.int64))
