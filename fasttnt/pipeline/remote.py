@@ -75,6 +75,12 @@ def probe_rows(batch: RolloutBatch) -> RolloutBatch:
     return batch.group_slice(0, 1)
 
 
+def checks_pushes(cfg: TrainConfig) -> bool:
+    """Whether each weight push is checked by a probe's log-probs on both sides (module docstring): at k >= 1, with
+    the stale-weight guard on."""
+    return cfg.rollout.max_staleness > 0 and cfg.rollout.max_logp_diff is not None
+
+
 def is_worker_rank(cfg: TrainConfig) -> bool:
     """Whether this process, as the launcher started it, is one of the run's rollout workers."""
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
@@ -97,7 +103,7 @@ class RemoteRollouts:
         self.stop_requested = False  # the worker was asked to stop (a signal to it alone): the trainer stops too
         # k >= 1: each push checked by its probe (module docstring): version -> the trainer's log-probs of the probe
         self.probes: dict[int, torch.Tensor] = {}
-        self.check_pushes = cfg.rollout.max_staleness > 0 and cfg.rollout.max_logp_diff is not None
+        self.check_pushes = checks_pushes(cfg)
         if resumed_from is not None and cfg.rollout.max_staleness > 0:
             self._restore(resumed_from / IN_FLIGHT)
 
@@ -245,16 +251,16 @@ def _serve(cfg: TrainConfig, signals: StopSignals) -> int:
     # a resumed run's last trained shipment and those in flight (RemoteRollouts.start): what this worker had shipped
     back = [recv_shipment(TRAINER, device=ctx.device, timeout=timeout, peer=trainer) for _ in range(n_back)]
     verifier = VerifierPool(cfg.verify_workers, cfg.verify_timeout)
-    think_end_id = think_end_token_id(tokenizer)
+    think_end_id, mode_mix = think_end_token_id(tokenizer), ModeMix.of(cfg)
     rollouts = Rollouts(
         cfg, engine=engine, stream=stream, tokenizer=tokenizer,
         prompt=lambda p: run_setup.training_prompt(cfg, tokenizer, p), think_end_id=think_end_id,
-        markers=dataset_style(cfg.data.train, markers=cfg.data.hack_markers).markers, mode_mix=ModeMix.of(cfg),
+        markers=dataset_style(cfg.data.train, markers=cfg.data.hack_markers).markers, mode_mix=mode_mix,
         verifier=verifier, prompts_per_rank=cfg.rollout.prompts_per_step,
     )  # fmt: skip
-    check_pushes = cfg.rollout.max_staleness > 0 and cfg.rollout.max_logp_diff is not None
+    check_pushes = checks_pushes(cfg)
     # mode-mixed at k >= 1: the mixture and the fade read the sampling weights' log-probs (modes.behaviour_logprobs)
-    behaviour = cfg.rollout.max_staleness > 0 and ModeMix.of(cfg) is not None
+    behaviour = cfg.rollout.max_staleness > 0 and mode_mix is not None
     # the trainer's own packed forward, for the probes and the behaviour log-probs
     head = PolicyHead(model) if check_pushes or behaviour else None
     # step -> its batch, until the version its update makes is checked

@@ -3,10 +3,10 @@ of the weights it was sampled with, over torch.distributed's point-to-point ``se
 
 A message is two sends: a header (int64: a magic number, the step, the weight version, the draws, the data position,
 the probe's version, whether the worker was asked to stop, the number of fields, then each field's dtype code and
-element count, ``MESSAGE_FIELDS`` in order) and one uint8
-payload holding every present field's bytes back to back, each padded to 8 bytes so that every field can be viewed
-in place as its dtype. The receiver checks the header and the fields' shapes against each other before it builds the
-batch: a malformed message is a ``WorkerError`` that names the worker, never a batch trained on.
+element count, ``MESSAGE_FIELDS`` in order) and one uint8 payload holding every present field's bytes back to back,
+each padded to 8 bytes so that every field can be viewed in place as its dtype. The receiver checks the header and
+the fields' shapes against each other before it builds the batch: a malformed message is a ``WorkerError`` that
+names the worker, never a batch trained on.
 """
 
 from __future__ import annotations
