@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -32,8 +33,10 @@ from support.small import (
 from fasttnt.checkpoint import list_checkpoints
 from fasttnt.embedded.char_tokenizer import build_char_tokenizer
 from fasttnt.engines.batch import RolloutBatch
+from fasttnt.pipeline.peer import link
 from fasttnt.pipeline.remote import IN_FLIGHT
 from fasttnt.pipeline.staleness import StaleBatchError, check_fresh, oldest_version, staleness
+from fasttnt.pipeline.weights import Slot, WeightPushError, layout, recv_weights, send_weights
 from fasttnt.pipeline.wire import OPTIONAL, WorkerError, decode, from_fields, to_fields
 from fasttnt.scoring import Judged, ScoredBatch
 from fasttnt_kernels import TntRewards
@@ -209,6 +212,40 @@ def test_a_shipment_and_a_weight_push_cross_two_processes_whole(tmp_path):
     assert "shipment arrived whole" in out and "weights arrived whole" in out
     assert "refused: rollout worker rank 1: malformed batch: not a fasttnt shipment of this version" in out
     assert "refused: rank 0 pushed the weights of another model (1 parameters, signature 0x7b;" in out
+
+
+def test_a_push_over_a_link_of_its_own_arrives_whole_and_a_mismatched_one_is_refused():
+    # two ends in one process (threads) on a gloo link outside torch.distributed's default world: the link a vLLM
+    # worker's transfer engine takes pushes on (fasttnt.pipeline.vllm_transfer; through vLLM in test_vllm_real.py)
+    bucket_bytes = 4096
+    sender, receiver = tiny_model(seed=1), tiny_model(seed=2)
+    assert len(layout(sender, bucket_bytes)) >= 3, "the push must take several buckets"
+    assert all(Slot.from_list(s.to_list()) == s for b in layout(sender, bucket_bytes) for s in b)
+    port, errors = free_port(), []
+
+    def trainer() -> None:
+        try:
+            group = link("127.0.0.1", port, 0, 2, timeout=60)
+            for version in (5, 6):
+                send_weights(sender, version, dst=1, src=0, bucket_bytes=bucket_bytes, group=group, timeout=60)
+        except Exception as err:  # reported below
+            errors.append(err)
+
+    thread = threading.Thread(target=trainer, daemon=True)
+    thread.start()
+    group = link("127.0.0.1", port, 1, 2, timeout=60)
+    before = [p.detach().clone() for p in receiver.parameters()]
+    assert recv_weights(receiver, src=0, bucket_bytes=bucket_bytes, group=group, timeout=60) == 5
+    moved = any(not torch.equal(a, p) for a, p in zip(before, receiver.parameters(), strict=True))
+    assert moved, "precondition: the weights moved"
+    assert all(torch.equal(a, b) for a, b in zip(receiver.parameters(), sender.parameters(), strict=True))
+    other = tiny_model(seed=2)
+    other.model.norm.weight.data = torch.ones(other.model.norm.weight.numel() + 1)  # another shape: another model
+    kept = [p.detach().clone() for p in other.parameters()]
+    with pytest.raises(WeightPushError, match="pushed the weights of another model"):
+        recv_weights(other, src=0, bucket_bytes=bucket_bytes, group=group, timeout=60)
+    assert all(torch.equal(a, p) for a, p in zip(kept, other.parameters(), strict=True)), "nothing was loaded"
+    assert not errors, errors  # the trainer's thread stays blocked on version 6's buckets until its timeout
 
 
 # -- a run with a rollout worker (on-policy against the colocated loop, and one step off: tests/test_benchmarks.py's

@@ -8,6 +8,8 @@ is tested against a stand-in (tests/test_vllm_engine.py)."""
 from __future__ import annotations
 
 import os
+import socket
+import threading
 from dataclasses import replace
 
 import pytest
@@ -26,6 +28,8 @@ from fasttnt.embedded.tiny import TinyModelConfig, WarmupConfig, build_tiny_mode
 from fasttnt.engines import EngineSettings, build_engine  # noqa: E402
 from fasttnt.engines.vllm import VLLMEngine  # noqa: E402
 from fasttnt.evaluate import EvalSettings, run_eval  # noqa: E402
+from fasttnt.pipeline.peer import link  # noqa: E402
+from fasttnt.pipeline.weights import WeightPushError, layout, send_weights  # noqa: E402
 
 # vLLM's CPU attention takes head sizes 32, 64, ... (vllm/v1/attention/backends/cpu_attn.py): width 64 over 2 heads,
 # not support/small.py's TINY (head size 16).
@@ -245,3 +249,86 @@ def test_mode_mixed_rollouts_through_vllm(tmp_path, monkeypatch):
         assert all(t == end for t in first[::4]) and all(t != end for t in first[1::4])
     for row in rows:
         assert row["rollout_logp_diff"] < 1e-4 and "free_non_thinking_ratio" in row
+
+
+def _row_logprobs(model, batch, row: int) -> torch.Tensor:
+    """The float64 log-probs (temperature 1) under ``model`` of one row's response tokens, given its prompt."""
+    response = batch.response_ids[batch.cu_seqlens[row] : batch.cu_seqlens[row + 1]]
+    ids = torch.cat([torch.tensor(batch.prompt_ids[row]), response])[None]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0].double(), -1)
+    start = len(batch.prompt_ids[row])
+    return logp[start - 1 : -1].gather(1, response[:, None]).squeeze(1)
+
+
+def _max_logp_diff(model, batch) -> float:
+    return max(
+        float((_row_logprobs(model, batch, i) - batch.rollout_logp[batch.cu_seqlens[i] : batch.cu_seqlens[i + 1]])
+              .abs().max())
+        for i in range(len(batch.prompt_ids))
+    )  # fmt: skip
+
+
+def _pusher(model, bucket_bytes: int, port: int, errors: list, version: int = 7) -> threading.Thread:
+    """The trainer's end: over a link of its own (rank 0, the store's host), one push of ``model``."""
+
+    def push() -> None:
+        try:
+            group = link("127.0.0.1", port, 0, 2, timeout=120)
+            send_weights(model, version, dst=1, src=0, bucket_bytes=bucket_bytes, group=group, timeout=120)
+        except Exception as err:  # reported by the test
+            errors.append(err)
+
+    thread = threading.Thread(target=push, daemon=True)
+    thread.start()
+    return thread
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("receiver", ["same model", "another model"])
+def test_weights_arrive_through_vllms_weight_transfer_calls(tmp_path, receiver):
+    # the engine loads model A; a trainer (a thread here, on a gloo link outside the engine's world) pushes model B
+    # in several buckets, which vLLM's own calls (init_weight_transfer_engine, start_weight_update, update_weights,
+    # finish_weight_update) hand to fasttnt's registered engine. Afterwards the engine samples from B: the log-prob of
+    # every sampled token is B's (float32 both sides, ~1e-6), where before the push it was A's (B is ~0.1-1 away)
+    tok = build_char_tokenizer()
+    shape = TinyModelConfig(**VLLM_TINY)
+    loaded, pushed = build_tiny_model(tok, shape, seed=0), build_tiny_model(tok, shape, seed=1)
+    path = tmp_path / "loaded"
+    loaded.save_pretrained(path)
+    tok.save_pretrained(path)
+    bucket_bytes = 2**14
+    buckets = layout(pushed, bucket_bytes)
+    assert len(buckets) >= 3, "the push must take several buckets"
+    if receiver == "another model":  # a receiver expecting another layout refuses before loading anything
+        buckets = [[*bucket] for bucket in buckets]
+        buckets[0][0] = replace(buckets[0][0], name="model.embed_tokens.other")
+    prompts = [build_prompt(tok, problem) for problem in (p.problem for p in held_out(1)[:2])]
+    port, errors = _free_port(), []
+    engine = _engine(str(path), seed=0, weight_transfer=True)
+    try:
+        before = engine.generate(prompts, 4, seed=3)
+        assert _max_logp_diff(loaded, before) < 1e-4, "the engine serves what it loaded"
+        assert _max_logp_diff(pushed, before) > 0.05, "the precondition: the two models differ"
+        sender = _pusher(pushed, bucket_bytes, port, errors)
+        engine.join_trainer({"host": "127.0.0.1", "port": port, "rank": 1, "world": 2, "trainer": 0,
+                             "buckets": [[slot.to_list() for slot in bucket] for bucket in buckets],
+                             "timeout": 120})  # fmt: skip
+        if receiver == "another model":
+            with pytest.raises(WeightPushError, match="another model"):
+                engine.receive_weights()
+            after = engine.generate(prompts, 4, seed=3)
+            assert _max_logp_diff(loaded, after) < 1e-4, "nothing was loaded"
+            return
+        assert engine.receive_weights() == 7
+        sender.join(timeout=120)
+        assert not errors, errors
+        after = engine.generate(prompts, 4, seed=3)
+    finally:
+        engine.close()
+    assert _max_logp_diff(pushed, after) < 1e-4

@@ -107,6 +107,13 @@ class VLLMEngine:
             from .vllm_first_token import ForbidFirstToken
 
             options["logits_processors"] = [ForbidFirstToken]
+        if settings.weight_transfer:
+            from vllm.config import WeightTransferConfig
+
+            from ..pipeline.vllm_transfer import BACKEND, register
+
+            register()
+            options["weight_transfer_config"] = WeightTransferConfig(backend=BACKEND)
         _pin_v1_model_runner()
         self.llm = vllm.LLM(
             model=settings.model_path,
@@ -193,6 +200,23 @@ class VLLMEngine:
             self._wake("weights")
         weights = _pushed_weights(model, self.bucket_bytes)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self._pushed()
+
+    def join_trainer(self, init_info: dict) -> None:
+        """Link the engine to the trainer whose pushes it will take (``receive_weights``): vLLM's
+        ``init_weight_transfer_engine`` with ``fasttnt.pipeline.vllm_transfer.GlooInitInfo``'s fields."""
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def receive_weights(self) -> int:
+        """Take the trainer's next push through vLLM's weight-transfer calls (``fasttnt.pipeline.vllm_transfer``),
+        then drop the prefix cache; returns the push's version."""
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": {}})
+        self.llm.finish_weight_update()
+        self._pushed()
+        return self.llm.collective_rpc(_received_version)[0]
+
+    def _pushed(self) -> None:
         # False (with only a warning from vLLM) while any cache block is in use: its KV of the old weights would be
         # served to the next rollout's prompts
         if not self.llm.reset_prefix_cache():
@@ -323,6 +347,17 @@ def _pushed_weights(model: torch.nn.Module, bucket_bytes: int):
                 tensor = param.detach()
                 if sharded and not LAYER.match(name):
                     tensor = tensor.clone()
-                yield name, tensor
-                if name.endswith("embed_tokens.weight") and getattr(model.config, "tie_word_embeddings", False):
-                    yield "lm_head.weight", tensor
+                yield from for_vllm(name, tensor, getattr(model.config, "tie_word_embeddings", False))
+
+
+def _received_version(worker) -> int:
+    """The version of the last push a vLLM worker's transfer engine took (run on the worker: ``collective_rpc``)."""
+    return worker.weight_transfer_engine.version
+
+
+def for_vllm(name: str, tensor: torch.Tensor, tied: bool):
+    """A pushed tensor as vLLM's reload takes it: by its Hugging Face name, and an embedding that the head ties to
+    under ``lm_head.weight`` too (the reload gives the head its own layer: module docstring)."""
+    yield name, tensor
+    if tied and name.endswith("embed_tokens.weight"):
+        yield "lm_head.weight", tensor

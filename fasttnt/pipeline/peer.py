@@ -3,6 +3,10 @@ at once (its connection closes), one that stopped answering ends it after ``roll
 either is a ``PeerLostError`` that names the peer and what was awaited, never a hang.
 
 gloo closes the connection of a wait that timed out, so a timeout cannot be retried: it is the end of the run.
+
+The messages travel on a process group: torch.distributed's default world (``group=None``), or a ``link`` of their
+own between processes whose default worlds differ (a vLLM worker's engine holds its own world: its external launcher
+builds groups on every rank of the default one). Ranks are the group's own.
 """
 
 from __future__ import annotations
@@ -39,29 +43,44 @@ def wait_for(work, *, peer: str, what: str, timeout: float | None) -> None:
         raise _gone(peer, what, err) from err
 
 
+def link(host: str, port: int, rank: int, world: int, *, timeout: float) -> dist.ProcessGroup:
+    """A gloo group of ``world`` processes outside torch.distributed's default world (no ``init_process_group``, so
+    none of its collectives): rank 0 serves its rendezvous store on ``host:port``, and every rank joins within
+    ``timeout`` seconds. Its point-to-point messages are this module's, ranks being the link's own."""
+    wait = timedelta(seconds=timeout)
+    store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=wait)
+    return dist.ProcessGroupGloo(dist.PrefixStore("fasttnt-link", store), rank, world, wait)
+
+
+def rank_in(group=None) -> int:
+    """This process's rank in ``group`` (None: the default world)."""
+    return (group or dist.group.WORLD).rank()
+
+
 def isend(tensor: torch.Tensor, dst: int, *, peer: str, what: str, group=None):
-    """``dist.isend``; a peer already gone is a ``PeerLostError`` (gloo refuses to post to a closed connection)."""
+    """Post a send of ``tensor`` to rank ``dst`` of ``group``; a peer already gone is a ``PeerLostError`` (gloo
+    refuses to post to a closed connection)."""
     try:
-        return dist.isend(tensor, dst, group=group)
+        return (group or dist.group.WORLD).send([tensor], dst, 0)
     except RuntimeError as err:
         raise _gone(peer, what, err) from err
 
 
 def irecv(tensor: torch.Tensor, src: int, *, peer: str, what: str, group=None):
-    """``dist.irecv``; a peer already gone is a ``PeerLostError``."""
+    """Post a receive into ``tensor`` from rank ``src`` of ``group``; a peer already gone is a ``PeerLostError``."""
     try:
-        return dist.irecv(tensor, src, group=group)
+        return (group or dist.group.WORLD).recv([tensor], src, 0)
     except RuntimeError as err:
         raise _gone(peer, what, err) from err
 
 
 def recv_from(tensor: torch.Tensor, src: int, *, peer: str, what: str, timeout: float | None, group=None) -> None:
-    """``dist.recv`` of ``tensor`` from rank ``src`` within ``timeout`` seconds (``wait_for``)."""
+    """Receive ``tensor`` from rank ``src`` within ``timeout`` seconds (``wait_for``)."""
     wait_for(irecv(tensor, src, peer=peer, what=what, group=group), peer=peer, what=what, timeout=timeout)
 
 
 def send_to(tensor: torch.Tensor, dst: int, *, peer: str, what: str, timeout: float | None, group=None) -> None:
-    """``dist.send`` of ``tensor`` to rank ``dst`` within ``timeout`` seconds (``wait_for``)."""
+    """Send ``tensor`` to rank ``dst`` within ``timeout`` seconds (``wait_for``)."""
     wait_for(isend(tensor, dst, peer=peer, what=what, group=group), peer=peer, what=what, timeout=timeout)
 
 

@@ -7,18 +7,24 @@ names, shapes and dtypes) and then one uint8 message per bucket (``layer_buckets
 bucket at a time (the gather is collective: every training rank calls ``send_weights``, the one named ``src`` sends),
 so the extra memory is one bucket of full parameters. The receiver checks the signature against its own model before
 it copies anything: a model of another shape is a ``WeightPushError``, never weights loaded out of place.
+
+A receiver without the trainer's model (vLLM's, whose parameters are fused and repacked) reads the push by its
+``layout``: each bucket's ``Slot``s (name, dtype, full shape), the same on both sides; ``recv_header`` and
+``recv_bucket`` are the two halves every receiver shares (``recv_weights`` here, the vLLM worker's
+``fasttnt.pipeline.vllm_transfer``).
 """
 
 from __future__ import annotations
 
+import math
 import re
 import zlib
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from .. import distributed
-from .peer import PipelineError, isend, recv_from, send_to, wait_for
+from .peer import PipelineError, isend, rank_in, recv_from, send_to, wait_for
 
 MAGIC = 0x7F7A_7477_0001  # "fasttnt weights", format 1
 ALIGN = 8
@@ -46,9 +52,42 @@ def layer_buckets(model: torch.nn.Module, bucket_bytes: int):
         yield bucket
 
 
-def signature(model: torch.nn.Module) -> int:
-    """A 32-bit checksum of the model's parameter names, full shapes and dtypes, in order."""
-    text = ";".join(f"{n}:{tuple(getattr(p, 'ds_shape', p.shape))}:{p.dtype}" for n, p in model.named_parameters())
+@dataclass(frozen=True)
+class Slot:
+    """One parameter's place in a push: its name, dtype and full (unsharded) shape."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def to_list(self) -> list:
+        """As plain values (a vLLM engine's init info): ``[name, dtype name, shape]``."""
+        return [self.name, str(self.dtype).removeprefix("torch."), list(self.shape)]
+
+    @classmethod
+    def from_list(cls, value: list) -> Slot:
+        name, dtype, shape = value
+        return cls(name, getattr(torch, dtype), tuple(shape))
+
+
+Layout = list[list[Slot]]  # the buckets of a push, in order
+
+
+def layout(model: torch.nn.Module, bucket_bytes: int) -> Layout:
+    """The buckets ``send_weights`` sends for ``model`` (``layer_buckets``), as ``Slot``s."""
+    return [
+        [Slot(name, p.dtype, tuple(getattr(p, "ds_shape", p.shape))) for name, p in bucket]
+        for bucket in layer_buckets(model, bucket_bytes)
+    ]
+
+
+def signature(buckets: Layout) -> int:
+    """A 32-bit checksum of a layout's parameter names, full shapes and dtypes, in order."""
+    text = ";".join(f"{s.name}:{s.shape}:{s.dtype}" for bucket in buckets for s in bucket)
     return zlib.crc32(text.encode())
 
 
@@ -60,8 +99,7 @@ def send_weights(
     a shard calls it (the gathers are collective) and ``src`` alone sends. ``wait=False``: the sends run in the
     background from copies of the weights (the model may change at once); returns their handles (``wait()``,
     ``done()``). Each send is taken within ``timeout`` seconds (``peer.wait_for``)."""
-    sending = dist.get_rank() == src
-    count = sum(1 for _ in model.parameters())
+    sending = rank_in(group) == src
     sent = []
     worker, what = f"rollout worker rank {dst}", f"weight version {version} to be taken"
 
@@ -72,7 +110,9 @@ def send_weights(
             sent.append(_Sent(isend(message, dst, peer=worker, what=what, group=group), message, worker, what, timeout))
 
     if sending:
-        send(torch.tensor([MAGIC, version, count, signature(model)], dtype=torch.int64))
+        buckets = layout(model, bucket_bytes)
+        count = sum(len(bucket) for bucket in buckets)
+        send(torch.tensor([MAGIC, version, count, signature(buckets)], dtype=torch.int64))
     for bucket in layer_buckets(model, bucket_bytes):
         params = [p for _, p in bucket]
         with distributed.gathered(params):
@@ -102,29 +142,47 @@ def recv_weights(
 ) -> int:
     """Receive a push from rank ``src`` (``send_weights``) into ``model``'s parameters, each message within
     ``timeout`` seconds (``peer.wait_for``); returns its version."""
-    trainer = f"the trainer (rank {src})"
+    buckets = layout(model, bucket_bytes)
+    version = recv_header(buckets, src=src, group=group, timeout=timeout)
+    with torch.no_grad():
+        for bucket, params in zip(buckets, layer_buckets(model, bucket_bytes), strict=True):
+            for (_, tensor), (_, param) in zip(recv_bucket(bucket, version, src=src, group=group, timeout=timeout),
+                                               params, strict=True):  # fmt: skip
+                param.copy_(tensor)
+    return version
+
+
+def recv_header(buckets: Layout, *, src: int, group=None, timeout: float | None = None) -> int:
+    """A push's header from rank ``src``, checked against the receiver's ``buckets``; returns its version."""
     header = torch.empty(4, dtype=torch.int64)
-    recv_from(header, src, peer=trainer, what="a weight push", timeout=timeout, group=group)
+    recv_from(header, src, peer=_trainer(src), what="a weight push", timeout=timeout, group=group)
     magic, version, count, sent = header.tolist()
-    mine = signature(model)
+    mine = signature(buckets)
     if magic != MAGIC:
         raise WeightPushError(f"rank {src}: not a fasttnt weight push (magic {magic:#x})")
-    if count != sum(1 for _ in model.parameters()) or sent != mine:
+    if count != sum(len(bucket) for bucket in buckets) or sent != mine:
         raise WeightPushError(
             f"rank {src} pushed the weights of another model ({count} parameters, signature {sent:#x}; this worker's "
             f"model has signature {mine:#x}): not loading them"
         )
-    with torch.no_grad():
-        for bucket in layer_buckets(model, bucket_bytes):
-            params = [p for _, p in bucket]
-            buffer = torch.empty(_packed_size(params), dtype=torch.uint8)
-            recv_from(buffer, src, peer=trainer, what=f"weight version {version}", timeout=timeout, group=group)
-            at = 0
-            for param in params:
-                nbytes = param.numel() * param.element_size()
-                param.copy_(buffer[at : at + nbytes].view(param.dtype).view(param.shape))
-                at += nbytes + (-nbytes % ALIGN)
     return version
+
+
+def recv_bucket(
+    bucket: list[Slot], version: int, *, src: int, group=None, timeout: float | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """One bucket of push ``version`` from rank ``src``: its parameters by name, views of one fresh buffer."""
+    buffer = torch.empty(sum(s.nbytes + (-s.nbytes % ALIGN) for s in bucket), dtype=torch.uint8)
+    recv_from(buffer, src, peer=_trainer(src), what=f"weight version {version}", timeout=timeout, group=group)
+    named, at = [], 0
+    for slot in bucket:
+        named.append((slot.name, buffer[at : at + slot.nbytes].view(slot.dtype).view(slot.shape)))
+        at += slot.nbytes + (-slot.nbytes % ALIGN)
+    return named
+
+
+def _trainer(rank: int) -> str:
+    return f"the trainer (rank {rank})"
 
 
 def _packed(params: list[torch.Tensor]) -> torch.Tensor:
@@ -134,7 +192,3 @@ def _packed(params: list[torch.Tensor]) -> torch.Tensor:
         raw = param.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         parts += [raw, torch.zeros(-raw.numel() % ALIGN, dtype=torch.uint8)]
     return torch.cat(parts)
-
-
-def _packed_size(params: list[torch.Tensor]) -> int:
-    return sum(n + (-n % ALIGN) for n in (p.numel() * p.element_size() for p in params))

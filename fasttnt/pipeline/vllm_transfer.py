@@ -1,0 +1,131 @@
+"""The weight-transfer engine through which a vLLM engine takes the trainer's pushes: registered with vLLM's
+``WeightTransferEngineFactory`` as ``fasttnt-gloo`` (``register``), it receives the buckets that
+``fasttnt.pipeline.weights.send_weights`` sends, over a gloo ``peer.link`` to the trainer, on any device.
+
+Written against vLLM 0.31 (``vllm/distributed/weight_transfer/base.py``, its nccl engine ``nccl_engine.py`` for the
+reload lifecycle) and run in the tests on its CPU build, through vLLM's own calls: ``LLM(weight_transfer_config=
+WeightTransferConfig(backend="fasttnt-gloo"))`` builds it in each worker (``Worker.load_model``), and
+``LLM.init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``
+reach it through ``collective_rpc``:
+
+* init (``GlooInitInfo``): join the link, and learn the push's layout (each bucket's names, dtypes and full shapes,
+  as ``weights.layout`` gives them on the trainer): vLLM's parameters are fused and repacked, so the receiver cannot
+  read the layout off its own model.
+* start: the push's header, checked against the layout (a push of another model is refused before any layer
+  changes), then vLLM's layer-wise reload, as its nccl engine: every layer back in checkpoint format, so the pushed
+  tensors load by their Hugging Face names and each layer's post-load processing (the CPU build's repacking, CUDA's
+  quantization) runs again once the layer is whole.
+* update (``GlooUpdateInfo``): each bucket into ``model.load_weights``, a tied ``lm_head.weight`` by name too
+  (``engines.vllm.for_vllm``).
+* finish: the reload's end; the push's version is the engine's ``version``.
+
+vLLM's nccl backend moves the same weights device to device on CUDA; this one goes through host memory, which is
+what a CPU run has and what a link between any two processes can carry.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .peer import link
+from .weights import Layout, Slot, recv_bucket, recv_header
+
+BACKEND = "fasttnt-gloo"  # the name vLLM's WeightTransferConfig(backend=...) selects this engine by
+
+
+def register() -> None:
+    """Make ``fasttnt-gloo`` a weight-transfer backend of vLLM, once per process (before an ``LLM`` that uses it
+    is built: vLLM builds the engine with the model)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    try:
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "GlooWeightTransferEngine")
+    except ValueError as err:  # registered before, in this process
+        if "already registered" not in str(err):
+            raise
+
+
+@dataclass
+class GlooInitInfo:
+    """The link to the trainer and the layout of its pushes (plain values: vLLM passes a dict)."""
+
+    host: str
+    port: int
+    rank: int  # this worker's rank in the link
+    world: int  # the link's size
+    trainer: int  # the trainer's rank in the link: the sender
+    buckets: list  # weights.Layout as Slot.to_list values
+    timeout: float  # seconds: the link's rendezvous and every message (rollout.worker_timeout)
+
+
+@dataclass
+class GlooUpdateInfo:
+    """One push: nothing to say beyond what the header carries."""
+
+
+@functools.cache
+def _engine_class():
+    """The engine, defined where vLLM is importable (this module is imported by the trainer too)."""
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+    from ..engines.vllm import for_vllm
+
+    class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
+        init_info_cls = GlooInitInfo
+        update_info_cls = GlooUpdateInfo
+        supports_draft_weight_update = False
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.group = None
+            self.layout: Layout = []
+            self.trainer, self.timeout = 0, None
+            self.incoming: int | None = None  # the version of the push being received (its header's)
+            self.version: int | None = None  # of the last push received whole
+
+        def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+            self.layout = [[Slot.from_list(slot) for slot in bucket] for bucket in init_info.buckets]
+            self.trainer, self.timeout = init_info.trainer, init_info.timeout
+            self.group = link(init_info.host, init_info.port, init_info.rank, init_info.world, timeout=self.timeout)
+
+        def start_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            if self.group is None:
+                raise RuntimeError("the fasttnt-gloo weight transfer was not initialised: init_weight_transfer_engine")
+            # the header first: a push of another model is refused while the model is still whole
+            self.incoming = recv_header(self.layout, src=self.trainer, group=self.group, timeout=self.timeout)
+            initialize_layerwise_reload(self.model)
+
+        def update_weights(self, update_info: dict[str, Any]) -> None:
+            # the base class then synchronizes torch.accelerator, which raises where there is none (the CPU build)
+            self.receive_weights(self.parse_update_info(update_info))
+            if torch.accelerator.is_available():
+                torch.accelerator.synchronize()
+
+        def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+            tied = bool(getattr(self.model_config.hf_config, "tie_word_embeddings", False))
+            for bucket in self.layout:
+                named = recv_bucket(bucket, self.incoming, src=self.trainer, group=self.group, timeout=self.timeout)
+                self.model.load_weights([pair for name, tensor in named for pair in for_vllm(name, tensor, tied)])
+            self.version = self.incoming
+
+        def finish_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)
+
+        def shutdown(self) -> None:
+            self.group = None
+
+    return GlooWeightTransferEngine
+
+
+def __getattr__(name: str):
+    if name == "GlooWeightTransferEngine":  # what vLLM's factory loads by name
+        return _engine_class()
+    raise AttributeError(name)
