@@ -339,8 +339,6 @@ def validate(cfg: TrainConfig) -> None:
     need(r.max_staleness == 0 or r.workers > 0, "rollout.max_staleness",
          f"{r.max_staleness} overlaps generation with training on rollout workers of their own: with rollout.workers=0 "
          "every rank generates between its updates, so nothing can overlap (set rollout.workers)")  # fmt: skip
-    need(r.workers == 0 or r.engine == "hf", "rollout.workers",
-         "a rollout worker runs the hf engine (rollout.engine=hf); vLLM as a worker is not supported yet")  # fmt: skip
     shares = {"forced_non_thinking": r.forced_non_thinking, "forced_thinking": r.forced_thinking}
     for key, share in shares.items():
         need(0 <= share <= 1, f"rollout.{key}", "must be a share of the group in [0, 1]")

@@ -28,6 +28,14 @@ class DistContext:
     device: torch.device
 
 
+LAUNCH_RANK = "FASTTNT_LAUNCH_RANK"  # the launcher's RANK, where a run with rollout workers rewrote it (pipeline.roles)
+
+
+def launch_rank() -> str:
+    """This process's rank as the launcher started it (``?`` without a launcher)."""
+    return os.environ.get(LAUNCH_RANK) or os.environ.get("RANK", "?")
+
+
 def launched_distributed() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
@@ -63,7 +71,7 @@ def fail_fast(main: Callable[[], int]) -> int:
         return main()
     # every failure, KeyboardInterrupt included, must end the rank
     except BaseException as err:
-        rank = os.environ.get("RANK", "?")
+        rank = launch_rank()
         print(f"[rank {rank}] failed: {type(err).__name__}: {err}", file=sys.stderr)
         traceback.print_exc()
         sys.stderr.flush()

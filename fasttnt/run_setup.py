@@ -32,7 +32,7 @@ from .data import Problem, PromptMode, build_prompt, dataset_style, loading_mode
 from .embedded.tiny import warmed_up_model
 from .engines import EngineSettings, RolloutEngine, build_engine
 from .metrics import HackMarkers
-from .pipeline.remote import PipelineRanks
+from .pipeline.roles import Pipeline, join
 from .policy import PolicyHead, tied_rows_into_grad
 from .runlog import truncate_metrics
 from .stream import ProblemStream
@@ -61,7 +61,7 @@ class RunParts:
     markers: HackMarkers
     # rollout.workers > 0: the world's roles (this process is its one training rank; dist is then None, since no
     # other rank trains)
-    pipeline: PipelineRanks | None = None
+    pipeline: Pipeline | None = None
     resumed_from: Path | None = None  # the checkpoint a resumed run continues
 
     @property
@@ -129,20 +129,18 @@ def device_type_of(cfg: TrainConfig) -> str:
 
 def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: bool = False) -> RunParts:
     device_type = device_type_of(cfg)
-    dist = distributed.init(device_type) if distributed.launched_distributed() else None
     pipeline = None
-    if cfg.rollout.workers:  # the workers generate (fasttnt.pipeline.remote.serve): this rank trains alone
-        if dist is None:
+    if cfg.rollout.workers:  # the workers generate (fasttnt.pipeline.remote.serve): the trainers, a world of their own
+        if not distributed.launched_distributed():
             n = cfg.rollout.workers + 1
             raise ConfigError(
                 f"rollout.workers={cfg.rollout.workers}: the workers are ranks of their own: launch {n} processes "
                 f"(torchrun --nproc-per-node {n} -m fasttnt.cli train ...)"
             )
-        pipeline = PipelineRanks.of(cfg, dist.world)
-        device, dist = dist.device, None
+        pipeline = join(cfg, device_type)  # the trainers' world from here on (fasttnt.pipeline.roles)
+    dist = distributed.init(device_type) if distributed.launched_distributed() else None
     world, is_main = (dist.world, dist.rank == 0) if dist else (1, True)
-    if pipeline is None:
-        device = dist.device if dist else distributed.local_device(device_type)
+    device = dist.device if dist else distributed.local_device(device_type)
     r = cfg.rollout
     if r.prompts_per_step % (world * cfg.loss.mini_batches):
         raise ValueError(
@@ -174,8 +172,10 @@ def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: b
     if not is_main:
         distributed.barrier()
     model, tokenizer, model_path = load_policy(cfg, device)
-    if is_main and (dist or pipeline):  # the other ranks (or the workers) load it from the cache now
+    if is_main and dist:  # the other ranks load it from the cache now
         distributed.barrier()
+    if pipeline is not None:  # and the workers
+        pipeline.barrier("the trainer's model")
     if is_main:  # saved once, fresh (a leftover file would be copied into every checkpoint), and copied from here
         shutil.rmtree(out / "tokenizer", ignore_errors=True)
         tokenizer.save_pretrained(out / "tokenizer")
@@ -217,7 +217,8 @@ def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: b
     settings = engine_settings(
         cfg, model_path, device, prompt_budget, zero3_engine=zero3, give_back_heap=memory_measures
     )
-    engine = build_engine(r.engine, model, tokenizer, settings)
+    # with rollout workers the trainer generates nothing: its engine is the hf one around its own model (no copy)
+    engine = build_engine("hf" if pipeline else r.engine, model, tokenizer, settings)
 
     # -- the training state: the checkpoint's (weights, optimizer, RNG states, step, data position) or a fresh start --
     if resume_from is not None:

