@@ -256,3 +256,21 @@ def test_algorithms_combine_in_order():
     got = variant_overrides("tnt+mix+acc:direct_margin=0.1", load_config(None, []))
     assert got == ["reward.scheme=tnt", "rollout.forced_non_thinking=0.5", "reward.direct_margin=0.1"]
     assert load_config(None, got).reward.values.direct_correct == pytest.approx(1.1)
+
+
+def test_a_variant_with_a_rollout_worker_is_launched_and_starts_where_the_colocated_one_does(tmp_path):
+    # rollout.workers needs ranks of its own: compare launches that run as a world of 2 (compare.jobs.train). Its
+    # first step samples the colocated run's prompts from the same weights with the same seeds (a worker at step 1
+    # holds version 0 at any k), so both log the same first responses; the later steps trained on stale batches
+    worker = "tnt:rollout.workers=1,rollout.max_staleness=1"
+    args = _args(tmp_path, "--jobs", "1")
+    args[args.index("--variants") + 1], args[args.index("--warmup-seeds") + 1] = f"tnt,{worker}", "1"
+    assert cli_main(args) == 0
+    out = tmp_path / "cmp"
+    summary = json.loads((out / "compare.json").read_text())
+    (folder,) = (run for run in (out / "runs" / "w0-seed0").iterdir() if run.name != "tnt")
+    assert (folder / "launch.log").is_file(), "precondition: the run was launched"
+    rows = read_jsonl(folder / "metrics.jsonl")
+    assert [r["staleness"] for r in rows] == [0, 1, 1]
+    runs = {v: d["runs"][0]["train"] for v, d in summary["variants"].items()}
+    assert runs[worker]["len"][0] == runs["tnt"]["len"][0] and runs[worker]["reward"][0] == runs["tnt"]["reward"][0]

@@ -434,19 +434,26 @@ def test_the_curves_of_a_run_with_workers_gain_the_pipelines_row(tmp_path):
     assert three_rows == pytest.approx(two_rows * 3 / 2, rel=0.01), "a third row of 3.5 inches"
 
 
-def test_a_mode_mixed_run_one_step_off_trains_on_a_worker(tmp_path):
+def test_a_mode_mixed_run_one_step_off_with_tnt_and_dynamic_sampling_trains_on_a_worker(tmp_path):
     # k = 1 with forced rows in both modes under the mixture rule: the worker adds each row's first-token log-prob
     # and its group's pi(</think> | x) under the weights that sampled it (modes.behaviour_logprobs), which the
-    # mixture and the fade read (tests/test_modes.py works the weights by hand)
+    # mixture and the fade read (tests/test_modes.py works the weights by hand). TNT's reward (its per-query limits
+    # from each group's thinking rows, computed where the batch is scored: the worker) and DAPO's dynamic sampling
+    # (the worker draws, the trainer chooses the groups, as the colocated loop) run on the stale batches too
     mixed = ["rollout.forced_non_thinking=0.25", "rollout.forced_thinking=0.25", "loss.mode_token_logp=mixture"]
     args = ["train", "--output-dir", str(tmp_path / "run"), f"cache_dir={warmups(tmp_path)}", *PIPELINE_RUN, *mixed,
-            "rollout.workers=1", "rollout.max_staleness=1"]  # fmt: skip
+            "reward.scheme=tnt", "rollout.dynamic_sampling=true", "rollout.max_draws=2", "rollout.workers=1",
+            "rollout.max_staleness=1"]  # fmt: skip
     result = run_job(launch_command("torchrun", varied.MODULE, *args), env=PIPELINE_ENV, timeout=HANG_S)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = metric_rows(tmp_path / "run")
     assert [r["staleness"] for r in rows] == [0, 1, 1, 1]
     assert all(r["grad_norm"] > 0 and math.isfinite(r["loss"]) for r in rows)
     assert any(abs(r["rollout_is_mean"] - 1.0) > 1e-4 for r in rows[1:]), "precondition: the batches were stale"
+    limits = [r["limit_mean"] for r in rows[1:] if "limit_mean" in r]
+    assert limits, "precondition: a stale batch's groups had thinking rows, so TNT set their limits"
+    assert all(math.isfinite(x) and x > 0 for x in limits)
+    assert all(1 <= r["draws"] <= 2 and 0 < r["varied_group_frac"] <= 1 for r in rows), rows  # the worker's draws
 
 
 def test_a_worker_ahead_of_a_slow_trainer_never_samples_past_the_bound(tmp_path):

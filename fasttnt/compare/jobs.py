@@ -1,11 +1,15 @@
 """``fasttnt compare``'s work: each job a typed unit (build a warm-up, evaluate a warm-up forced to one mode,
-train and evaluate one run), run inline or in worker processes with one thread count each."""
+train and evaluate one run), run inline or in worker processes with one thread count each. A run with rollout
+workers is launched as a world of its own (``train``)."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
@@ -15,7 +19,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from ..checkpoint import checkpoint_paths
-from ..config import TrainConfig
+from ..config import TrainConfig, dump_config
 from ..evaluate import SYNTHETIC, EvalSettings, run_eval
 from ..metrics import token_efficiency
 from ..trainer import Trainer
@@ -85,7 +89,7 @@ class TrainAndEvaluate:
             tqdm.write(f"{run.name}: trained before with this config, kept ({run.out})")
         else:
             shutil.rmtree(run.out, ignore_errors=True)  # interrupted, or trained with other settings: start over
-            Trainer(run.cfg, run.out, progress=progress).run()
+            train(run, progress)
             (run.out / "compare_run.json").write_text(json.dumps({"config_sha256": fingerprint(run.cfg)}))
         by_step = {}
         for step in self.steps or (run.cfg.steps,):
@@ -96,6 +100,32 @@ class TrainAndEvaluate:
             by_step[step] = run_eval([str(model)], [SYNTHETIC], self.eval, out)["results"][str(model)][SYNTHETIC]
         metrics = mean_evaluation(list(by_step.values()))
         return {"metrics": metrics, "by_step": by_step, "seconds": time.perf_counter() - start}
+
+
+def train(run: Run, progress: bool) -> None:
+    """Train one run: in this process, or, with rollout workers (ranks of their own: ``rollout.workers``), as a
+    world of its own launched by torchrun, one thread per process; its output in ``launch.log`` beside its
+    metrics."""
+    if not run.cfg.rollout.workers:
+        Trainer(run.cfg, run.out, progress=progress).run()
+        return
+    import torch
+
+    run.out.mkdir(parents=True)
+    config, log = run.out / "launch.yaml", run.out / "launch.log"
+    dump_config(run.cfg, config)
+    with socket.socket() as s:  # the rendezvous port: free now (a launch that loses it to another fails, named below)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = run.cfg.rollout.workers + 1
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", f"--master-port={port}"]
+    command = [*launcher, "-m", "fasttnt.cli", "train", "--config", str(config), "--output-dir", str(run.out)]
+    threads = max(1, torch.get_num_threads() // ranks)
+    with open(log, "w") as out:
+        code = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": str(threads)}, stdout=out,
+                              stderr=subprocess.STDOUT).returncode  # fmt: skip
+    if code != 0:
+        raise RuntimeError(f"{run.name}: its launched training failed (exit {code}); its output: {log}")
 
 
 def mean_evaluation(evaluations: list[dict]) -> dict:
