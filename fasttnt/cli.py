@@ -187,7 +187,7 @@ def _train(args) -> int:
             except ConfigError as err:
                 print(f"fasttnt train: config error: {err}", file=sys.stderr)
                 return 2
-            except (PipelineError, VerificationError, VerifierStartupError) as err:
+            except (PipelineError, StaleWeightsError, VerificationError, VerifierStartupError) as err:
                 print(f"fasttnt train: rollout worker rank {distributed.launch_rank()}: {err}", file=sys.stderr)
                 return 1
         try:

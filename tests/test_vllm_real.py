@@ -8,7 +8,6 @@ is tested against a stand-in (tests/test_vllm_engine.py)."""
 from __future__ import annotations
 
 import os
-import socket
 import threading
 from dataclasses import replace
 
@@ -18,7 +17,15 @@ import torch
 vllm = pytest.importorskip("vllm")
 
 from support import varied  # noqa: E402
-from support.small import LAUNCHER_ENV, deterministic, launch_command, metric_rows, run_job, train  # noqa: E402
+from support.small import (  # noqa: E402
+    LAUNCHER_ENV,
+    deterministic,
+    free_port,
+    launch_command,
+    metric_rows,
+    run_job,
+    train,
+)
 
 from fasttnt.cli import main as cli_main  # noqa: E402
 from fasttnt.data import PromptMode, build_prompt, think_end_token_id  # noqa: E402
@@ -284,12 +291,6 @@ def _pusher(model, bucket_bytes: int, port: int, errors: list, version: int = 7)
     return thread
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("receiver", ["same model", "another model"])
 def test_weights_arrive_through_vllms_weight_transfer_calls(tmp_path, receiver):
     # the engine loads model A; a trainer (a thread here, on a gloo link outside the engine's world) pushes model B
@@ -309,7 +310,7 @@ def test_weights_arrive_through_vllms_weight_transfer_calls(tmp_path, receiver):
         buckets = [[*bucket] for bucket in buckets]
         buckets[0][0] = replace(buckets[0][0], name="model.embed_tokens.other")
     prompts = [build_prompt(tok, problem) for problem in (p.problem for p in held_out(1)[:2])]
-    port, errors = _free_port(), []
+    port, errors = free_port(), []
     engine = _engine(str(path), seed=0, weight_transfer=True)
     try:
         before = engine.generate(prompts, 4, seed=3)

@@ -104,8 +104,8 @@ class TrainAndEvaluate:
 
 def train(run: Run, progress: bool) -> None:
     """Train one run: in this process, or, with rollout workers (ranks of their own: ``rollout.workers``), as a
-    world of its own launched by torchrun, one thread per process; its output in ``launch.log`` beside its
-    metrics."""
+    world of its own launched by torchrun, the job's threads shared among its processes (at least one each); its
+    output in ``launch.log`` beside its metrics."""
     if not run.cfg.rollout.workers:
         Trainer(run.cfg, run.out, progress=progress).run()
         return

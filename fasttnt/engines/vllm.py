@@ -11,20 +11,21 @@ the sleep order; the weight push is vLLM's own reload):
   own groups on top of it and, when closed, leaves it alone.
 * ``logprobs_mode="processed_logprobs"``: the log-prob of each sampled token under the distribution it was drawn
   from (after temperature and top-p), which the rollout correction and the stale-weight guard compare with.
-* **The weight push** (``sync_weights``): one ``llm.collective_rpc("reload_weights", kwargs={"weights_iterator":
-  ...})`` per sync. vLLM's layer-wise reload (``vllm/v1/worker/gpu_model_runner.py`` ``reload_weights``,
-  ``vllm/model_executor/model_loader/reload/layerwise.py``) puts every layer back into checkpoint format, loads
-  the pushed tensors and re-runs each layer's post-load processing, so it is right wherever that processing changes
-  the weights: the CPU build repacks its linear layers (after which ``model.load_weights`` through ``apply_model``,
-  TRL's push, fails: ``'Parameter' object has no attribute 'weight_loader'``), and quantized kernels on CUDA
-  re-quantize. It is the one path that works on both in 0.31 (the weight-transfer API's backends are cross-process
-  CUDA transports). Three rules it imposes, each measured on the CPU build: a tied ``lm_head.weight`` is pushed
-  by name (the reload gives the head its own layer, which otherwise keeps its old packed copy: the logits were
-  3.7 nats off; 0.31's ``Qwen2ForCausalLM.load_weights`` loads through ``AutoWeightsLoader``, which skips no
-  ``lm_head.`` name, unlike releases that dropped it when tied, and runs the same Python on CUDA); a decoder
-  layer's tensors go in one bucket (a fused q/k/v layer split across buckets is loaded
-  from uninitialised pieces); tensors that a layer holds until the end of the call (an embedding whose rows vLLM
-  pads) stay valid until it returns (cloned when gathered from ZeRO-3 shards).
+* **The weight push** (``sync_weights``): one ``llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ...})``
+  per sync. vLLM's layer-wise reload (``vllm/v1/worker/gpu_model_runner.py`` ``reload_weights``,
+  ``vllm/model_executor/model_loader/reload/layerwise.py``) puts every layer back into checkpoint format, loads the
+  pushed tensors and re-runs each layer's post-load processing, so it is right wherever that processing changes the
+  weights: the CPU build repacks its linear layers (after which ``model.load_weights`` through ``apply_model``, TRL's
+  push, fails: ``'Parameter' object has no attribute 'weight_loader'``), and quantized kernels on CUDA re-quantize. It
+  is the one path that works on both in 0.31 (the weight-transfer API's backends are cross-process CUDA transports; a
+  rollout worker's engine takes its pushes through that API instead, on a link to the trainer: ``join_trainer`` /
+  ``receive_weights`` and ``fasttnt.pipeline.vllm_transfer``). Three rules it imposes, each measured on the CPU build: a
+  tied ``lm_head.weight`` is pushed by name (the reload gives the head its own layer, which otherwise keeps its old
+  packed copy: the logits were 3.7 nats off; 0.31's ``Qwen2ForCausalLM.load_weights`` loads through
+  ``AutoWeightsLoader``, which skips no ``lm_head.`` name, unlike releases that dropped it when tied, and runs the same
+  Python on CUDA); a decoder layer's tensors go in one bucket (a fused q/k/v layer split across buckets is loaded from
+  uninitialised pieces); tensors that a layer holds until the end of the call (an embedding whose rows vLLM pads) stay
+  valid until it returns (cloned when gathered from ZeRO-3 shards).
 * Sleep mode (CUDA only: vLLM refuses it elsewhere, and the engine then stays awake with a warning): asleep at
   level 2 during the update, woken for the push (``weights``) and for the rollouts (``kv_cache``). vLLM's state
   machine allows no other order: a ``sleep`` while any part is asleep is ignored, waking mapped memory fails, and

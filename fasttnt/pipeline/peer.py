@@ -46,9 +46,16 @@ def wait_for(work, *, peer: str, what: str, timeout: float | None) -> None:
 def link(host: str, port: int, rank: int, world: int, *, name: str, timeout: float) -> dist.ProcessGroup:
     """A gloo group ``name`` of ``world`` processes outside torch.distributed's default world (no
     ``init_process_group``, so none of its collectives), met at the store on ``host:port`` (``store_at``) within
-    ``timeout`` seconds. Its point-to-point messages are this module's, ranks being the link's own."""
-    store = dist.PrefixStore(name, store_at(host, port, rank, world, timeout=timeout))
-    return dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=timeout))
+    ``timeout`` seconds (else a ``PeerLostError``). Its point-to-point messages are this module's, ranks being the
+    link's own."""
+    try:
+        store = dist.PrefixStore(name, store_at(host, port, rank, world, timeout=timeout))
+        return dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=timeout))
+    except RuntimeError as err:  # torch's store timeout (DistStoreError), or a refused or closed connection
+        raise PeerLostError(
+            f"the run's {world} processes did not all join the link {name!r} within {timeout:g} s "
+            f"(rollout.worker_timeout): {str(err).splitlines()[0]}"
+        ) from err
 
 
 def store_at(host: str, port: int, rank: int, world: int, *, timeout: float) -> dist.Store:

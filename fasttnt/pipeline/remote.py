@@ -86,9 +86,14 @@ class RemoteRollouts:
         first = step + len(self.queue)  # the worker generates step first + 1 on
         position = self.queue[-1].data_position if self.queue else data_position
         back = [self.last, *self.queue] if self.last is not None else []
-        # a vLLM worker takes the weights through its transfer engine, on a link of its own (roles.weights_link),
-        # which it joins before it takes the starting point
-        self.push_link = self.pipeline.weights_link() if self.cfg.rollout.engine == "vllm" else self.link
+        self.push_link = self.link
+        if self.cfg.rollout.engine == "vllm":
+            # a vLLM worker takes the weights through its transfer engine, on a link of its own (roles.weights_link)
+            # that it joins once its engine is built, which it says on this link first: a worker that dies building
+            # it is seen at once here, where a link's rendezvous would wait out the timeout
+            recv_from(torch.empty(1, dtype=torch.int64), self.ranks.worker, peer=self.name, what="its vLLM engine",
+                      timeout=self.timeout, group=self.link)  # fmt: skip
+            self.push_link = self.pipeline.weights_link()
         send_to(torch.tensor([first, position, len(back)], dtype=torch.int64), self.ranks.worker, peer=self.name,
                 what="the run's starting point to be taken", timeout=self.timeout, group=self.link)  # fmt: skip
         send_weights(model, step, dst=self.ranks.worker, src=TRAINER, bucket_bytes=self.bucket_bytes,
@@ -217,8 +222,12 @@ def _serve(cfg: TrainConfig, signals: StopSignals) -> int:
         # no sleep mode: the worker's device holds no trainer to give its memory to
         settings = replace(settings, weight_transfer=True, sleep_between_rollouts=False)
         engine = build_engine("vllm", model, tokenizer, settings)
-        # the Hugging Face copy takes every push too: the push checks and behaviour log-probs run on it
-        engine.join_trainer(pipeline.weights_init(layout(model, bucket_bytes)), also_into=model)
+        send_to(torch.ones(1, dtype=torch.int64), TRAINER, peer=trainer, what="the engine's news to be taken",
+                timeout=timeout, group=link)  # fmt: skip
+        # the Hugging Face copy takes every push too where something reads it: the push checks and the behaviour
+        # log-probs run on it (at k >= 1), and vLLM's log-probs are held against it (_check_engine)
+        copy = cfg.rollout.max_staleness > 0 and (checks_pushes(cfg) or ModeMix.of(cfg) is not None)
+        engine.join_trainer(pipeline.weights_init(layout(model, bucket_bytes)), also_into=model if copy else None)
         receive = engine.receive_weights
     else:
         engine = build_engine(cfg.rollout.engine, model, tokenizer, settings)
@@ -248,6 +257,9 @@ def _serve(cfg: TrainConfig, signals: StopSignals) -> int:
     behaviour = cfg.rollout.max_staleness > 0 and mode_mix is not None
     # the trainer's own packed forward, for the probes and the behaviour log-probs
     head = PolicyHead(model) if check_pushes or behaviour else None
+    # a vLLM worker at k >= 1: the push check holds its Hugging Face copy against the trainer, and this holds vLLM's
+    # log-probs of its samples against the copy's (both took the same push), so that vLLM's load is checked too
+    engine_check = check_pushes and cfg.rollout.engine == "vllm" and cfg.rollout.top_p == 1.0
     # step -> its batch, until the version its update makes is checked
     shipped: dict[int, RolloutBatch] = {s.step: s.scored.batch for s in back} if check_pushes else {}
     probe_version, probe_logp = -1, None
@@ -264,6 +276,8 @@ def _serve(cfg: TrainConfig, signals: StopSignals) -> int:
                     probe_version, probe_logp = version, _probe_logprobs(cfg, head, probe_rows(shipped.pop(version)))
             clock = PhaseClock()
             rolled = rollouts.step(step, clock)
+            if engine_check:
+                _check_engine(cfg, head, rolled.drawn.batch, version, skip_first=mode_mix is not None)
             if behaviour:  # part of the batch's generation: under the weights that sampled it
                 behaviour_logprobs(rolled.drawn.batch, think_end_id, lambda rows: _probe_logprobs(cfg, head, rows))
                 clock.lap("generate")
@@ -285,6 +299,26 @@ def _serve(cfg: TrainConfig, signals: StopSignals) -> int:
         engine.close()
     distributed.shutdown()  # its own world
     return 0
+
+
+def _check_engine(cfg: TrainConfig, head: torch.nn.Module, batch: RolloutBatch, version: int, *, skip_first: bool
+                  ) -> None:  # fmt: skip
+    """A vLLM worker's log-probs of its samples (the batch's first group) against its Hugging Face copy's under the
+    same weight version, by the guard's rule (``StaleWeightsError`` past ``rollout.max_logp_diff``). ``skip_first``
+    (mode-mixed rollouts): each response's first token is left out, as the guard leaves it out (pre-filled, or drawn
+    from the renormalised distribution)."""
+    rows = probe_rows(batch)
+    copy = _probe_logprobs(cfg, head, rows).double()
+    keep = torch.ones_like(copy, dtype=torch.bool)
+    if skip_first:
+        keep[rows.cu_seqlens[:-1].to(keep.device)] = False
+    diff = float((copy - rows.rollout_logp.to(copy.device).double())[keep].abs().mean())
+    limit = cfg.rollout.max_logp_diff
+    if stale_weights(diff, limit):
+        raise StaleWeightsError(
+            f"vLLM's log-probs of its samples differ from its Hugging Face copy's under weight version {version} by "
+            f"{diff:.3g} per token, past rollout.max_logp_diff={limit}: vLLM did not load the push whole"
+        )
 
 
 def _probe_logprobs(cfg: TrainConfig, head: torch.nn.Module, probe: RolloutBatch) -> torch.Tensor:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ..config import ConfigError, TrainConfig
 from ..distributed import LAUNCH_RANK
-from .peer import PeerLostError, link, store_at, wait_for
+from .peer import link, store_at, wait_for
 from .weights import Layout
 
 TRAINER = 0  # the one training rank (rank 0 of the launched world); the workers are the last ranks
@@ -66,11 +66,19 @@ class PipelineRanks:
     def worker(self) -> int:
         return self.world - 1
 
+    def is_worker(self, rank: int) -> bool:
+        """Whether launched rank ``rank`` generates (the last ``workers`` ranks)."""
+        return rank >= self.world - self.workers
+
 
 def is_worker_rank(cfg: TrainConfig) -> bool:
     """Whether this process, as the launcher started it, is one of the run's rollout workers."""
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    return cfg.rollout.workers > 0 and world > cfg.rollout.workers and rank >= world - cfg.rollout.workers
+    return (
+        cfg.rollout.workers > 0
+        and world > cfg.rollout.workers
+        and PipelineRanks(world, cfg.rollout.workers).is_worker(rank)
+    )
 
 
 @dataclass(frozen=True)
@@ -86,11 +94,7 @@ class Pipeline:
     def weights_link(self) -> dist.ProcessGroup:
         """The link the trainer pushes a vLLM worker's weights on: the worker's transfer engine joins it with
         ``weights_init`` (a vLLM engine builds its own groups, so it cannot be handed this process's link)."""
-        try:
-            return link(*self.address, self.rank, self.ranks.world, name=WEIGHTS, timeout=self.timeout)
-        except RuntimeError as err:  # torch's store timeout (DistStoreError) or a connection refused
-            raise PeerLostError(f"the run's ranks did not all join the weights link within {self.timeout:g} s "
-                                f"(rollout.worker_timeout): {str(err).splitlines()[0]}") from err  # fmt: skip
+        return link(*self.address, self.rank, self.ranks.world, name=WEIGHTS, timeout=self.timeout)
 
     def weights_init(self, buckets: Layout) -> dict:
         """What a worker's vLLM engine joins the weights link with (``vllm_transfer.GlooInitInfo``): ``buckets`` is
@@ -114,9 +118,8 @@ def join(cfg: TrainConfig, device_type: str) -> Pipeline:
     pipeline = link(*address, rank, world, name="fasttnt-pipeline", timeout=timeout)
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    trainers = ranks.world - ranks.workers
-    worker = rank >= trainers
-    role_rank, role_world = (0, 1) if worker else (rank, trainers)
+    worker = ranks.is_worker(rank)
+    role_rank, role_world = (0, 1) if worker else (rank, ranks.world - ranks.workers)
     os.environ.update({LAUNCH_RANK: str(rank), "RANK": str(role_rank), "WORLD_SIZE": str(role_world)})
     if worker:  # a world of its own, which vLLM's external launcher finds made (its env:// would bind the port)
         own = dist.PrefixStore(f"fasttnt-worker-{rank}", store_at(*address, rank, world, timeout=timeout))
