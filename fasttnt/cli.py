@@ -137,7 +137,7 @@ def _train(args) -> int:
     from .config import ConfigError, load_config
     from .data import DataError
     from .guard import StaleWeightsError
-    from .pipeline.peer import PipelineError
+    from .pipeline.peer import PipelineError, worker_name
     from .pipeline.remote import serve
     from .pipeline.roles import is_worker_rank
     from .plots import summary_table
@@ -188,7 +188,7 @@ def _train(args) -> int:
                 print(f"fasttnt train: config error: {err}", file=sys.stderr)
                 return 2
             except (PipelineError, StaleWeightsError, VerificationError, VerifierStartupError) as err:
-                print(f"fasttnt train: rollout worker rank {distributed.launch_rank()}: {err}", file=sys.stderr)
+                print(f"fasttnt train: {worker_name(distributed.launch_rank())}: {err}", file=sys.stderr)
                 return 1
         try:
             trainer = Trainer(cfg, Path(args.output_dir), resume=resume, new_config_ok=args.resume_with_new_config)

@@ -103,6 +103,10 @@ class RolloutConfig:
     sleep_between_rollouts: bool = True  # CUDA only (vLLM's sleep mode); elsewhere the engine stays awake, warned
     weight_sync_bucket_mb: int = 512
 
+    @property
+    def weight_sync_bucket_bytes(self) -> int:
+        return self.weight_sync_bucket_mb * 2**20
+
     def forced_rows(self) -> tuple[int, int]:
         """Rows of each group forced (non-thinking, thinking): the shares of K rounded to the nearest row, halves up
         (Python's round would take 2.5 to 2)."""

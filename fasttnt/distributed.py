@@ -36,6 +36,15 @@ def launch_rank() -> str:
     return os.environ.get(LAUNCH_RANK) or os.environ.get("RANK", "?")
 
 
+def free_port() -> int:
+    """A TCP port free on this host now, for a rendezvous (a process that takes it first makes that launch fail)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def launched_distributed() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 

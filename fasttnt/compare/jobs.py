@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from .. import distributed
 from ..checkpoint import checkpoint_paths
 from ..config import TrainConfig, dump_config
 from ..evaluate import SYNTHETIC, EvalSettings, run_eval
@@ -114,9 +114,7 @@ def train(run: Run, progress: bool) -> None:
     run.out.mkdir(parents=True)
     config, log = run.out / "launch.yaml", run.out / "launch.log"
     dump_config(run.cfg, config)
-    with socket.socket() as s:  # the rendezvous port: free now (a launch that loses it to another fails, named below)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = distributed.free_port()  # a launch that loses it to another process fails, named below
     ranks = run.cfg.rollout.workers + 1
     launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", f"--master-port={port}"]
     command = [*launcher, "-m", "fasttnt.cli", "train", "--config", str(config), "--output-dir", str(run.out)]

@@ -330,11 +330,7 @@ def _external_launcher_env() -> None:
     TRL's ``ensure_master_addr_port``)."""
     if "RANK" in os.environ:
         return
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = distributed.free_port()
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 

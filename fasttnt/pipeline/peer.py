@@ -26,6 +26,16 @@ class PeerLostError(PipelineError):
     """The process at the other end died or stopped answering."""
 
 
+def trainer_name(rank: int | str) -> str:
+    """How a message names the trainer at launched rank ``rank``."""
+    return f"the trainer (rank {rank})"
+
+
+def worker_name(rank: int | str) -> str:
+    """How a message names the rollout worker at launched rank ``rank``."""
+    return f"rollout worker rank {rank}"
+
+
 def wait_for(work, *, peer: str, what: str, timeout: float | None) -> None:
     """Wait for ``work`` (``isend`` / ``irecv`` here) at most ``timeout`` seconds (None: the process group's own)."""
     start = time.monotonic()

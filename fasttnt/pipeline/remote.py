@@ -33,7 +33,7 @@ from ..engines.batch import RolloutBatch
 from ..guard import StaleWeightsError, stale_weights
 from ..preemption import EXIT_PREEMPTED, StopSignals
 from ..rollouts import StepRollouts
-from .peer import PeerLostError, recv_from, send_to
+from .peer import PeerLostError, recv_from, send_to, trainer_name, worker_name
 from .roles import TRAINER, Pipeline, join
 from .staleness import check_fresh, oldest_version
 from .weights import layout, recv_weights, send_weights
@@ -62,7 +62,7 @@ class RemoteRollouts:
         self.cfg, self.pipeline, self.ranks, self.device = cfg, pipeline, pipeline.ranks, device
         self.link = pipeline.link
         self.push_link = None  # the weights': the pipeline's link, or a vLLM worker's own (made at start)
-        self.bucket_bytes = cfg.rollout.weight_sync_bucket_mb * 2**20
+        self.bucket_bytes = cfg.rollout.weight_sync_bucket_bytes
         self.timeout = cfg.rollout.worker_timeout
         self.pending: list = []  # the sends of the pushes still in flight
         self.last: Shipment | None = None  # the shipment of the step trained last
@@ -77,7 +77,7 @@ class RemoteRollouts:
 
     @property
     def name(self) -> str:
-        return f"rollout worker rank {self.ranks.worker}"
+        return worker_name(self.ranks.worker)
 
     def start(self, model: torch.nn.Module, step: int, data_position: int) -> None:
         """The worker's starting point: the step it generates from and its data position there, the weights, and a
@@ -216,8 +216,8 @@ def _serve(cfg: TrainConfig, signals: StopSignals) -> int:
     model.to(device).eval()
     prompt_budget = run_setup.prompt_budget_of(cfg)
     settings = run_setup.engine_settings(cfg, model_path, device, prompt_budget)
-    bucket_bytes = cfg.rollout.weight_sync_bucket_mb * 2**20
-    trainer, timeout = f"the trainer (rank {TRAINER})", cfg.rollout.worker_timeout
+    bucket_bytes = cfg.rollout.weight_sync_bucket_bytes
+    trainer, timeout = trainer_name(TRAINER), cfg.rollout.worker_timeout
     if cfg.rollout.engine == "vllm":  # the pushes through vLLM's weight-transfer calls (pipeline.vllm_transfer)
         # no sleep mode: the worker's device holds no trainer to give its memory to
         settings = replace(settings, weight_transfer=True, sleep_between_rollouts=False)

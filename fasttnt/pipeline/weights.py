@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import distributed
-from .peer import PipelineError, isend, rank_in, recv_from, send_to, wait_for
+from .peer import PipelineError, isend, rank_in, recv_from, send_to, trainer_name, wait_for, worker_name
 
 MAGIC = 0x7F7A_7477_0001  # "fasttnt weights", format 1
 ALIGN = 8
@@ -101,7 +101,7 @@ def send_weights(
     ``done()``). Each send is taken within ``timeout`` seconds (``peer.wait_for``)."""
     sending = rank_in(group) == src
     sent = []
-    worker, what = f"rollout worker rank {dst}", f"weight version {version} to be taken"
+    worker, what = worker_name(dst), f"weight version {version} to be taken"
 
     def send(message: torch.Tensor) -> None:
         if wait:
@@ -155,7 +155,7 @@ def recv_weights(
 def recv_header(buckets: Layout, *, src: int, group=None, timeout: float | None = None) -> int:
     """A push's header from rank ``src``, checked against the receiver's ``buckets``; returns its version."""
     header = torch.empty(4, dtype=torch.int64)
-    recv_from(header, src, peer=_trainer(src), what="a weight push", timeout=timeout, group=group)
+    recv_from(header, src, peer=trainer_name(src), what="a weight push", timeout=timeout, group=group)
     magic, version, count, sent = header.tolist()
     mine = signature(buckets)
     if magic != MAGIC:
@@ -173,16 +173,12 @@ def recv_bucket(
 ) -> list[tuple[str, torch.Tensor]]:
     """One bucket of push ``version`` from rank ``src``: its parameters by name, views of one fresh buffer."""
     buffer = torch.empty(sum(s.nbytes + (-s.nbytes % ALIGN) for s in bucket), dtype=torch.uint8)
-    recv_from(buffer, src, peer=_trainer(src), what=f"weight version {version}", timeout=timeout, group=group)
+    recv_from(buffer, src, peer=trainer_name(src), what=f"weight version {version}", timeout=timeout, group=group)
     named, at = [], 0
     for slot in bucket:
         named.append((slot.name, buffer[at : at + slot.nbytes].view(slot.dtype).view(slot.shape)))
         at += slot.nbytes + (-slot.nbytes % ALIGN)
     return named
-
-
-def _trainer(rank: int) -> str:
-    return f"the trainer (rank {rank})"
 
 
 def _packed(params: list[torch.Tensor]) -> torch.Tensor:

@@ -20,7 +20,7 @@ from fasttnt_kernels import TntRewards
 
 from ..engines.batch import RolloutBatch
 from ..scoring import Judged, ScoredBatch
-from .peer import PipelineError, recv_from, send_to
+from .peer import PipelineError, recv_from, send_to, trainer_name, worker_name
 
 MAGIC = 0x7F7A_7471_0004  # "fasttnt", wire format 4
 # (name, dtype) of every field, in message order; a field may be absent (code 0) where the batch has none
@@ -249,7 +249,7 @@ def send_shipment(
     """Send ``shipment`` to rank ``dst`` (``recv_shipment`` there), each part within ``timeout`` seconds
     (``peer.wait_for``); ``peer`` names rank ``dst`` in errors (by default the trainer, which batches go to)."""
     header, payload = encode(shipment)
-    peer, what = peer or f"the trainer (rank {dst})", f"step {shipment.step}'s batch to be taken"
+    peer, what = peer or trainer_name(dst), f"step {shipment.step}'s batch to be taken"
     send_to(header, dst, peer=peer, what=what, timeout=timeout, group=group)
     send_to(payload, dst, peer=peer, what=what, timeout=timeout, group=group)
 
@@ -260,7 +260,7 @@ def recv_shipment(
     """The shipment rank ``src`` sends (``send_shipment``), checked (``WorkerError``: malformed) and on ``device``;
     each part within ``timeout`` seconds (``peer.wait_for``); ``peer`` names rank ``src`` in errors (by default a
     rollout worker, which batches come from)."""
-    worker = peer or f"rollout worker rank {src}"
+    worker = peer or worker_name(src)
     header = torch.empty(HEADER_LEN, dtype=torch.int64)
     recv_from(header, src, peer=worker, what="batch", timeout=timeout, group=group)
     _, size = payload_layout(header, worker=worker)
