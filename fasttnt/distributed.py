@@ -28,6 +28,10 @@ class DistContext:
     device: torch.device
 
 
+# a rank that dies leaves the others blocked in a collective: the launcher kills them (see fail_fast), and this
+# timeout bounds the wait if it does not; an hour, since rank 0 alone writes a 7B model's float32 weights (28 GB) to a
+# shared filesystem while the others wait at a barrier
+COLLECTIVE_TIMEOUT = timedelta(minutes=60)
 LAUNCH_RANK = "FASTTNT_LAUNCH_RANK"  # the launcher's RANK, where a run with rollout workers rewrote it (pipeline.roles)
 
 
@@ -65,10 +69,8 @@ def init(device_type: str) -> DistContext:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
-    # a rank that dies leaves the others blocked in a collective: the launcher kills them (see fail_fast), and
-    # this timeout bounds the wait if it does not; an hour, since rank 0 alone writes a 7B model's float32 weights
-    # (28 GB) to a shared filesystem while the others wait at a barrier
-    deepspeed.init_distributed(dist_backend="nccl" if device_type == "cuda" else "gloo", timeout=timedelta(minutes=60))
+    # a world already made is kept (a run with rollout workers: the trainers', pipeline.roles.join)
+    deepspeed.init_distributed(dist_backend="nccl" if device_type == "cuda" else "gloo", timeout=COLLECTIVE_TIMEOUT)
     device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device)
 

@@ -59,8 +59,8 @@ class RunParts:
     state: TrainerState
     think_end_id: int
     markers: HackMarkers
-    # rollout.workers > 0: the world's roles (this process is its one training rank; dist is then None, since no
-    # other rank trains)
+    # rollout.workers > 0: the world's roles (this process is one of the training ranks; dist is their own world, None
+    # where it trains alone)
     pipeline: Pipeline | None = None
     resumed_from: Path | None = None  # the checkpoint a resumed run continues
 

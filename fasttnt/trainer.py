@@ -40,7 +40,7 @@ from .metrics import (
     to_floats,
 )
 from .modes import ModeMix, forced_rows
-from .pipeline.remote import RemoteRollouts, probe_rows
+from .pipeline.remote import RemoteRollouts
 from .pipeline.staleness import staleness
 from .plots import plot_curves
 from .preemption import Preempted, StopSignals
@@ -140,7 +140,7 @@ class Trainer:
         # weight sync (the vllm engine gathers ZeRO-3 shards bucket by bucket itself; a worker's push runs in the
         # background, at k >= 1 with the trainer's log-probs of a probe that the worker's are checked against)
         if self.remote is not None:
-            self.remote.push(self.parts.model, step, probe_rows(drawn.batch), self._probe_logprobs)
+            self.remote.push(self.parts.model, step, self._probe_logprobs)
         else:
             self.parts.engine.sync_weights(self.parts.model)
         clock.lap("sync")

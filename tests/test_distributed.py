@@ -28,9 +28,11 @@ HANG_S = 600
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": varied.PYTHONPATH}
 
 
-def _launch(launcher: str, out: Path, cache: Path, *extra: str, resume: bool = False) -> subprocess.CompletedProcess:
+def _launch(
+    launcher: str, out: Path, cache: Path, *extra: str, resume: bool = False, ranks: int = 2
+) -> subprocess.CompletedProcess:
     args = ["train", "--output-dir", str(out), *(["--resume"] if resume else []), f"cache_dir={cache}", *SMALL, *extra]
-    return run_job(launch_command(launcher, varied.MODULE, *args), env=ENV, timeout=HANG_S)
+    return run_job(launch_command(launcher, varied.MODULE, *args, ranks=ranks), env=ENV, timeout=HANG_S)
 
 
 KEYS = ("loss", "grad_norm", "reward", "acc", "len", "non_thinking_ratio", "entropy", "kl", "clip_frac")
@@ -109,6 +111,25 @@ def test_a_mode_mixed_run_on_two_ranks_matches_one_process(tmp_path):
     states = [out / "checkpoints" / "step-000002" / "trainer_state.json" for out in runs.values()]
     floors = [json.loads(state.read_text())["mode_token_floor_logp"] for state in states]
     assert floors[0] is not None and floors[0] == pytest.approx(floors[1], abs=1e-5)
+
+
+def test_zero3_trainers_beside_a_rollout_worker_match_one_process(single):
+    # 3 processes, 2 trainers under ZeRO-3 and 1 rollout worker, on-policy: the worker generates each step's 4 prompts
+    # with the weights the trainers gathered bucket by bucket and pushed, each trainer trains on its 2 (the colocated
+    # rank's own), and the run logs what one process generating between its updates logs
+    root, expected = single
+    out = root / "zero3-worker"
+    result = _launch("torchrun", out, root / "cache", "distributed.zero_stage=3", "rollout.workers=1", ranks=3)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    rows = metric_rows(out)
+    assert [(r["weight_version"], r["staleness"]) for r in rows] == [(0, 0), (1, 0), (2, 0)], "each push taken"
+    assert all(r["rollout_logp_diff"] < 1e-6 for r in rows), "the worker sampled from the trainers' weights"
+    # the trainers' shares are the step, each response once (the tokens they count add up to its 16 responses')
+    responses = 16
+    for r in rows:
+        assert r["generated_tokens_per_s"] * r["worker_time_generate"] == pytest.approx(r["len"] * responses, rel=1e-6)
+    _assert_same_run(rows, expected)
+    _assert_same_weights(out / "final", root / "single" / "final", root / "cache")
 
 
 def test_resume_with_the_same_ranks(single):

@@ -66,11 +66,12 @@ def test_the_staleness_bound_by_hand():
         check_fresh(2, 0, 0, worker="w")
 
 
-def scored_batch(seed: int, *, optional: bool = True) -> ScoredBatch:
-    """A scored batch of 3 groups of 4 with every field filled from ``seed`` (texts with non-ASCII characters; the
-    optional fields only if ``optional``): the same on every process that asks for the same seed."""
+def scored_batch(seed: int, *, optional: bool = True, groups: int = 3) -> ScoredBatch:
+    """A scored batch of ``groups`` groups of 4 with every field filled from ``seed`` (texts with non-ASCII
+    characters; the optional fields only if ``optional``): the same on every process that asks for the same seed."""
     g = torch.Generator().manual_seed(seed)
-    s, k = 12, 4
+    k = 4
+    s = groups * k
     lengths = torch.randint(1, 9, (s,), generator=g)
     cu = torch.zeros(s + 1, dtype=torch.int64)
     cu[1:] = lengths.cumsum(0)
@@ -116,6 +117,34 @@ def test_the_fields_of_a_scored_batch_round_trip(optional):
     assert_same_batch(from_fields(fields, worker="w"), want)
 
 
+def test_the_trainers_share_a_step_as_the_colocated_ranks_share_its_prompts():
+    from fasttnt.dynamic_sampling import choose_groups, concat_draws, select_groups
+    from fasttnt.pipeline.remote import trainer_share
+
+    drawn = scored_batch(SEED, groups=8)  # two draws of 4 prompts, as a worker ships them
+    assert (drawn.judged.timeouts, drawn.judged.crashes) == (2, 1), "precondition: the verifier's counts to keep"
+    # one trainer trains on the whole step, as it did alone
+    whole = trainer_share(drawn, [True] * 8, list(range(8)), 0, 2, rank=0, trainers=1)
+    assert whole.drawn is drawn and whole.trained is drawn and (whole.filled, whole.draws) == (0, 2)
+    # without dynamic sampling trainer r trains on (and logs) the r-th half of the groups: the prompts the colocated
+    # rank r draws; the halves, joined, are the step, the verifier's counts once
+    varied = [False, True, False, True, False, False, True, False]
+    halves = [trainer_share(drawn, varied, list(range(8)), 0, 2, rank=r, trainers=2) for r in (0, 1)]
+    assert [h.trained is h.drawn for h in halves] == [True, True]
+    assert_same_batch(concat_draws([h.drawn for h in halves]), drawn)
+    assert [h.varied for h in halves] == [varied[:4], varied[4:]] and [h.filled for h in halves] == [0, 0]
+    assert [(h.drawn.judged.timeouts, h.drawn.judged.crashes) for h in halves] == [(2, 1), (0, 0)]
+    # dynamic sampling: the step's 4 groups are chosen from the whole shipment (3 varied, one equal-reward fill),
+    # then halved; the fill is trainer 0's, and the logged draws stay halved as above
+    groups, filled = choose_groups(varied, 4)
+    assert (groups, filled) == ([0, 1, 3, 6], 1), "precondition: a fill among the chosen groups"
+    halves = [trainer_share(drawn, varied, groups, filled, 2, rank=r, trainers=2) for r in (0, 1)]
+    for half, mine in zip(halves, ([0, 1], [3, 6]), strict=True):
+        assert_same_batch(half.trained, select_groups(drawn, mine))
+    assert [h.filled for h in halves] == [1, 0] and [h.varied for h in halves] == [varied[:4], varied[4:]]
+    assert_same_batch(concat_draws([h.drawn for h in halves]), drawn)
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
@@ -155,7 +184,7 @@ def main():
     if ctx.rank == worker:
         times = {{"time_generate": 1.5, "time_verify": 0.25, "time_reward": 0.125, "time_idle": 0.5}}
         shipment = Shipment(scored_batch({SEED}), 7, 5, [True, False, True], draws=2, data_position=96, times=times)
-        send_shipment(shipment, trainer)
+        send_shipment(shipment, [trainer])
     else:
         got = recv_shipment(worker)
         assert (got.step, got.version, got.varied, got.draws, got.data_position) == (7, 5, [True, False, True], 2, 96)
@@ -279,10 +308,11 @@ def test_the_roles_a_world_cannot_hold_are_refused_naming_the_key():
 
     one = load_config(None, ["rollout.workers=1"])
     assert PipelineRanks.of(one, 2).worker == 1
+    assert (PipelineRanks.of(one, 3).worker, PipelineRanks.of(one, 3).trainers) == (2, range(2))
     with pytest.raises(ConfigError, match=r"rollout.workers=1 leaves no training rank in a world of 1"):
         PipelineRanks.of(one, 1)
-    with pytest.raises(ConfigError, match=r"rollout.workers=1 in a world of 3: one training rank and one worker"):
-        PipelineRanks.of(one, 3)
+    with pytest.raises(ConfigError, match=r"rollout.workers=2: one rollout worker for now"):
+        PipelineRanks.of(load_config(None, ["rollout.workers=2"]), 4)
     if importlib.util.find_spec("vllm") is None:  # the main suite's environment: vLLM is not installed
         with pytest.raises(ConfigError, match=r"rollout.engine=vllm: the rollout workers' engine is not installed"):
             PipelineRanks.of(load_config(None, ["rollout.workers=1", "rollout.engine=vllm"]), 2)
@@ -381,15 +411,19 @@ def test_a_trainer_that_dies_stops_the_worker_naming_it(tmp_path):
     assert "fasttnt train: rollout worker rank 1: the trainer (rank 0) is gone: its connection closed" in worker.stderr
 
 
-def test_a_run_killed_one_step_off_resumes_to_what_an_uninterrupted_run_logs(tmp_path):
+@pytest.mark.parametrize("trainers", [1, 2])
+def test_a_run_killed_one_step_off_resumes_to_what_an_uninterrupted_run_logs(tmp_path, trainers):
     # k = 1 and a checkpoint after every step: each keeps the batch in flight (the next step's, sampled from weights
-    # the checkpoint no longer holds). The job is killed -9, every rank, while its trainer pauses at step 2's push
-    # (support/faulty.py), after step 1's checkpoint; --resume continues it from there
+    # the checkpoint no longer holds). The job is killed -9, every rank, while its trainers pause at step 2's push
+    # (support/faulty.py), after step 1's checkpoint; --resume continues it from there. Two trainers run ZeRO-3: each
+    # received every batch in flight, and each resumes from the one file
     overrides = [*PIPELINE_RUN, "steps=5", "save_every=1", "rollout.workers=1", "rollout.max_staleness=1"]
+    if trainers > 1:
+        overrides.append("distributed.zero_stage=3")
 
     def command(module: str, out: str) -> list[str]:
         args = ["train", "--output-dir", str(tmp_path / out), f"cache_dir={warmups(tmp_path)}", *overrides]
-        return launch_command("torchrun", module, *args)
+        return launch_command("torchrun", module, *args, ranks=trainers + 1)
 
     straight = run_job(command(varied.MODULE, "straight"), env=PIPELINE_ENV, timeout=HANG_S)
     assert straight.returncode == 0, straight.stderr[-3000:]

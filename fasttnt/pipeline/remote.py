@@ -1,19 +1,22 @@
 """The two ends of a run whose rollouts come from workers of their own (``rollout.workers``; the roles and the link
-between them: ``fasttnt.pipeline.roles``): the trainer's side (``RemoteRollouts``: each step's shipment received and
+between them: ``fasttnt.pipeline.roles``): the trainers' side (``RemoteRollouts``: each step's shipment received and
 checked, the weights pushed back after the update) and the worker's loop (``serve``).
 
-The protocol, one trainer and one worker: at the start the trainer sends the step and data position it starts from
-and its weights (version = that step); then for each step t the worker waits until it holds a version no older than
-t - 1 - k (``staleness.oldest_version``), runs the step's rollouts (``fasttnt.rollouts.Rollouts``, the colocated
-loop's own code) and ships them; the trainer trains on them and pushes version t, without waiting for the worker to
-take it (the sends run in the background while the trainer goes on to receive the next step's batch). It pushes only
-the versions a later step needs, so every push is taken. At k = 0 the worker generates step t + 1 with the weights
-step t made: the colocated loop's samples, on another process, and the stale-weight guard compares the batch's
-log-probs with the trainer's as for vLLM. At k >= 1 the batch was sampled from older weights than the trainer holds,
-so the guard checks each push instead: the trainer computes the log-probs of a probe (the first group of the step
-whose update made the version) under the version it pushes, the worker computes them once it took that version and
-ships them with its next batch, and the guard's rule (``rollout.max_logp_diff``) stops the run where they differ:
-a push that did not arrive, or was garbled, stops it at any k.
+The protocol, one worker and one trainer or more (under DeepSpeed, in a world of their own): at the start trainer 0
+(``TRAINER``) sends the step and data position it starts from, and the weights (version = that step; under ZeRO-3
+the trainers gather each bucket together and trainer 0 sends it); then for each step t the worker waits until it
+holds a version no older than t - 1 - k (``staleness.oldest_version``), runs the step's rollouts
+(``fasttnt.rollouts.Rollouts``, the colocated loop's own code) and ships them to every trainer, which trains on its
+share of the groups as the colocated ranks share a step's prompts (``trainer_share``); the trainers push version t,
+without waiting for the worker to take it (the sends run in the background while the trainers go on to receive the
+next step's batch). They push only the versions a later step needs, so every push is taken. At k = 0 the worker
+generates step t + 1 with the weights step t made: the colocated loop's samples, on another process, and the
+stale-weight guard compares the batch's log-probs with the trainer's as for vLLM. At k >= 1 the batch was sampled
+from older weights than the trainers hold, so the guard checks each push instead: the trainers compute the log-probs
+of a probe (the first group of the step whose update made the version) under the version they push, the worker
+computes them once it took that version and ships them with its next batch, and the guard's rule
+(``rollout.max_logp_diff``) stops the run where they differ: a push that did not arrive, or was garbled, stops it at
+any k.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from ..engines.batch import RolloutBatch
 from ..guard import StaleWeightsError, stale_weights
 from ..preemption import EXIT_PREEMPTED, StopSignals
 from ..rollouts import StepRollouts
+from ..scoring import ScoredBatch
 from .peer import PeerLostError, recv_from, send_to, trainer_name, worker_name
 from .roles import TRAINER, Pipeline, join
 from .staleness import check_fresh, oldest_version
@@ -47,6 +51,28 @@ def probe_rows(batch: RolloutBatch) -> RolloutBatch:
     return batch.group_slice(0, 1)
 
 
+def trainer_share(drawn: ScoredBatch, varied: list[bool], groups: list[int], filled: int, draws: int, *, rank: int,
+                  trainers: int) -> StepRollouts:  # fmt: skip
+    """Trainer ``rank``'s part of a step's rollouts among ``trainers``, as the colocated ranks share a step: the
+    ``rank``-th of ``trainers`` equal runs of the groups trained on (``groups``, ascending: all of ``drawn``'s without
+    dynamic sampling, so that each trainer has the prompts the colocated rank of its number draws), and, for the
+    logged metrics that the trainers sum or gather, the same part of the drawn groups and their ``varied`` flags. The
+    verifier's counts, of whole draws, stay with trainer 0. One trainer: the whole step."""
+    if trainers == 1:
+        trained = drawn if len(groups) == len(varied) else select_groups(drawn, groups)
+        return StepRollouts(drawn, trained, varied, filled, draws)
+    per_drawn, per_trained = len(varied) // trainers, len(groups) // trainers
+    mine = list(range(rank * per_drawn, (rank + 1) * per_drawn))
+    share = select_groups(drawn, mine)
+    if rank == 0:
+        share.judged = replace(share.judged, timeouts=drawn.judged.timeouts, crashes=drawn.judged.crashes)
+    chosen = groups[rank * per_trained : (rank + 1) * per_trained]
+    trained = share if chosen == mine else select_groups(drawn, chosen)
+    # where there are fills, every varied group was chosen (dynamic_sampling.choose_groups): the others are the fills
+    fills = sum(not varied[g] for g in chosen) if filled else 0
+    return StepRollouts(share, trained, [varied[g] for g in mine], fills, draws)
+
+
 def checks_pushes(cfg: TrainConfig) -> bool:
     """Whether each weight push is checked by a probe's log-probs on both sides (module docstring): at k >= 1, with
     the stale-weight guard on."""
@@ -54,13 +80,16 @@ def checks_pushes(cfg: TrainConfig) -> bool:
 
 
 class RemoteRollouts:
-    """The trainer's side: ``step`` is ``Rollouts.step``'s, from the worker's shipments."""
+    """A trainer's side: ``step`` is ``Rollouts.step``'s, from the worker's shipments. Every trainer receives each
+    shipment whole (its metrics, probes and checkpoints are the same on each) and trains on its share; trainer 0
+    speaks for them where one voice is enough (the starting point)."""
 
     def __init__(self, cfg: TrainConfig, pipeline: Pipeline, device: torch.device, resumed_from: Path | None) -> None:
         """``resumed_from``: the checkpoint a resumed run continues, whose batches in flight (``IN_FLIGHT``) this
         trains on first."""
         self.cfg, self.pipeline, self.ranks, self.device = cfg, pipeline, pipeline.ranks, device
         self.link = pipeline.link
+        self.rank, self.trainers = pipeline.rank, len(pipeline.ranks.trainers)  # the trainers' ranks come first
         self.push_link = None  # the weights': the pipeline's link, or a vLLM worker's own (made at start)
         self.bucket_bytes = cfg.rollout.weight_sync_bucket_bytes
         self.timeout = cfg.rollout.worker_timeout
@@ -94,27 +123,30 @@ class RemoteRollouts:
             recv_from(torch.empty(1, dtype=torch.int64), self.ranks.worker, peer=self.name, what="its vLLM engine",
                       timeout=self.timeout, group=self.link)  # fmt: skip
             self.push_link = self.pipeline.weights_link()
-        send_to(torch.tensor([first, position, len(back)], dtype=torch.int64), self.ranks.worker, peer=self.name,
-                what="the run's starting point to be taken", timeout=self.timeout, group=self.link)  # fmt: skip
+        if self.rank == TRAINER:
+            send_to(torch.tensor([first, position, len(back)], dtype=torch.int64), self.ranks.worker, peer=self.name,
+                    what="the run's starting point to be taken", timeout=self.timeout, group=self.link)  # fmt: skip
         send_weights(model, step, dst=self.ranks.worker, src=TRAINER, bucket_bytes=self.bucket_bytes,
                      timeout=self.timeout, group=self.push_link)  # fmt: skip
-        for shipment in back:
-            send_shipment(shipment, self.ranks.worker, group=self.link, timeout=self.timeout, peer=self.name)
+        if self.rank == TRAINER:
+            for shipment in back:
+                send_shipment(shipment, [self.ranks.worker], group=self.link, timeout=self.timeout, peer=self.name)
 
     def step(self, step: int, clock) -> StepRollouts:
         """Step ``step``'s rollouts as the worker shipped them (``clock`` laps ``wait``), checked against the step and
-        the staleness bound; the groups trained on chosen as the colocated loop chooses them."""
+        the staleness bound; the groups trained on chosen as the colocated loop chooses them, this trainer's share
+        (``trainer_share``)."""
         shipment = self.queue.popleft() if self.queue else self._receive(step)
         clock.lap("wait")
         self.last, self.logp_diff = shipment, None
         self.stop_requested |= shipment.stop
         if shipment.probe_version >= 0:
             self._check_push(step, shipment)
-        drawn, trained, filled = shipment.scored, shipment.scored, 0
+        groups, filled = list(range(len(shipment.varied))), 0
         if self.cfg.rollout.dynamic_sampling:
             groups, filled = choose_groups(shipment.varied, self.cfg.rollout.prompts_per_step)
-            trained = select_groups(drawn, groups)
-        return StepRollouts(drawn, trained, shipment.varied, filled, shipment.draws)
+        return trainer_share(shipment.scored, shipment.varied, groups, filled, shipment.draws, rank=self.rank,
+                             trainers=self.trainers)  # fmt: skip
 
     def _receive(self, step: int) -> Shipment:
         """The worker's next shipment, which must be step ``step``'s, sampled within the staleness bound."""
@@ -166,17 +198,18 @@ class RemoteRollouts:
                 "whole; not training on its batches"
             )
 
-    def push(self, model: torch.nn.Module, step: int, probe: RolloutBatch | None = None, logprobs=None) -> None:
+    def push(self, model: torch.nn.Module, step: int, logprobs) -> None:
         """Version ``step`` (the weights after step ``step``'s update) to the worker, if a later step needs it, in the
-        background. Earlier pushes may still be in flight: at k >= 2 the worker takes a version only when a step it
-        generates needs it, k - 1 steps after it was pushed, and until then it is sending batches that the trainer
-        takes after this push, so waiting here for the previous push would deadlock (each push in flight holds a
-        copy of the weights on the host). At k >= 1 ``logprobs(probe)`` gives the trainer's log-probs of ``probe``
-        (``probe_rows`` of step ``step``'s batch) under it, which the worker's will be checked against."""
+        background; every trainer calls it (ZeRO-3's gathers, and the probe's forward, are collective). Earlier
+        pushes may still be in flight: at k >= 2 the worker takes a version only when a step it generates needs it,
+        k - 1 steps after it was pushed, and until then it is sending batches that the trainers take after this push,
+        so waiting here for the previous push would deadlock (each push in flight holds a copy of the weights on the
+        host). At k >= 1 ``logprobs(rows)`` gives the trainer's log-probs of ``rows`` under it, for the probe
+        (``probe_rows`` of step ``step``'s whole shipment) that the worker's will be checked against."""
         self.pending = [work for work in self.pending if not work.done()]
         if step <= self.cfg.steps - 1 - self.cfg.rollout.max_staleness:
             if self.check_pushes:
-                self.probes[step] = logprobs(probe)
+                self.probes[step] = logprobs(probe_rows(self.last.scored.batch))
             self.pending += send_weights(model, step, dst=self.ranks.worker, src=TRAINER, group=self.push_link,
                                          bucket_bytes=self.bucket_bytes, wait=False, timeout=self.timeout)  # fmt: skip
 
@@ -222,8 +255,9 @@ def _serve(cfg: TrainConfig, signals: StopSignals) -> int:
         # no sleep mode: the worker's device holds no trainer to give its memory to
         settings = replace(settings, weight_transfer=True, sleep_between_rollouts=False)
         engine = build_engine("vllm", model, tokenizer, settings)
-        send_to(torch.ones(1, dtype=torch.int64), TRAINER, peer=trainer, what="the engine's news to be taken",
-                timeout=timeout, group=link)  # fmt: skip
+        for rank in pipeline.ranks.trainers:
+            send_to(torch.ones(1, dtype=torch.int64), rank, peer=trainer_name(rank),
+                    what="the engine's news to be taken", timeout=timeout, group=link)  # fmt: skip
         # the Hugging Face copy takes every push too where something reads it: the push checks and the behaviour
         # log-probs run on it (at k >= 1), and vLLM's log-probs are held against it (_check_engine)
         copy = cfg.rollout.max_staleness > 0 and (checks_pushes(cfg) or ModeMix.of(cfg) is not None)
@@ -285,7 +319,7 @@ def _serve(cfg: TrainConfig, signals: StopSignals) -> int:
                                 {**clock.times, "time_idle": idle}, probe_version, probe_logp,
                                 stop=signals.requested is not None)  # fmt: skip
             waited = time.perf_counter()
-            send_shipment(shipment, TRAINER, group=link, timeout=timeout)
+            send_shipment(shipment, pipeline.ranks.trainers, group=link, timeout=timeout)
             idle = time.perf_counter() - waited
             probe_version, probe_logp = -1, None
             if check_pushes:

@@ -5,7 +5,7 @@ generate. Each role then works in a torch.distributed world of its own, and the 
 spans every rank (``join``):
 
 * the trainers' world is the trainers alone (DeepSpeed's collectives and ZeRO-3's gathers involve no worker; one
-  trainer: no world, as a single process);
+  trainer: no world, as a single process), met under a prefix of its own on the launcher's store;
 * each worker's world is itself (a world of 1): vLLM's external launcher builds its groups on every rank of the
   default world, which the trainer never joins, so the default world cannot be the launcher's;
 * the link carries the pipeline's messages (``peer``: the batches, the weights, the start), its ranks the launcher's.
@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 
 from ..config import ConfigError, TrainConfig
-from ..distributed import LAUNCH_RANK
+from ..distributed import COLLECTIVE_TIMEOUT, LAUNCH_RANK
 from .peer import link, store_at, wait_for
 from .weights import Layout
 
-TRAINER = 0  # the one training rank (rank 0 of the launched world); the workers are the last ranks
+TRAINER = 0  # the training rank that speaks for the trainers (rank 0 of the launched world); the workers are the last
 WEIGHTS = "fasttnt-weights"  # the link a vLLM worker's transfer engine takes the pushes on (vllm_transfer)
 
 
@@ -51,10 +51,8 @@ class PipelineRanks:
                 f"rollout.workers={w} leaves no training rank in a world of {world}: launch {w + 1} processes or "
                 f"more (torchrun --nproc-per-node {w + 1} -m fasttnt.cli train ...)"
             )
-        if world - w != 1 or w != 1:
-            raise ConfigError(
-                f"rollout.workers={w} in a world of {world}: one training rank and one worker for now (a world of 2)"
-            )
+        if w != 1:
+            raise ConfigError(f"rollout.workers={w}: one rollout worker for now (the last rank of the world)")
         if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
             raise ConfigError(
                 "rollout.engine=vllm: the rollout workers' engine is not installed here: pip install "
@@ -65,6 +63,11 @@ class PipelineRanks:
     @property
     def worker(self) -> int:
         return self.world - 1
+
+    @property
+    def trainers(self) -> range:
+        """The training ranks (the first ``world - workers``)."""
+        return range(self.world - self.workers)
 
     def is_worker(self, rank: int) -> bool:
         """Whether launched rank ``rank`` generates (the last ``workers`` ranks)."""
@@ -119,9 +122,13 @@ def join(cfg: TrainConfig, device_type: str) -> Pipeline:
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     worker = ranks.is_worker(rank)
-    role_rank, role_world = (0, 1) if worker else (rank, ranks.world - ranks.workers)
+    role_rank, role_world = (0, 1) if worker else (rank, len(ranks.trainers))
     os.environ.update({LAUNCH_RANK: str(rank), "RANK": str(role_rank), "WORLD_SIZE": str(role_world)})
     if worker:  # a world of its own, which vLLM's external launcher finds made (its env:// would bind the port)
         own = dist.PrefixStore(f"fasttnt-worker-{rank}", store_at(*address, rank, world, timeout=timeout))
         dist.init_process_group("gloo", store=own, rank=0, world_size=1, timeout=timedelta(seconds=timeout))
+    elif role_world > 1:  # the trainers' world, which DeepSpeed finds made (distributed.init)
+        own = dist.PrefixStore("fasttnt-trainers", store_at(*address, rank, world, timeout=timeout))
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=own, rank=role_rank,
+                                world_size=role_world, timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
     return Pipeline(ranks, rank, pipeline, address, timeout)

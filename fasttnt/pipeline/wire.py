@@ -12,6 +12,7 @@ names the worker, never a batch trained on.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,7 @@ from fasttnt_kernels import TntRewards
 
 from ..engines.batch import RolloutBatch
 from ..scoring import Judged, ScoredBatch
-from .peer import PipelineError, recv_from, send_to, trainer_name, worker_name
+from .peer import PipelineError, isend, recv_from, trainer_name, wait_for, worker_name
 
 MAGIC = 0x7F7A_7471_0004  # "fasttnt", wire format 4
 # (name, dtype) of every field, in message order; a field may be absent (code 0) where the batch has none
@@ -244,14 +245,19 @@ def decode(header: torch.Tensor, payload: torch.Tensor, *, worker: str, device: 
 
 
 def send_shipment(
-    shipment: Shipment, dst: int, group=None, *, timeout: float | None = None, peer: str | None = None
+    shipment: Shipment, dsts: Sequence[int], group=None, *, timeout: float | None = None, peer: str | None = None
 ) -> None:
-    """Send ``shipment`` to rank ``dst`` (``recv_shipment`` there), each part within ``timeout`` seconds
-    (``peer.wait_for``); ``peer`` names rank ``dst`` in errors (by default the trainer, which batches go to)."""
+    """Send ``shipment`` to each of ranks ``dsts`` (``recv_shipment`` there; encoded once, sent to all at once), each
+    part taken within ``timeout`` seconds (``peer.wait_for``); ``peer`` names the receiver in errors (by default the
+    trainer of its rank, which batches go to)."""
     header, payload = encode(shipment)
-    peer, what = peer or trainer_name(dst), f"step {shipment.step}'s batch to be taken"
-    send_to(header, dst, peer=peer, what=what, timeout=timeout, group=group)
-    send_to(payload, dst, peer=peer, what=what, timeout=timeout, group=group)
+    what = f"step {shipment.step}'s batch to be taken"
+    sent = []
+    for dst in dsts:
+        name = peer or trainer_name(dst)
+        sent += [(isend(part, dst, peer=name, what=what, group=group), name) for part in (header, payload)]
+    for work, name in sent:
+        wait_for(work, peer=name, what=what, timeout=timeout)
 
 
 def recv_shipment(

@@ -142,15 +142,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_command(launcher: str, module: str, *args: str) -> list[str]:
-    """``python -m module args`` in one process (``single``), or in 2 ranks through ``deepspeed`` or ``torchrun``,
-    on a free port."""
+def launch_command(launcher: str, module: str, *args: str, ranks: int = 2) -> list[str]:
+    """``python -m module args`` in one process (``single``), or in ``ranks`` ranks through ``deepspeed`` or
+    ``torchrun``, on a free port."""
     if launcher == "single":
         return [sys.executable, "-m", module, *args]
     if launcher == "deepspeed":
-        return [shutil.which("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "--module", module,
-                *args]  # fmt: skip
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+        return [shutil.which("deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port()), "--module",
+                module, *args]  # fmt: skip
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
     return [*torchrun, "--master-port", str(free_port()), "-m", module, *args]
 
 
