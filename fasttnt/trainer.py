@@ -147,14 +147,14 @@ class Trainer:
 
         # log
         # the seconds the responses took to generate: the worker's, where a worker generated them
-        generate_seconds = self.remote.last.times["time_generate"] if self.remote else clock.times["time_generate"]
+        generate_seconds = self.remote.shipped.times["time_generate"] if self.remote else clock.times["time_generate"]
         values = self._record(step=step, lr=lr, drawn=drawn, trained=trained, update=update, n_draws=rolled.draws,
                               varied=rolled.varied, filled=rolled.filled, times=clock.times,
                               generate_seconds=generate_seconds,
                               think_end_logp=logp.think_end_logp, below_floor=below_floor)  # fmt: skip
         position = self.parts.stream.position
-        if self.remote is not None:  # the worker's: what it drew, and with which weights
-            shipped = self.remote.last
+        if self.remote is not None:  # the workers': what they drew, and with which weights
+            shipped = self.remote.shipped
             position = shipped.data_position
             values.update(weight_version=shipped.version, staleness=staleness(step, shipped.version),
                           **{f"worker_{name}": seconds for name, seconds in shipped.times.items()})  # fmt: skip

@@ -177,6 +177,27 @@ def test_the_real_configs_name_their_base_and_differ_from_it_only_where_they_say
         assert _differing_keys(recipe, to_dict(load_config(ROOT / "configs" / name))) == differ, name
 
 
+def test_the_rollout_worker_layouts_hold_in_the_worlds_they_name():
+    from fasttnt.pipeline.roles import PipelineRanks
+
+    layouts = [("r1-distill-qwen-1.5b-workers.yaml", "r1-distill-qwen-1.5b.yaml", 8, 4),
+               ("r1-distill-qwen-7b-workers.yaml", "r1-distill-qwen-7b.yaml", 16, 8)]  # fmt: skip
+    for name, base, world, workers in layouts:
+        cfg = load_config(ROOT / "configs" / name)
+        assert f"base: {base}" in (ROOT / "configs" / name).read_text()
+        assert _differing_keys(to_dict(load_config(ROOT / "configs" / base)), to_dict(cfg)) == [
+            "rollout.gpu_memory_utilization", "rollout.max_staleness", "rollout.workers"]  # fmt: skip
+        # the roles' arithmetic, here where vLLM may not be installed (which PipelineRanks.of refuses, naming the key)
+        cfg = load_config(ROOT / "configs" / name, ["rollout.engine=hf"])
+        ranks = PipelineRanks.of(cfg, world)
+        assert (len(ranks.trainers), len(ranks.worker_ranks)) == (world - workers, workers)
+        assert cfg.rollout.prompts_per_step % (len(ranks.trainers) * cfg.loss.mini_batches) == 0
+    # the 2 + 6 split of one node cannot hold the recipe's batch: refused, naming why
+    six = load_config(ROOT / "configs" / layouts[0][0], ["rollout.workers=2", "rollout.engine=hf"])
+    with pytest.raises(ConfigError, match=r"leaves 6 trainers, and 6 trainers x loss.mini_batches=4 do not divide"):
+        PipelineRanks.of(six, 8)
+
+
 def _differing_keys(a: dict, b: dict, prefix: str = "") -> list[str]:
     """The dotted keys whose values differ between two configs of the same sections, sorted."""
     keys = []

@@ -113,13 +113,14 @@ def test_a_mode_mixed_run_on_two_ranks_matches_one_process(tmp_path):
     assert floors[0] is not None and floors[0] == pytest.approx(floors[1], abs=1e-5)
 
 
-def test_zero3_trainers_beside_a_rollout_worker_match_one_process(single):
-    # 3 processes, 2 trainers under ZeRO-3 and 1 rollout worker, on-policy: the worker generates each step's 4 prompts
-    # with the weights the trainers gathered bucket by bucket and pushed, each trainer trains on its 2 (the colocated
-    # rank's own), and the run logs what one process generating between its updates logs
+def test_zero3_trainers_beside_rollout_workers_match_one_process(single):
+    # 4 processes, 2 trainers under ZeRO-3 and 2 rollout workers, on-policy: each worker generates 2 of each step's 4
+    # prompts (the colocated rank's share, with its seeds) with the weights the trainers gathered bucket by bucket and
+    # pushed to both, each trainer trains on 2 prompts' groups, and the run logs what one process generating between
+    # its updates logs
     root, expected = single
-    out = root / "zero3-worker"
-    result = _launch("torchrun", out, root / "cache", "distributed.zero_stage=3", "rollout.workers=1", ranks=3)
+    out = root / "zero3-workers"
+    result = _launch("torchrun", out, root / "cache", "distributed.zero_stage=3", "rollout.workers=2", ranks=4)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     rows = metric_rows(out)
     assert [(r["weight_version"], r["staleness"]) for r in rows] == [(0, 0), (1, 0), (2, 0)], "each push taken"

@@ -194,7 +194,7 @@ def main():
     # the trainer pushes its weights (seed 1) as version 8 into the worker's model (seed 2)
     model = tiny_model(seed=1 if ctx.rank == trainer else 2)
     if ctx.rank == trainer:
-        send_weights(model, 8, dst=worker, src=trainer, bucket_bytes=BUCKET)
+        send_weights(model, 8, dsts=[worker], src=trainer, bucket_bytes=BUCKET)
     else:
         before = [p.detach().clone() for p in model.parameters()]
         version = recv_weights(model, src=trainer, bucket_bytes=BUCKET)
@@ -257,7 +257,7 @@ def test_a_push_over_a_link_of_its_own_arrives_whole_and_a_mismatched_one_is_ref
         try:
             group = link("127.0.0.1", port, 0, 2, name="push", timeout=60)
             for version in (5, 6):
-                send_weights(sender, version, dst=1, src=0, bucket_bytes=bucket_bytes, group=group, timeout=60)
+                send_weights(sender, version, dsts=[1], src=0, bucket_bytes=bucket_bytes, group=group, timeout=60)
         except Exception as err:  # reported below
             errors.append(err)
 
@@ -307,12 +307,15 @@ def test_the_roles_a_world_cannot_hold_are_refused_naming_the_key():
     from fasttnt.pipeline.roles import PipelineRanks
 
     one = load_config(None, ["rollout.workers=1"])
-    assert PipelineRanks.of(one, 2).worker == 1
-    assert (PipelineRanks.of(one, 3).worker, PipelineRanks.of(one, 3).trainers) == (2, range(2))
+    assert (PipelineRanks.of(one, 2).trainers, PipelineRanks.of(one, 2).worker_ranks) == (range(1), range(1, 2))
+    two = load_config(None, ["rollout.workers=2", "rollout.prompts_per_step=4"])
+    assert (PipelineRanks.of(two, 6).trainers, PipelineRanks.of(two, 6).worker_ranks) == (range(4), range(4, 6))
+    with pytest.raises(ConfigError, match=r"leaves 3 trainers, and 3 trainers x loss.mini_batches=1 do not divide"):
+        PipelineRanks.of(two, 5)
     with pytest.raises(ConfigError, match=r"rollout.workers=1 leaves no training rank in a world of 1"):
         PipelineRanks.of(one, 1)
-    with pytest.raises(ConfigError, match=r"rollout.workers=2: one rollout worker for now"):
-        PipelineRanks.of(load_config(None, ["rollout.workers=2"]), 4)
+    with pytest.raises(ConfigError, match=r"rollout.workers=3 do not divide rollout.prompts_per_step=4"):
+        PipelineRanks.of(load_config(None, ["rollout.workers=3", "rollout.prompts_per_step=4"]), 4)
     if importlib.util.find_spec("vllm") is None:  # the main suite's environment: vLLM is not installed
         with pytest.raises(ConfigError, match=r"rollout.engine=vllm: the rollout workers' engine is not installed"):
             PipelineRanks.of(load_config(None, ["rollout.workers=1", "rollout.engine=vllm"]), 2)
@@ -411,19 +414,20 @@ def test_a_trainer_that_dies_stops_the_worker_naming_it(tmp_path):
     assert "fasttnt train: rollout worker rank 1: the trainer (rank 0) is gone: its connection closed" in worker.stderr
 
 
-@pytest.mark.parametrize("trainers", [1, 2])
-def test_a_run_killed_one_step_off_resumes_to_what_an_uninterrupted_run_logs(tmp_path, trainers):
-    # k = 1 and a checkpoint after every step: each keeps the batch in flight (the next step's, sampled from weights
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_run_killed_one_step_off_resumes_to_what_an_uninterrupted_run_logs(tmp_path, ranks):
+    # k = 1 and a checkpoint after every step: each keeps the batches in flight (the next step's, sampled from weights
     # the checkpoint no longer holds). The job is killed -9, every rank, while its trainers pause at step 2's push
-    # (support/faulty.py), after step 1's checkpoint; --resume continues it from there. Two trainers run ZeRO-3: each
-    # received every batch in flight, and each resumes from the one file
-    overrides = [*PIPELINE_RUN, "steps=5", "save_every=1", "rollout.workers=1", "rollout.max_staleness=1"]
-    if trainers > 1:
+    # (support/faulty.py), after step 1's checkpoint; --resume continues it from there. With 2 trainers (ZeRO-3) and
+    # 2 workers: each trainer received every worker's batch in flight, each resumes from the one file, and each worker
+    # gets its own batches back for its push checks
+    overrides = [*PIPELINE_RUN, "steps=5", "save_every=1", f"rollout.workers={ranks}", "rollout.max_staleness=1"]
+    if ranks > 1:
         overrides.append("distributed.zero_stage=3")
 
     def command(module: str, out: str) -> list[str]:
         args = ["train", "--output-dir", str(tmp_path / out), f"cache_dir={warmups(tmp_path)}", *overrides]
-        return launch_command("torchrun", module, *args, ranks=trainers + 1)
+        return launch_command("torchrun", module, *args, ranks=2 * ranks)
 
     straight = run_job(command(varied.MODULE, "straight"), env=PIPELINE_ENV, timeout=HANG_S)
     assert straight.returncode == 0, straight.stderr[-3000:]
@@ -441,8 +445,9 @@ def test_a_run_killed_one_step_off_resumes_to_what_an_uninterrupted_run_logs(tmp
     assert [r["step"] for r in metric_rows(out)] == [1]
     (checkpoint,) = list_checkpoints(out / "checkpoints")
     saved = torch.load(checkpoint / IN_FLIGHT, weights_only=True)
-    (in_flight,) = (decode(*message, worker="test") for message in saved["queue"])
-    assert (in_flight.step, staleness(in_flight.step, in_flight.version)) == (2, 1), "a stale batch was in flight"
+    (in_flight,) = ([decode(*message, worker="test") for message in messages] for messages in saved["queue"])
+    assert len(in_flight) == ranks, "each worker's batch"
+    assert all((s.step, staleness(s.step, s.version)) == (2, 1) for s in in_flight), "a stale batch was in flight"
 
     resumed = run_job([*command(varied.MODULE, "killed"), "--resume"], env=PIPELINE_ENV, timeout=HANG_S)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

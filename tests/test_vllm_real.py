@@ -282,7 +282,7 @@ def _pusher(model, bucket_bytes: int, port: int, errors: list, version: int = 7)
     def push() -> None:
         try:
             group = link("127.0.0.1", port, 0, 2, name="push", timeout=120)
-            send_weights(model, version, dst=1, src=0, bucket_bytes=bucket_bytes, group=group, timeout=120)
+            send_weights(model, version, dsts=[1], src=0, bucket_bytes=bucket_bytes, group=group, timeout=120)
         except Exception as err:  # reported by the test
             errors.append(err)
 
@@ -335,19 +335,20 @@ def test_weights_arrive_through_vllms_weight_transfer_calls(tmp_path, receiver):
     assert _max_logp_diff(pushed, after) < 1e-4
 
 
-@pytest.mark.parametrize(("k", "trainers"), [(0, 1), (1, 1), (1, 2)])
-def test_a_vllm_rollout_worker_takes_the_weights_through_vllms_transfer_calls(tmp_path, k, trainers):
-    # torchrun's ranks: the trainers, and a worker generating with vLLM, whose weights arrive through vLLM's
+@pytest.mark.parametrize(("k", "ranks"), [(0, 1), (1, 1), (1, 2)])
+def test_a_vllm_rollout_worker_takes_the_weights_through_vllms_transfer_calls(tmp_path, k, ranks):
+    # torchrun's ranks: the trainers, and as many workers generating with vLLM, whose weights arrive through vLLM's
     # weight-transfer calls (fasttnt-gloo). k = 0: the worker samples step t + 1 from the weights step t made, so its
     # log-probs of every sampled token are the trainer's (the stale-weight guard's measure, float32 both: ~1e-6; a
     # push that did not load is ~0.1-2 off, the weights moving by ~lr every step). k = 1: each push is checked by a
-    # probe the worker scores on its Hugging Face copy, which takes the same buckets. Two trainers run ZeRO-3: they
-    # gather each bucket together, and trainer 0 sends it
+    # probe the worker scores on its Hugging Face copy, which takes the same buckets. Two trainers run ZeRO-3 (they
+    # gather each bucket together, and trainer 0 sends it to both workers); two workers' engines share one world, as
+    # two colocated ranks' do
     out = tmp_path / f"k{k}"
     args = ["train", "--output-dir", str(out), f"cache_dir={tmp_path / 'cache'}", *RUN, "steps=6",
-            "rollout.workers=1", f"rollout.max_staleness={k}", "rollout.max_logp_diff=1e-4",
-            "rollout.worker_timeout=240", *(["distributed.zero_stage=3"] if trainers > 1 else [])]  # fmt: skip
-    result = run_job(launch_command("torchrun", varied.MODULE, *args, ranks=trainers + 1), env=ENV, timeout=600)
+            f"rollout.workers={ranks}", f"rollout.max_staleness={k}", "rollout.max_logp_diff=1e-4",
+            "rollout.worker_timeout=240", *(["distributed.zero_stage=3"] if ranks > 1 else [])]  # fmt: skip
+    result = run_job(launch_command("torchrun", varied.MODULE, *args, ranks=2 * ranks), env=ENV, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     rows = metric_rows(out)
     assert [r["step"] for r in rows] == list(range(1, 7))

@@ -21,6 +21,7 @@ any k.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import replace
@@ -31,7 +32,7 @@ import torch
 from .. import distributed
 from ..checkpoint import ResumeError
 from ..config import TrainConfig
-from ..dynamic_sampling import choose_groups, select_groups
+from ..dynamic_sampling import choose_groups, concat_draws, select_groups
 from ..engines.batch import RolloutBatch
 from ..guard import StaleWeightsError, stale_weights
 from ..preemption import EXIT_PREEMPTED, StopSignals
@@ -73,6 +74,19 @@ def trainer_share(drawn: ScoredBatch, varied: list[bool], groups: list[int], fil
     return StepRollouts(share, trained, [varied[g] for g in mine], fills, draws)
 
 
+def whole_step(shipments: list[Shipment]) -> Shipment:
+    """The workers' shipments of one step as one, in the workers' order (as the colocated ranks' shares of a step):
+    the version the oldest was sampled with, the slowest worker's seconds per phase, and whether any was asked to
+    stop. The workers draw in step, so their draws and data positions agree."""
+    if len(shipments) == 1:
+        return shipments[0]
+    first = shipments[0]
+    times = {name: max(s.times[name] for s in shipments) for name in first.times}
+    return Shipment(concat_draws([s.scored for s in shipments]), first.step, min(s.version for s in shipments),
+                    [v for s in shipments for v in s.varied], first.draws, first.data_position, times,
+                    stop=any(s.stop for s in shipments))  # fmt: skip
+
+
 def checks_pushes(cfg: TrainConfig) -> bool:
     """Whether each weight push is checked by a probe's log-probs on both sides (module docstring): at k >= 1, with
     the stale-weight guard on."""
@@ -80,9 +94,9 @@ def checks_pushes(cfg: TrainConfig) -> bool:
 
 
 class RemoteRollouts:
-    """A trainer's side: ``step`` is ``Rollouts.step``'s, from the worker's shipments. Every trainer receives each
-    shipment whole (its metrics, probes and checkpoints are the same on each) and trains on its share; trainer 0
-    speaks for them where one voice is enough (the starting point)."""
+    """A trainer's side: ``step`` is ``Rollouts.step``'s, from the workers' shipments. Every trainer receives each
+    worker's shipment whole (its metrics, probes and checkpoints are the same on each) and trains on its share of the
+    step (``trainer_share``); trainer 0 speaks for them where one voice is enough (the starting point)."""
 
     def __init__(self, cfg: TrainConfig, pipeline: Pipeline, device: torch.device, resumed_from: Path | None) -> None:
         """``resumed_from``: the checkpoint a resumed run continues, whose batches in flight (``IN_FLIGHT``) this
@@ -90,127 +104,148 @@ class RemoteRollouts:
         self.cfg, self.pipeline, self.ranks, self.device = cfg, pipeline, pipeline.ranks, device
         self.link = pipeline.link
         self.rank, self.trainers = pipeline.rank, len(pipeline.ranks.trainers)  # the trainers' ranks come first
-        self.push_link = None  # the weights': the pipeline's link, or a vLLM worker's own (made at start)
+        self.workers = list(pipeline.ranks.worker_ranks)
+        self.push_link = None  # the weights': the pipeline's link, or the vLLM workers' own (made at start)
         self.bucket_bytes = cfg.rollout.weight_sync_bucket_bytes
         self.timeout = cfg.rollout.worker_timeout
         self.pending: list = []  # the sends of the pushes still in flight
-        self.last: Shipment | None = None  # the shipment of the step trained last
-        self.queue: deque[Shipment] = deque()  # shipments received ahead of their step (in_flight)
-        self.logp_diff: float | None = None  # the last push check's mean |difference| per token
-        self.stop_requested = False  # the worker was asked to stop (a signal to it alone): the trainer stops too
-        # k >= 1: each push checked by its probe (module docstring): version -> the trainer's log-probs of the probe
-        self.probes: dict[int, torch.Tensor] = {}
+        self.last: list[Shipment] = []  # the shipments of the step trained last, one per worker
+        self.shipped: Shipment | None = None  # the same, as one (``whole_step``): what the trainer logs
+        self.queue: deque[list[Shipment]] = deque()  # shipments received ahead of their step (in_flight)
+        self.logp_diff: float | None = None  # the last push check's mean |difference| per token (the worst worker's)
+        self.stop_requested = False  # a worker was asked to stop (a signal to it alone): the trainers stop too
+        # k >= 1: each push checked by its probes (module docstring): version -> per worker, the trainer's log-probs of
+        # that worker's probe
+        self.probes: dict[int, list[torch.Tensor]] = {}
         self.check_pushes = checks_pushes(cfg)
         if resumed_from is not None and cfg.rollout.max_staleness > 0:
             self._restore(resumed_from / IN_FLIGHT)
 
-    @property
-    def name(self) -> str:
-        return worker_name(self.ranks.worker)
-
     def start(self, model: torch.nn.Module, step: int, data_position: int) -> None:
-        """The worker's starting point: the step it generates from and its data position there, the weights, and a
-        resumed run's shipments (the last trained and those in flight, whose first groups the worker's push checks
-        read)."""
-        first = step + len(self.queue)  # the worker generates step first + 1 on
-        position = self.queue[-1].data_position if self.queue else data_position
-        back = [self.last, *self.queue] if self.last is not None else []
+        """The workers' starting point: the step they generate from and their data position there, the weights, and
+        a resumed run's shipments (the last trained and those in flight, whose first groups each worker's push
+        checks read: each worker gets its own)."""
+        first = step + len(self.queue)  # the workers generate step first + 1 on
+        position = self.queue[-1][0].data_position if self.queue else data_position
+        back = [self.last, *self.queue] if self.last else []
         self.push_link = self.link
         if self.cfg.rollout.engine == "vllm":
             # a vLLM worker takes the weights through its transfer engine, on a link of its own (roles.weights_link)
             # that it joins once its engine is built, which it says on this link first: a worker that dies building
             # it is seen at once here, where a link's rendezvous would wait out the timeout
-            recv_from(torch.empty(1, dtype=torch.int64), self.ranks.worker, peer=self.name, what="its vLLM engine",
-                      timeout=self.timeout, group=self.link)  # fmt: skip
+            for worker in self.workers:
+                recv_from(torch.empty(1, dtype=torch.int64), worker, peer=worker_name(worker),
+                          what="its vLLM engine", timeout=self.timeout, group=self.link)  # fmt: skip
             self.push_link = self.pipeline.weights_link()
         if self.rank == TRAINER:
-            send_to(torch.tensor([first, position, len(back)], dtype=torch.int64), self.ranks.worker, peer=self.name,
-                    what="the run's starting point to be taken", timeout=self.timeout, group=self.link)  # fmt: skip
-        send_weights(model, step, dst=self.ranks.worker, src=TRAINER, bucket_bytes=self.bucket_bytes,
+            for worker in self.workers:
+                send_to(torch.tensor([first, position, len(back)], dtype=torch.int64), worker,
+                        peer=worker_name(worker), what="the run's starting point to be taken", timeout=self.timeout,
+                        group=self.link)  # fmt: skip
+        send_weights(model, step, dsts=self.workers, src=TRAINER, bucket_bytes=self.bucket_bytes,
                      timeout=self.timeout, group=self.push_link)  # fmt: skip
         if self.rank == TRAINER:
-            for shipment in back:
-                send_shipment(shipment, [self.ranks.worker], group=self.link, timeout=self.timeout, peer=self.name)
+            for shipments in back:
+                for worker, shipment in zip(self.workers, shipments, strict=True):
+                    send_shipment(shipment, [worker], group=self.link, timeout=self.timeout, peer=worker_name(worker))
 
     def step(self, step: int, clock) -> StepRollouts:
-        """Step ``step``'s rollouts as the worker shipped them (``clock`` laps ``wait``), checked against the step and
-        the staleness bound; the groups trained on chosen as the colocated loop chooses them, this trainer's share
-        (``trainer_share``)."""
-        shipment = self.queue.popleft() if self.queue else self._receive(step)
+        """Step ``step``'s rollouts as the workers shipped them (``clock`` laps ``wait``), checked against the step
+        and the staleness bound; the groups trained on chosen as the colocated loop chooses them (each worker's
+        quota from its own draws, as each colocated rank's), this trainer's share (``trainer_share``)."""
+        shipments = self.queue.popleft() if self.queue else self._receive(step)
         clock.lap("wait")
-        self.last, self.logp_diff = shipment, None
-        self.stop_requested |= shipment.stop
-        if shipment.probe_version >= 0:
-            self._check_push(step, shipment)
-        groups, filled = list(range(len(shipment.varied))), 0
-        if self.cfg.rollout.dynamic_sampling:
-            groups, filled = choose_groups(shipment.varied, self.cfg.rollout.prompts_per_step)
-        return trainer_share(shipment.scored, shipment.varied, groups, filled, shipment.draws, rank=self.rank,
+        self.last, self.shipped, self.logp_diff = shipments, whole_step(shipments), None
+        self.stop_requested |= self.shipped.stop
+        if any(s.probe_version >= 0 for s in shipments):
+            self._check_push(step, shipments)
+        groups, filled, offset = [], 0, 0
+        for shipment in shipments:
+            mine, fills = list(range(len(shipment.varied))), 0
+            if self.cfg.rollout.dynamic_sampling:
+                mine, fills = choose_groups(shipment.varied, self.cfg.rollout.prompts_per_step // len(self.workers))
+            groups, filled, offset = groups + [offset + g for g in mine], filled + fills, offset + len(shipment.varied)
+        whole = self.shipped
+        return trainer_share(whole.scored, whole.varied, groups, filled, whole.draws, rank=self.rank,
                              trainers=self.trainers)  # fmt: skip
 
-    def _receive(self, step: int) -> Shipment:
-        """The worker's next shipment, which must be step ``step``'s, sampled within the staleness bound."""
-        shipment = recv_shipment(self.ranks.worker, group=self.link, device=self.device, timeout=self.timeout)
-        if shipment.step != step:
-            raise WorkerError(f"{self.name} shipped step {shipment.step}'s batch where step {step}'s was due")
-        check_fresh(step, shipment.version, self.cfg.rollout.max_staleness, worker=self.name)
-        return shipment
+    def _receive(self, step: int) -> list[Shipment]:
+        """Each worker's next shipment, which must be step ``step``'s, sampled within the staleness bound."""
+        shipments = []
+        for worker in self.workers:
+            name = worker_name(worker)
+            shipment = recv_shipment(worker, group=self.link, device=self.device, timeout=self.timeout)
+            if shipment.step != step:
+                raise WorkerError(f"{name} shipped step {shipment.step}'s batch where step {step}'s was due")
+            check_fresh(step, shipment.version, self.cfg.rollout.max_staleness, worker=name)
+            shipments.append(shipment)
+        return shipments
 
     def in_flight(self, step: int) -> dict[str, object] | None:
         """What a checkpoint after step ``step`` keeps of the pipeline (its ``extra`` files), so that a resume logs
-        what an uninterrupted run logs: at k >= 1, the next k steps' batches (received now: the worker sampled them
-        from weights the checkpoint no longer holds), the shipment of step ``step`` and the probes of the pushes not
+        what an uninterrupted run logs: at k >= 1, the next k steps' batches (received now: the workers sampled them
+        from weights the checkpoint no longer holds), the shipments of step ``step`` and the probes of the pushes not
         checked yet. At k = 0 nothing is in flight between steps: None."""
         k = self.cfg.rollout.max_staleness
         if k == 0:
             return None
         while len(self.queue) < k and step + len(self.queue) < self.cfg.steps:
             self.queue.append(self._receive(step + len(self.queue) + 1))
-        saved = {"last": encode(self.last), "queue": [encode(s) for s in self.queue], "probes": dict(self.probes)}
+        saved = {"last": [encode(s) for s in self.last], "queue": [[encode(s) for s in q] for q in self.queue],
+                 "probes": dict(self.probes)}  # fmt: skip
         return {IN_FLIGHT: saved}
 
     def _restore(self, path: Path) -> None:
-        """``in_flight``'s file, read back."""
+        """``in_flight``'s file, read back (written by a run with as many workers: the config check said so)."""
         if not path.is_file():
             raise ResumeError(f"--resume: {path} is missing: a checkpoint at rollout.max_staleness >= 1 keeps the "
                               "batches in flight there")  # fmt: skip
         saved = torch.load(path, weights_only=True)
-        self.last = decode(*saved["last"], worker=f"{path}", device=self.device)
-        self.queue.extend(decode(*message, worker=f"{path}", device=self.device) for message in saved["queue"])
+
+        def read(messages: list) -> list[Shipment]:
+            return [decode(*message, worker=f"{path}", device=self.device) for message in messages]
+
+        self.last = read(saved["last"])
+        self.queue.extend(read(messages) for messages in saved["queue"])
         self.probes = dict(saved["probes"])
 
-    def _check_push(self, step: int, shipment: Shipment) -> None:
-        """The worker's log-probs of a version's probe against the trainer's (``StaleWeightsError`` past the guard's
+    def _check_push(self, step: int, shipments: list[Shipment]) -> None:
+        """Each worker's log-probs of a version's probe against the trainer's (``StaleWeightsError`` past the guard's
         limit)."""
-        v, limit = shipment.probe_version, self.cfg.rollout.max_logp_diff
-        if not self.check_pushes or v not in self.probes:
-            raise WorkerError(f"{self.name} checked weight version {v}, which was not pushed with a probe")
-        mine = self.probes.pop(v)
-        theirs = shipment.probe_logp
-        if theirs.numel() != mine.numel():
-            raise WorkerError(f"{self.name}: malformed batch: {theirs.numel()} probe log-probs, not {mine.numel()}")
-        # both sides run the trainer's own forward (fasttnt.policy.response_logprobs) on the same rows and weights
-        self.logp_diff = float((mine.double() - theirs.to(mine.device).double()).abs().mean())
-        if stale_weights(self.logp_diff, limit):
-            raise StaleWeightsError(
-                f"step {step}: {self.name}'s log-probs of a probe under weight version {v} differ from the trainer's "
-                f"by {self.logp_diff:.3g} per token, past rollout.max_logp_diff={limit}: the push did not arrive "
-                "whole; not training on its batches"
-            )
+        v, limit = shipments[0].probe_version, self.cfg.rollout.max_logp_diff
+        names = [worker_name(worker) for worker in self.workers]
+        for name, shipment in zip(names, shipments, strict=True):
+            if shipment.probe_version != v or not self.check_pushes or v not in self.probes:
+                raise WorkerError(f"{name} checked weight version {shipment.probe_version}, which was not pushed "
+                                  "with a probe")  # fmt: skip
+        diffs = []
+        for name, shipment, mine in zip(names, shipments, self.probes.pop(v), strict=True):
+            theirs = shipment.probe_logp
+            if theirs.numel() != mine.numel():
+                raise WorkerError(f"{name}: malformed batch: {theirs.numel()} probe log-probs, not {mine.numel()}")
+            # both sides run the trainer's own forward (fasttnt.policy.response_logprobs) on the same rows and weights
+            diffs.append(float((mine.double() - theirs.to(mine.device).double()).abs().mean()))
+            if stale_weights(diffs[-1], limit):
+                raise StaleWeightsError(
+                    f"step {step}: {name}'s log-probs of a probe under weight version {v} differ from the trainer's "
+                    f"by {diffs[-1]:.3g} per token, past rollout.max_logp_diff={limit}: the push did not arrive "
+                    "whole; not training on its batches"
+                )
+        self.logp_diff = max(diffs)
 
     def push(self, model: torch.nn.Module, step: int, logprobs) -> None:
-        """Version ``step`` (the weights after step ``step``'s update) to the worker, if a later step needs it, in the
-        background; every trainer calls it (ZeRO-3's gathers, and the probe's forward, are collective). Earlier
+        """Version ``step`` (the weights after step ``step``'s update) to the workers, if a later step needs it, in
+        the background; every trainer calls it (ZeRO-3's gathers, and the probe's forward, are collective). Earlier
         pushes may still be in flight: at k >= 2 the worker takes a version only when a step it generates needs it,
         k - 1 steps after it was pushed, and until then it is sending batches that the trainers take after this push,
         so waiting here for the previous push would deadlock (each push in flight holds a copy of the weights on the
-        host). At k >= 1 ``logprobs(rows)`` gives the trainer's log-probs of ``rows`` under it, for the probe
-        (``probe_rows`` of step ``step``'s whole shipment) that the worker's will be checked against."""
+        host). At k >= 1 ``logprobs(rows)`` gives the trainer's log-probs of ``rows`` under it, for each worker's
+        probe (``probe_rows`` of its shipment of step ``step``) that the worker's will be checked against."""
         self.pending = [work for work in self.pending if not work.done()]
         if step <= self.cfg.steps - 1 - self.cfg.rollout.max_staleness:
             if self.check_pushes:
-                self.probes[step] = logprobs(probe_rows(self.last.scored.batch))
-            self.pending += send_weights(model, step, dst=self.ranks.worker, src=TRAINER, group=self.push_link,
+                self.probes[step] = [logprobs(probe_rows(shipment.scored.batch)) for shipment in self.last]
+            self.pending += send_weights(model, step, dsts=self.workers, src=TRAINER, group=self.push_link,
                                          bucket_bytes=self.bucket_bytes, wait=False, timeout=self.timeout)  # fmt: skip
 
     def wait(self) -> None:
@@ -280,11 +315,16 @@ def _serve(cfg: TrainConfig, signals: StopSignals) -> int:
     back = [recv_shipment(TRAINER, group=link, device=device, timeout=timeout, peer=trainer) for _ in range(n_back)]
     verifier = VerifierPool(cfg.verify_workers, cfg.verify_timeout)
     think_end_id, mode_mix = think_end_token_id(tokenizer), ModeMix.of(cfg)
+    # the workers share each draw's prompts as the colocated ranks do, over their own world (roles.join)
+    workers = pipeline.ranks.worker_ranks
+    me = distributed.DistContext(workers.index(pipeline.rank), len(workers), int(os.environ.get("LOCAL_RANK", "0")),
+                                 device) if len(workers) > 1 else None  # fmt: skip
     rollouts = Rollouts(
         cfg, engine=engine, stream=stream, tokenizer=tokenizer,
         prompt=lambda p: run_setup.training_prompt(cfg, tokenizer, p), think_end_id=think_end_id,
         markers=dataset_style(cfg.data.train, markers=cfg.data.hack_markers).markers, mode_mix=mode_mix,
-        verifier=verifier, prompts_per_rank=cfg.rollout.prompts_per_step,
+        verifier=verifier, dist=me, rank=me.rank if me else 0,
+        prompts_per_rank=cfg.rollout.prompts_per_step // len(workers),
     )  # fmt: skip
     check_pushes = checks_pushes(cfg)
     # mode-mixed at k >= 1: the mixture and the fade read the sampling weights' log-probs (modes.behaviour_logprobs)

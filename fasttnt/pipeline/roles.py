@@ -6,8 +6,9 @@ spans every rank (``join``):
 
 * the trainers' world is the trainers alone (DeepSpeed's collectives and ZeRO-3's gathers involve no worker; one
   trainer: no world, as a single process), met under a prefix of its own on the launcher's store;
-* each worker's world is itself (a world of 1): vLLM's external launcher builds its groups on every rank of the
-  default world, which the trainer never joins, so the default world cannot be the launcher's;
+* the workers' world is the workers alone, as the colocated ranks' is theirs (they draw each step's prompts together,
+  each generating its share, and count the modes over all of them); vLLM's external launcher builds its groups on
+  every rank of the default world, which a trainer never joins, so the default world cannot be the launcher's;
 * the link carries the pipeline's messages (``peer``: the batches, the weights, the start), its ranks the launcher's.
 
 ``join`` rewrites ``RANK`` and ``WORLD_SIZE`` to the role's world (what DeepSpeed and vLLM read later), keeping the
@@ -51,8 +52,17 @@ class PipelineRanks:
                 f"rollout.workers={w} leaves no training rank in a world of {world}: launch {w + 1} processes or "
                 f"more (torchrun --nproc-per-node {w + 1} -m fasttnt.cli train ...)"
             )
-        if w != 1:
-            raise ConfigError(f"rollout.workers={w}: one rollout worker for now (the last rank of the world)")
+        prompts, trainers, minis = cfg.rollout.prompts_per_step, world - w, cfg.loss.mini_batches
+        if prompts % w:
+            raise ConfigError(
+                f"rollout.workers={w} do not divide rollout.prompts_per_step={prompts}: each worker generates an "
+                "equal share of a step's prompts"
+            )
+        if prompts % (trainers * minis):
+            raise ConfigError(
+                f"rollout.workers={w} in a world of {world} leaves {trainers} trainers, and {trainers} trainers x "
+                f"loss.mini_batches={minis} do not divide rollout.prompts_per_step={prompts}"
+            )
         if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
             raise ConfigError(
                 "rollout.engine=vllm: the rollout workers' engine is not installed here: pip install "
@@ -61,13 +71,14 @@ class PipelineRanks:
         return cls(world, w)
 
     @property
-    def worker(self) -> int:
-        return self.world - 1
-
-    @property
     def trainers(self) -> range:
         """The training ranks (the first ``world - workers``)."""
         return range(self.world - self.workers)
+
+    @property
+    def worker_ranks(self) -> range:
+        """The generating ranks (the last ``workers``), in the order of their shares of a step."""
+        return range(self.world - self.workers, self.world)
 
     def is_worker(self, rank: int) -> bool:
         """Whether launched rank ``rank`` generates (the last ``workers`` ranks)."""
@@ -122,11 +133,13 @@ def join(cfg: TrainConfig, device_type: str) -> Pipeline:
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     worker = ranks.is_worker(rank)
-    role_rank, role_world = (0, 1) if worker else (rank, len(ranks.trainers))
+    role = ranks.worker_ranks if worker else ranks.trainers
+    role_rank, role_world = role.index(rank), len(role)
     os.environ.update({LAUNCH_RANK: str(rank), "RANK": str(role_rank), "WORLD_SIZE": str(role_world)})
-    if worker:  # a world of its own, which vLLM's external launcher finds made (its env:// would bind the port)
-        own = dist.PrefixStore(f"fasttnt-worker-{rank}", store_at(*address, rank, world, timeout=timeout))
-        dist.init_process_group("gloo", store=own, rank=0, world_size=1, timeout=timedelta(seconds=timeout))
+    if worker:  # the workers' world, which vLLM's external launcher finds made (its env:// would bind the port)
+        own = dist.PrefixStore("fasttnt-workers", store_at(*address, rank, world, timeout=timeout))
+        dist.init_process_group("gloo", store=own, rank=role_rank, world_size=role_world,
+                                timeout=timedelta(seconds=timeout))  # fmt: skip
     elif role_world > 1:  # the trainers' world, which DeepSpeed finds made (distributed.init)
         own = dist.PrefixStore("fasttnt-trainers", store_at(*address, rank, world, timeout=timeout))
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=own, rank=role_rank,

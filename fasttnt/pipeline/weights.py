@@ -19,12 +19,13 @@ from __future__ import annotations
 import math
 import re
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .. import distributed
-from .peer import PipelineError, isend, rank_in, recv_from, send_to, trainer_name, wait_for, worker_name
+from .peer import PipelineError, isend, rank_in, recv_from, trainer_name, wait_for, worker_name
 
 MAGIC = 0x7F7A_7477_0001  # "fasttnt weights", format 1
 ALIGN = 8
@@ -92,22 +93,26 @@ def signature(buckets: Layout) -> int:
 
 
 def send_weights(
-    model: torch.nn.Module, version: int, *, dst: int, src: int, bucket_bytes: int, group=None, wait: bool = True,
-    timeout: float | None = None,
+    model: torch.nn.Module, version: int, *, dsts: Sequence[int], src: int, bucket_bytes: int, group=None,
+    wait: bool = True, timeout: float | None = None,
 ) -> list:  # fmt: skip
-    """Push ``model``'s weights as ``version`` from rank ``src`` to rank ``dst``; under ZeRO-3 every rank that holds
-    a shard calls it (the gathers are collective) and ``src`` alone sends. ``wait=False``: the sends run in the
-    background from copies of the weights (the model may change at once); returns their handles (``wait()``,
-    ``done()``). Each send is taken within ``timeout`` seconds (``peer.wait_for``)."""
+    """Push ``model``'s weights as ``version`` from rank ``src`` to each of ranks ``dsts``; under ZeRO-3 every rank
+    that holds a shard calls it (the gathers are collective, once per bucket whatever the receivers) and ``src``
+    alone sends. ``wait=False``: the sends run in the background from copies of the weights (the model may change at
+    once); returns their handles (``wait()``, ``done()``). Each send is taken within ``timeout`` seconds
+    (``peer.wait_for``)."""
     sending = rank_in(group) == src
     sent = []
-    worker, what = worker_name(dst), f"weight version {version} to be taken"
+    what = f"weight version {version} to be taken"
 
     def send(message: torch.Tensor) -> None:
-        if wait:
-            send_to(message, dst, peer=worker, what=what, timeout=timeout, group=group)
-        else:
+        for dst in dsts:  # one message, posted to every receiver before any is waited for
+            worker = worker_name(dst)
             sent.append(_Sent(isend(message, dst, peer=worker, what=what, group=group), message, worker, what, timeout))
+        if wait:
+            for work in sent:
+                work.wait()
+            sent.clear()
 
     if sending:
         buckets = layout(model, bucket_bytes)
