@@ -98,6 +98,10 @@ class RolloutConfig:
     # run naming the other as hung (a process that died stops it at once); a step's generation or update, and a
     # checkpoint's save, must fit in it
     worker_timeout: float = 1800.0
+    # how the trainers' weights reach vLLM workers (pipeline.vllm_transfer): gloo, through host memory on any device
+    # and at any k; nccl, device to device on CUDA (vLLM's PyNcclCommunicator; at k <= 1, where each push is taken as
+    # it is sent). nccl has not run on a GPU
+    weight_transfer: Literal["gloo", "nccl"] = "gloo"
     # vllm only
     gpu_memory_utilization: float = 0.5  # on CUDA; on a CPU the engine takes a fixed 1 GiB KV cache
     sleep_between_rollouts: bool = True  # CUDA only (vLLM's sleep mode); elsewhere the engine stays awake, warned
@@ -343,6 +347,9 @@ def validate(cfg: TrainConfig) -> None:
     need(r.max_staleness == 0 or r.workers > 0, "rollout.max_staleness",
          f"{r.max_staleness} overlaps generation with training on rollout workers of their own: with rollout.workers=0 "
          "every rank generates between its updates, so nothing can overlap (set rollout.workers)")  # fmt: skip
+    need(r.weight_transfer == "gloo" or (r.workers > 0 and r.engine == "vllm" and r.max_staleness <= 1),
+         "rollout.weight_transfer", "nccl moves the weights to vLLM rollout workers (rollout.workers >= 1, "
+         "rollout.engine=vllm) at rollout.max_staleness <= 1, where each push is taken as it is sent")  # fmt: skip
     shares = {"forced_non_thinking": r.forced_non_thinking, "forced_thinking": r.forced_thinking}
     for key, share in shares.items():
         need(0 <= share <= 1, f"rollout.{key}", "must be a share of the group in [0, 1]")
@@ -507,6 +514,7 @@ SAFE_ON_RESUME = frozenset(
         "rollout.sleep_between_rollouts",
         "rollout.weight_sync_bucket_mb",
         "rollout.worker_timeout",
+        "rollout.weight_transfer",
         "distributed.bucket_size",
         # where the run is watched, not what it computes
         "logging.wandb",

@@ -23,6 +23,7 @@ from support.small import (
     TINY,
     deterministic,
     free_port,
+    kill_job,
     launch_command,
     metric_rows,
     run_job,
@@ -304,7 +305,7 @@ def test_a_push_that_did_not_arrive_stops_a_stale_run(tmp_path):
 
 def test_the_roles_a_world_cannot_hold_are_refused_naming_the_key():
     from fasttnt.config import ConfigError, load_config
-    from fasttnt.pipeline.roles import PipelineRanks
+    from fasttnt.pipeline.roles import PipelineRanks, join
 
     one = load_config(None, ["rollout.workers=1"])
     assert (PipelineRanks.of(one, 2).trainers, PipelineRanks.of(one, 2).worker_ranks) == (range(1), range(1, 2))
@@ -323,9 +324,22 @@ def test_the_roles_a_world_cannot_hold_are_refused_naming_the_key():
         (["rollout.max_staleness=1"], "rollout.max_staleness: 1 overlaps generation with training on rollout workers"),
         (["rollout.workers=-1"], "rollout.workers: must be >= 0"),
         (["rollout.workers=1", "rollout.max_staleness=-1"], "rollout.max_staleness: must be >= 0"),
+        (["rollout.weight_transfer=nccl"], "rollout.weight_transfer: nccl moves the weights to vLLM rollout workers"),
+        (["rollout.workers=1", "rollout.weight_transfer=nccl"], "rollout.weight_transfer: nccl moves the weights"),
+        (["rollout.workers=1", "rollout.engine=vllm", "rollout.max_staleness=2", "rollout.weight_transfer=nccl"],
+         "at rollout.max_staleness <= 1, where each push is taken as it is sent"),
     ]:  # fmt: skip
         with pytest.raises(ConfigError, match=re.escape(message)):
             load_config(None, overrides)
+    # NCCL between GPUs: a CPU run is refused before anything connects (the launcher's variables, no store behind)
+    nccl = load_config(None, ["rollout.workers=1", "rollout.engine=vllm", "rollout.weight_transfer=nccl"])
+    launched = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in launched.items():
+            env.setenv(key, value)
+        with pytest.raises(ConfigError, match=r"rollout.weight_transfer=nccl moves the weights between GPUs: this run "
+                                              r"is on cpu"):  # fmt: skip
+            join(nccl, "cpu")
 
 
 def test_workers_in_one_process_are_refused_before_any_work(tmp_path, capsys):
@@ -392,6 +406,21 @@ def test_a_worker_that_dies_stops_the_trainer_at_once_naming_it(tmp_path):
     assert "Traceback" not in trainer.stderr
 
 
+def test_one_of_two_workers_that_dies_stops_every_rank_naming_it(tmp_path):
+    # 2 trainers and 2 workers started by hand, the last worker dying at step 2: both trainers stop naming it (each
+    # waits for its batch), and the other worker stops once the trainers are gone, none of them hanging
+    args = faulty_args(tmp_path, "rollout.workers=2")
+    ranks = run_ranks("faulty", *args, env={**FAULTY_ENV, "FAULT": "worker-dies", "FAULT_RANK": "3"}, timeout=HANG_S,
+                      world=4)  # fmt: skip
+    assert ranks[3].returncode == 9, "precondition: the last worker died"
+    assert [r["step"] for r in metric_rows(tmp_path / "run")] == [1], "precondition: the run trained a step first"
+    for trainer in ranks[:2]:
+        assert trainer.returncode == 1, trainer.stderr[-3000:]
+        assert "fasttnt train: rollout worker rank 3 is gone: its connection closed" in trainer.stderr
+    assert ranks[2].returncode == 1 and re.search(r"fasttnt train: rollout worker rank 2: the trainer \(rank \d\) is "
+                                                  r"gone", ranks[2].stderr), ranks[2].stderr[-3000:]  # fmt: skip
+
+
 def test_a_worker_that_hangs_stops_the_trainer_after_the_timeout_naming_it(tmp_path):
     # the worker sleeps instead of shipping step 2's batch; ranks started by hand, the worker killed once the trainer
     # has stopped (a launcher would end it then)
@@ -414,16 +443,15 @@ def test_a_trainer_that_dies_stops_the_worker_naming_it(tmp_path):
     assert "fasttnt train: rollout worker rank 1: the trainer (rank 0) is gone: its connection closed" in worker.stderr
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_a_run_killed_one_step_off_resumes_to_what_an_uninterrupted_run_logs(tmp_path, ranks):
+def test_a_run_killed_one_step_off_resumes_to_what_an_uninterrupted_run_logs(tmp_path):
     # k = 1 and a checkpoint after every step: each keeps the batches in flight (the next step's, sampled from weights
     # the checkpoint no longer holds). The job is killed -9, every rank, while its trainers pause at step 2's push
-    # (support/faulty.py), after step 1's checkpoint; --resume continues it from there. With 2 trainers (ZeRO-3) and
-    # 2 workers: each trainer received every worker's batch in flight, each resumes from the one file, and each worker
+    # (support/faulty.py), after step 1's checkpoint; --resume continues it from there. 2 trainers (ZeRO-3) and 2
+    # workers: each trainer received every worker's batch in flight, each resumes from the one file, and each worker
     # gets its own batches back for its push checks
-    overrides = [*PIPELINE_RUN, "steps=5", "save_every=1", f"rollout.workers={ranks}", "rollout.max_staleness=1"]
-    if ranks > 1:
-        overrides.append("distributed.zero_stage=3")
+    ranks = 2
+    overrides = [*PIPELINE_RUN, "steps=5", "save_every=1", f"rollout.workers={ranks}", "rollout.max_staleness=1",
+                 "distributed.zero_stage=3"]  # fmt: skip
 
     def command(module: str, out: str) -> list[str]:
         args = ["train", "--output-dir", str(tmp_path / out), f"cache_dir={warmups(tmp_path)}", *overrides]
@@ -438,7 +466,7 @@ def test_a_run_killed_one_step_off_resumes_to_what_an_uninterrupted_run_logs(tmp
     deadline = time.monotonic() + HANG_S
     while not paused.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
+    kill_job(proc.pid)
     proc.wait()
     assert paused.exists(), "precondition: the trainer reached step 2's push"
     out = tmp_path / "killed"

@@ -17,6 +17,7 @@ import torch
 vllm = pytest.importorskip("vllm")
 
 from support import varied  # noqa: E402
+from support.nccl_standin import GlooAsNccl  # noqa: E402
 from support.small import (  # noqa: E402
     LAUNCHER_ENV,
     deterministic,
@@ -36,6 +37,7 @@ from fasttnt.engines import EngineSettings, build_engine  # noqa: E402
 from fasttnt.engines.vllm import VLLMEngine  # noqa: E402
 from fasttnt.evaluate import EvalSettings, run_eval  # noqa: E402
 from fasttnt.pipeline.peer import link  # noqa: E402
+from fasttnt.pipeline.vllm_transfer import BACKEND, NCCL_BACKEND  # noqa: E402
 from fasttnt.pipeline.weights import WeightPushError, layout, send_weights  # noqa: E402
 
 # vLLM's CPU attention takes head sizes 32, 64, ... (vllm/v1/attention/backends/cpu_attn.py): width 64 over 2 heads,
@@ -276,13 +278,17 @@ def _max_logp_diff(model, batch) -> float:
     )  # fmt: skip
 
 
-def _pusher(model, bucket_bytes: int, port: int, errors: list, version: int = 7) -> threading.Thread:
-    """The trainer's end: over a link of its own (rank 0, the store's host), one push of ``model``."""
+def _pusher(model, bucket_bytes: int, port: int, errors: list, version: int = 7, nccl_port: int | None = None
+            ) -> threading.Thread:  # fmt: skip
+    """The trainer's end: over a link of its own (rank 0, the store's host), one push of ``model``; with
+    ``nccl_port``, its buckets over a ``GlooAsNccl`` group met there (rank 0)."""
 
     def push() -> None:
         try:
             group = link("127.0.0.1", port, 0, 2, name="push", timeout=120)
-            send_weights(model, version, dsts=[1], src=0, bucket_bytes=bucket_bytes, group=group, timeout=120)
+            nccl = None if nccl_port is None else GlooAsNccl("127.0.0.1", nccl_port, 0, 2, None)
+            send_weights(model, version, dsts=[1], src=0, bucket_bytes=bucket_bytes, group=group, timeout=120,
+                         nccl=nccl)  # fmt: skip
         except Exception as err:  # reported by the test
             errors.append(err)
 
@@ -292,11 +298,23 @@ def _pusher(model, bucket_bytes: int, port: int, errors: list, version: int = 7)
 
 
 @pytest.mark.parametrize("receiver", ["same model", "another model"])
-def test_weights_arrive_through_vllms_weight_transfer_calls(tmp_path, receiver):
+@pytest.mark.parametrize("backend", [BACKEND, NCCL_BACKEND])
+def test_weights_arrive_through_vllms_weight_transfer_calls(tmp_path, monkeypatch, receiver, backend):
     # the engine loads model A; a trainer (a thread here, on a gloo link outside the engine's world) pushes model B
     # in several buckets, which vLLM's own calls (init_weight_transfer_engine, start_weight_update, update_weights,
     # finish_weight_update) hand to fasttnt's registered engine. Afterwards the engine samples from B: the log-prob of
-    # every sampled token is B's (float32 both sides, ~1e-6), where before the push it was A's (B is ~0.1-1 away)
+    # every sampled token is B's (float32 both sides, ~1e-6), where before the push it was A's (B is ~0.1-1 away).
+    # fasttnt-nccl: the same, its buckets broadcast over its group, NCCL's stood in by gloo (GlooAsNccl): the header
+    # and the worker's word cross the link first, so a push of another model is refused before any broadcast
+    from vllm.distributed.weight_transfer import nccl_common
+
+    made = []
+
+    def stand_in(*args) -> GlooAsNccl:
+        made.append(GlooAsNccl(*args))
+        return made[-1]
+
+    monkeypatch.setattr(nccl_common, "stateless_init_process_group", stand_in)
     tok = build_char_tokenizer()
     shape = TinyModelConfig(**VLLM_TINY)
     loaded, pushed = build_tiny_model(tok, shape, seed=0), build_tiny_model(tok, shape, seed=1)
@@ -311,44 +329,52 @@ def test_weights_arrive_through_vllms_weight_transfer_calls(tmp_path, receiver):
         buckets[0][0] = replace(buckets[0][0], name="model.embed_tokens.other")
     prompts = [build_prompt(tok, problem) for problem in (p.problem for p in held_out(1)[:2])]
     port, errors = free_port(), []
-    engine = _engine(str(path), seed=0, weight_transfer=True)
+    nccl = {"nccl_port": free_port(), "nccl_rank": 1, "nccl_world": 2} if backend == NCCL_BACKEND else {}
+    engine = _engine(str(path), seed=0, weight_transfer=backend)
     try:
         before = engine.generate(prompts, 4, seed=3)
         assert _max_logp_diff(loaded, before) < 1e-4, "the engine serves what it loaded"
         assert _max_logp_diff(pushed, before) > 0.05, "the precondition: the two models differ"
-        sender = _pusher(pushed, bucket_bytes, port, errors)
+        sender = _pusher(pushed, bucket_bytes, port, errors, nccl_port=nccl.get("nccl_port"))
         engine.join_trainer({"host": "127.0.0.1", "port": port, "name": "push", "rank": 1, "world": 2, "trainer": 0,
                              "buckets": [[slot.to_list() for slot in bucket] for bucket in buckets],
-                             "timeout": 120})  # fmt: skip
+                             "timeout": 120, **nccl})  # fmt: skip
+        assert len(made) == (backend == NCCL_BACKEND), "the nccl engine built its group, the gloo one none"
         if receiver == "another model":
             with pytest.raises(WeightPushError, match="another model"):
                 engine.receive_weights()
             after = engine.generate(prompts, 4, seed=3)
             assert _max_logp_diff(loaded, after) < 1e-4, "nothing was loaded"
+            assert not made or made[0].broadcasts == 0, "no bucket was broadcast"
             return
         assert engine.receive_weights() == 7
         sender.join(timeout=120)
         assert not errors, errors
+        assert not made or made[0].broadcasts == len(buckets), "every bucket crossed the stand-in NCCL group"
         after = engine.generate(prompts, 4, seed=3)
     finally:
         engine.close()
     assert _max_logp_diff(pushed, after) < 1e-4
 
 
-@pytest.mark.parametrize(("k", "ranks"), [(0, 1), (1, 1), (1, 2)])
-def test_a_vllm_rollout_worker_takes_the_weights_through_vllms_transfer_calls(tmp_path, k, ranks):
+@pytest.mark.parametrize(("k", "ranks", "transfer"), [(0, 1, "gloo"), (1, 1, "gloo"), (1, 2, "gloo"), (0, 1, "nccl"),
+                                                       (1, 2, "nccl")])  # fmt: skip
+def test_a_vllm_rollout_worker_takes_the_weights_through_vllms_transfer_calls(tmp_path, k, ranks, transfer):
     # torchrun's ranks: the trainers, and as many workers generating with vLLM, whose weights arrive through vLLM's
     # weight-transfer calls (fasttnt-gloo). k = 0: the worker samples step t + 1 from the weights step t made, so its
     # log-probs of every sampled token are the trainer's (the stale-weight guard's measure, float32 both: ~1e-6; a
     # push that did not load is ~0.1-2 off, the weights moving by ~lr every step). k = 1: each push is checked by a
     # probe the worker scores on its Hugging Face copy, which takes the same buckets. Two trainers run ZeRO-3 (they
     # gather each bucket together, and trainer 0 sends it to both workers); two workers' engines share one world, as
-    # two colocated ranks' do
+    # two colocated ranks' do. nccl: the buckets broadcast over the group NCCL would be, stood in by gloo
+    # (support/nccl_standin.py), at k = 1 each push deferred until the next batch is in
     out = tmp_path / f"k{k}"
     args = ["train", "--output-dir", str(out), f"cache_dir={tmp_path / 'cache'}", *RUN, "steps=6",
             f"rollout.workers={ranks}", f"rollout.max_staleness={k}", "rollout.max_logp_diff=1e-4",
-            "rollout.worker_timeout=240", *(["distributed.zero_stage=3"] if ranks > 1 else [])]  # fmt: skip
-    result = run_job(launch_command("torchrun", varied.MODULE, *args, ranks=2 * ranks), env=ENV, timeout=600)
+            "rollout.worker_timeout=240", f"rollout.weight_transfer={transfer}",
+            *(["distributed.zero_stage=3"] if ranks > 1 else [])]  # fmt: skip
+    module = "nccl_standin" if transfer == "nccl" else varied.MODULE
+    result = run_job(launch_command("torchrun", module, *args, ranks=2 * ranks), env=ENV, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     rows = metric_rows(out)
     assert [r["step"] for r in rows] == list(range(1, 7))

@@ -29,7 +29,9 @@ class EngineSettings:
     gpu_memory_utilization: float = 0.5
     sleep_between_rollouts: bool = False
     weight_sync_bucket_mb: int = 512
-    weight_transfer: bool = False  # vllm: pushes arrive through vLLM's weight-transfer calls (receive_weights)
+    # vllm: pushes arrive through vLLM's weight-transfer calls (receive_weights), by this backend of
+    # fasttnt.pipeline.vllm_transfer's (BACKEND, NCCL_BACKEND); None: through reload_weights (sync_weights)
+    weight_transfer: str | None = None
     zero3_engine: Any = None  # DeepSpeed's engine when the model is ZeRO-3 sharded (the hf engine gathers it)
     forbid_think_end_first: bool = False  # some prompts will be forced to think (the vllm engine's processor)
     give_back_heap: bool = False  # the hf engine on the CPU: the heap a rollout freed back to the system at its end

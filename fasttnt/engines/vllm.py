@@ -111,10 +111,10 @@ class VLLMEngine:
         if settings.weight_transfer:
             from vllm.config import WeightTransferConfig
 
-            from ..pipeline.vllm_transfer import BACKEND, register
+            from ..pipeline.vllm_transfer import register
 
             register()
-            options["weight_transfer_config"] = WeightTransferConfig(backend=BACKEND)
+            options["weight_transfer_config"] = WeightTransferConfig(backend=settings.weight_transfer)
         _pin_v1_model_runner()
         self.llm = vllm.LLM(
             model=settings.model_path,

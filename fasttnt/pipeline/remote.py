@@ -41,6 +41,7 @@ from ..scoring import ScoredBatch
 from .peer import PeerLostError, recv_from, send_to, trainer_name, worker_name
 from .roles import TRAINER, Pipeline, join
 from .staleness import check_fresh, oldest_version
+from .vllm_transfer import BACKEND, NCCL_BACKEND
 from .weights import layout, recv_weights, send_weights
 from .wire import Shipment, WorkerError, decode, encode, recv_shipment, send_shipment
 
@@ -106,6 +107,9 @@ class RemoteRollouts:
         self.rank, self.trainers = pipeline.rank, len(pipeline.ranks.trainers)  # the trainers' ranks come first
         self.workers = list(pipeline.ranks.worker_ranks)
         self.push_link = None  # the weights': the pipeline's link, or the vLLM workers' own (made at start)
+        self.nccl = None  # rollout.weight_transfer=nccl, on trainer 0: vLLM's PyNcclCommunicator to the workers
+        self.model: torch.nn.Module | None = None
+        self.deferred: int | None = None  # nccl at k = 1: the version pushed once the next batch is in (push)
         self.bucket_bytes = cfg.rollout.weight_sync_bucket_bytes
         self.timeout = cfg.rollout.worker_timeout
         self.pending: list = []  # the sends of the pushes still in flight
@@ -136,18 +140,36 @@ class RemoteRollouts:
             for worker in self.workers:
                 recv_from(torch.empty(1, dtype=torch.int64), worker, peer=worker_name(worker),
                           what="its vLLM engine", timeout=self.timeout, group=self.link)  # fmt: skip
+            nccl_port = self._nccl_port() if self.cfg.rollout.weight_transfer == "nccl" else None
             self.push_link = self.pipeline.weights_link()
+            if nccl_port is not None:  # the workers' engines join it once on the weights link (vllm_transfer)
+                from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
+
+                self.nccl = stateless_init_process_group(self.pipeline.address[0], nccl_port, 0,
+                                                         1 + len(self.workers), self.device)  # fmt: skip
+        self.model = model
         if self.rank == TRAINER:
             for worker in self.workers:
                 send_to(torch.tensor([first, position, len(back)], dtype=torch.int64), worker,
                         peer=worker_name(worker), what="the run's starting point to be taken", timeout=self.timeout,
                         group=self.link)  # fmt: skip
         send_weights(model, step, dsts=self.workers, src=TRAINER, bucket_bytes=self.bucket_bytes,
-                     timeout=self.timeout, group=self.push_link)  # fmt: skip
+                     timeout=self.timeout, group=self.push_link, nccl=self.nccl)  # fmt: skip
         if self.rank == TRAINER:
             for shipments in back:
                 for worker, shipment in zip(self.workers, shipments, strict=True):
                     send_shipment(shipment, [worker], group=self.link, timeout=self.timeout, peer=worker_name(worker))
+
+    def _nccl_port(self) -> int | None:
+        """Trainer 0: the port of the NCCL group's store on its host (the group: it, rank 0, and the workers), sent
+        to the workers before they build their transfer engines; the other trainers: None (not in the group)."""
+        if self.rank != TRAINER:
+            return None
+        port = distributed.free_port()
+        for worker in self.workers:
+            send_to(torch.tensor([port], dtype=torch.int64), worker, peer=worker_name(worker),
+                    what="the NCCL group's port to be taken", timeout=self.timeout, group=self.link)  # fmt: skip
+        return port
 
     def step(self, step: int, clock) -> StepRollouts:
         """Step ``step``'s rollouts as the workers shipped them (``clock`` laps ``wait``), checked against the step
@@ -155,6 +177,9 @@ class RemoteRollouts:
         quota from its own draws, as each colocated rank's), this trainer's share (``trainer_share``)."""
         shipments = self.queue.popleft() if self.queue else self._receive(step)
         clock.lap("wait")
+        if self.deferred is not None:  # the workers took this batch's predecessor's version: now they take the next
+            self._send(self.deferred, wait=True)
+            self.deferred = None
         self.last, self.shipped, self.logp_diff = shipments, whole_step(shipments), None
         self.stop_requested |= self.shipped.stop
         if any(s.probe_version >= 0 for s in shipments):
@@ -245,8 +270,17 @@ class RemoteRollouts:
         if step <= self.cfg.steps - 1 - self.cfg.rollout.max_staleness:
             if self.check_pushes:
                 self.probes[step] = [logprobs(probe_rows(shipment.scored.batch)) for shipment in self.last]
-            self.pending += send_weights(model, step, dsts=self.workers, src=TRAINER, group=self.push_link,
-                                         bucket_bytes=self.bucket_bytes, wait=False, timeout=self.timeout)  # fmt: skip
+            if self.cfg.rollout.weight_transfer == "nccl" and self.cfg.rollout.max_staleness == 1:
+                # NCCL has no timeout: broadcast only once the workers are taking it, after they shipped the next
+                # batch, which is when a worker one step off takes this version (step)
+                self.deferred = step
+            else:
+                self._send(step, wait=self.nccl is not None)
+
+    def _send(self, version: int, *, wait: bool) -> None:
+        self.pending += send_weights(self.model, version, dsts=self.workers, src=TRAINER, group=self.push_link,
+                                     bucket_bytes=self.bucket_bytes, wait=wait, timeout=self.timeout,
+                                     nccl=self.nccl)  # fmt: skip
 
     def wait(self) -> None:
         for work in self.pending:
@@ -288,15 +322,23 @@ def _serve(cfg: TrainConfig, signals: StopSignals) -> int:
     trainer, timeout = trainer_name(TRAINER), cfg.rollout.worker_timeout
     if cfg.rollout.engine == "vllm":  # the pushes through vLLM's weight-transfer calls (pipeline.vllm_transfer)
         # no sleep mode: the worker's device holds no trainer to give its memory to
-        settings = replace(settings, weight_transfer=True, sleep_between_rollouts=False)
+        nccl = cfg.rollout.weight_transfer == "nccl"
+        backend = NCCL_BACKEND if nccl else BACKEND
+        settings = replace(settings, weight_transfer=backend, sleep_between_rollouts=False)
         engine = build_engine("vllm", model, tokenizer, settings)
         for rank in pipeline.ranks.trainers:
             send_to(torch.ones(1, dtype=torch.int64), rank, peer=trainer_name(rank),
                     what="the engine's news to be taken", timeout=timeout, group=link)  # fmt: skip
+        init = pipeline.weights_init(layout(model, bucket_bytes))
+        if nccl:  # the NCCL group's store: on trainer 0's host, its port chosen there
+            port = torch.empty(1, dtype=torch.int64)
+            recv_from(port, TRAINER, peer=trainer, what="the NCCL group's port", timeout=timeout, group=link)
+            workers = pipeline.ranks.worker_ranks
+            init.update(nccl_port=int(port), nccl_rank=1 + workers.index(pipeline.rank), nccl_world=1 + len(workers))
         # the Hugging Face copy takes every push too where something reads it: the push checks and the behaviour
         # log-probs run on it (at k >= 1), and vLLM's log-probs are held against it (_check_engine)
         copy = cfg.rollout.max_staleness > 0 and (checks_pushes(cfg) or ModeMix.of(cfg) is not None)
-        engine.join_trainer(pipeline.weights_init(layout(model, bucket_bytes)), also_into=model if copy else None)
+        engine.join_trainer(init, also_into=model if copy else None)
         receive = engine.receive_weights
     else:
         engine = build_engine(cfg.rollout.engine, model, tokenizer, settings)

@@ -32,6 +32,7 @@ from .peer import link, store_at, wait_for
 from .weights import Layout
 
 TRAINER = 0  # the training rank that speaks for the trainers (rank 0 of the launched world); the workers are the last
+NCCL_DEVICE_TYPES = ("cuda",)  # where rollout.weight_transfer=nccl runs (the tests' stand-in adds the CPU)
 WEIGHTS = "fasttnt-weights"  # the link a vLLM worker's transfer engine takes the pushes on (vllm_transfer)
 
 
@@ -125,6 +126,9 @@ class Pipeline:
 def join(cfg: TrainConfig, device_type: str) -> Pipeline:
     """Join the run as the launcher started this process: the link, and the role's own world (module docstring).
     Bad roles are a ``ConfigError`` naming ``rollout.workers``, before anything connects."""
+    if cfg.rollout.weight_transfer == "nccl" and device_type not in NCCL_DEVICE_TYPES:
+        raise ConfigError(f"rollout.weight_transfer=nccl moves the weights between GPUs: this run is on {device_type} "
+                          "(rollout.weight_transfer=gloo runs anywhere)")  # fmt: skip
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     ranks = PipelineRanks.of(cfg, world)
     address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))

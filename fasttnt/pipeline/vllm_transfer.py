@@ -22,8 +22,14 @@ reach it through ``collective_rpc``:
 A rollout worker also keeps its Hugging Face copy of the model (``also_into``): the push checks and the behaviour
 log-probs of mode-mixed rollouts run the trainer's own forward on it (``fasttnt.pipeline.remote``).
 
-vLLM's nccl backend moves the same weights device to device on CUDA; this one goes through host memory, which is
-what a CPU run has and what a link between any two processes can carry.
+On CUDA, ``fasttnt-nccl`` (``rollout.weight_transfer=nccl``) moves the same buckets device to device: the header
+and the worker's word that it took it still cross the gloo link, then the trainer (rank 0 of an NCCL group of it and
+every worker, ``NcclInitInfo``) broadcasts each bucket. The group is vLLM's own ``PyNcclCommunicator`` over its
+``StatelessProcessGroup`` rendezvous (``nccl_common.stateless_init_process_group``, as vLLM's nccl engine builds it),
+with the worker's rank given here rather than derived from vLLM's parallel config, which knows nothing of the other
+workers. An NCCL broadcast has no timeout, so the trainer starts one only once every worker said it is receiving,
+and only at k <= 1, where a push is taken as it is sent (``remote.RemoteRollouts.push``). **It has not run**: NCCL
+needs CUDA; only its arithmetic and its refusals are tested here.
 """
 
 from __future__ import annotations
@@ -34,10 +40,11 @@ from typing import Any
 
 import torch
 
-from .peer import link
-from .weights import Layout, Slot, recv_bucket, recv_header
+from .peer import link, send_to, trainer_name
+from .weights import Layout, Slot, bucket_buffer, bucket_views, recv_bucket, recv_header
 
 BACKEND = "fasttnt-gloo"  # the name vLLM's WeightTransferConfig(backend=...) selects this engine by
+NCCL_BACKEND = "fasttnt-nccl"  # the same, device to device (rollout.weight_transfer=nccl)
 
 
 def register() -> None:
@@ -45,11 +52,12 @@ def register() -> None:
     is built: vLLM builds the engine with the model)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    try:
-        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "GlooWeightTransferEngine")
-    except ValueError as err:  # registered before, in this process
-        if "already registered" not in str(err):
-            raise
+    for name, engine in ((BACKEND, "GlooWeightTransferEngine"), (NCCL_BACKEND, "NcclWeightTransferEngine")):
+        try:
+            WeightTransferEngineFactory.register_engine(name, __name__, engine)
+        except ValueError as err:  # registered before, in this process
+            if "already registered" not in str(err):
+                raise
 
 
 @dataclass
@@ -64,6 +72,15 @@ class GlooInitInfo:
     trainer: int  # the trainer's rank in the link: the sender
     buckets: list  # weights.Layout as Slot.to_list values
     timeout: float  # seconds: the link's rendezvous and every message (rollout.worker_timeout)
+
+
+@dataclass
+class NcclInitInfo(GlooInitInfo):
+    """``GlooInitInfo`` (the control link, the layout) and the NCCL group's rendezvous on the trainer's host."""
+
+    nccl_port: int  # the StatelessProcessGroup's store, hosted by the trainer (the group's rank 0)
+    nccl_rank: int  # this worker's rank in the group: 1 + its place among the workers
+    nccl_world: int  # 1 + the workers
 
 
 @dataclass
@@ -82,6 +99,7 @@ def _engine_class():
         init_info_cls = GlooInitInfo
         update_info_cls = GlooUpdateInfo
         supports_draft_weight_update = False
+        backend = BACKEND
 
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
@@ -108,10 +126,18 @@ def _engine_class():
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
             if self.group is None:
-                raise RuntimeError("the fasttnt-gloo weight transfer was not initialised: init_weight_transfer_engine")
+                raise RuntimeError(f"the {self.backend} weight transfer was not initialised: call init first")
             # the header first: a push of another model is refused while the model is still whole
             self.incoming = recv_header(self.layout, src=self.trainer, group=self.group, timeout=self.timeout)
+            self.took_header()
             initialize_layerwise_reload(self.model)
+
+        def took_header(self) -> None:
+            """Where the buckets come over a channel without timeouts, the trainer waits for this first."""
+
+        def bucket(self, bucket: list[Slot]) -> list[tuple[str, torch.Tensor]]:
+            """The next bucket of the push, by name."""
+            return recv_bucket(bucket, self.incoming, src=self.trainer, group=self.group, timeout=self.timeout)
 
         def update_weights(self, update_info: dict[str, Any]) -> None:
             # the base class then synchronizes torch.accelerator, which raises where there is none (the CPU build)
@@ -122,7 +148,7 @@ def _engine_class():
         def receive_weights(self, update_info: GlooUpdateInfo) -> None:
             tied = bool(getattr(self.model_config.hf_config, "tie_word_embeddings", False))
             for bucket in self.layout:
-                named = recv_bucket(bucket, self.incoming, src=self.trainer, group=self.group, timeout=self.timeout)
+                named = self.bucket(bucket)
                 if self.also_into is not None:
                     _copy_into(self.also_into, named)
                 self.model.load_weights([pair for name, tensor in named for pair in for_vllm(name, tensor, tied)])
@@ -139,9 +165,46 @@ def _engine_class():
     return GlooWeightTransferEngine
 
 
+@functools.cache
+def _nccl_engine_class():
+    """``fasttnt-nccl``: the gloo engine's control (header, layout, reload, Hugging Face copy), the buckets over NCCL
+    (module docstring; not run)."""
+
+    class NcclWeightTransferEngine(_engine_class()):
+        init_info_cls = NcclInitInfo
+        backend = NCCL_BACKEND
+
+        def init_transfer_engine(self, init_info: NcclInitInfo) -> None:
+            from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
+
+            super().init_transfer_engine(init_info)
+            # the worker's device, as vLLM gave it to this engine (its nccl engine reads the same off torch)
+            self.nccl = stateless_init_process_group(init_info.host, init_info.nccl_port, init_info.nccl_rank,
+                                                     init_info.nccl_world, self.device)  # fmt: skip
+
+        def took_header(self) -> None:
+            send_to(torch.ones(1, dtype=torch.int64), self.trainer, peer=trainer_name(self.trainer),
+                    what=f"its word that weight version {self.incoming} is welcome", timeout=self.timeout,
+                    group=self.group)  # fmt: skip
+
+        def bucket(self, bucket: list[Slot]) -> list[tuple[str, torch.Tensor]]:
+            buffer = bucket_buffer(bucket, self.nccl.device)
+            self.nccl.broadcast(buffer, src=0)
+            return bucket_views(bucket, buffer)
+
+        def shutdown(self) -> None:
+            super().shutdown()
+            self.nccl = None
+
+    return NcclWeightTransferEngine
+
+
 def __getattr__(name: str):
-    if name == "GlooWeightTransferEngine":  # what vLLM's factory loads by name
+    # what vLLM's factory loads by name
+    if name == "GlooWeightTransferEngine":
         return _engine_class()
+    if name == "NcclWeightTransferEngine":
+        return _nccl_engine_class()
     raise AttributeError(name)
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import distributed
-from .peer import PipelineError, isend, rank_in, recv_from, trainer_name, wait_for, worker_name
+from .peer import PipelineError, isend, rank_in, recv_from, send_to, trainer_name, wait_for, worker_name
 
 MAGIC = 0x7F7A_7477_0001  # "fasttnt weights", format 1
 ALIGN = 8
@@ -94,13 +94,20 @@ def signature(buckets: Layout) -> int:
 
 def send_weights(
     model: torch.nn.Module, version: int, *, dsts: Sequence[int], src: int, bucket_bytes: int, group=None,
-    wait: bool = True, timeout: float | None = None,
+    wait: bool = True, timeout: float | None = None, nccl=None,
 ) -> list:  # fmt: skip
     """Push ``model``'s weights as ``version`` from rank ``src`` to each of ranks ``dsts``; under ZeRO-3 every rank
     that holds a shard calls it (the gathers are collective, once per bucket whatever the receivers) and ``src``
     alone sends. ``wait=False``: the sends run in the background from copies of the weights (the model may change at
     once); returns their handles (``wait()``, ``done()``). Each send is taken within ``timeout`` seconds
-    (``peer.wait_for``)."""
+    (``peer.wait_for``). ``nccl`` (on ``src``: vLLM's ``PyNcclCommunicator``, the sender its rank 0, the receivers
+    the others): the header goes over ``group`` as always, each receiver says it took it (a push of another model
+    is refused there, before any bucket moves), and the buckets are broadcast device to device, synchronously
+    (``vllm_transfer``'s nccl engine)."""
+    if nccl is not None:
+        _broadcast_weights(model, version, nccl, dsts=dsts, src=src, bucket_bytes=bucket_bytes, group=group,
+                           timeout=timeout)  # fmt: skip
+        return []
     sending = rank_in(group) == src
     sent = []
     what = f"weight version {version} to be taken"
@@ -124,6 +131,30 @@ def send_weights(
             if sending:
                 send(_packed(params))  # a copy: the model may change while a background send is in flight
     return sent
+
+
+def _broadcast_weights(
+    model: torch.nn.Module, version: int, nccl, *, dsts: Sequence[int], src: int, bucket_bytes: int, group,
+    timeout: float | None,
+) -> None:  # fmt: skip
+    """``send_weights`` with the buckets over NCCL (its docstring)."""
+    sending = rank_in(group) == src
+    if sending:
+        buckets = layout(model, bucket_bytes)
+        header = torch.tensor([MAGIC, version, sum(len(b) for b in buckets), signature(buckets)], dtype=torch.int64)
+        for dst in dsts:  # then each receiver's word that it took it, so no broadcast waits on a refusal
+            send_to(header, dst, peer=worker_name(dst), what=f"weight version {version}", timeout=timeout, group=group)
+        for dst in dsts:
+            recv_from(torch.empty(1, dtype=torch.int64), dst, peer=worker_name(dst),
+                      what=f"its word that weight version {version} is welcome", timeout=timeout,
+                      group=group)  # fmt: skip
+    for bucket in layer_buckets(model, bucket_bytes):
+        params = [p for _, p in bucket]
+        with distributed.gathered(params):
+            if sending:
+                nccl.broadcast(_packed(params, nccl.device), src=0)
+    if sending and nccl.device.type == "cuda":
+        torch.cuda.current_stream(nccl.device).synchronize()  # every bucket delivered before the weights change
 
 
 class _Sent:
@@ -177,8 +208,18 @@ def recv_bucket(
     bucket: list[Slot], version: int, *, src: int, group=None, timeout: float | None = None
 ) -> list[tuple[str, torch.Tensor]]:
     """One bucket of push ``version`` from rank ``src``: its parameters by name, views of one fresh buffer."""
-    buffer = torch.empty(sum(s.nbytes + (-s.nbytes % ALIGN) for s in bucket), dtype=torch.uint8)
+    buffer = bucket_buffer(bucket, "cpu")
     recv_from(buffer, src, peer=trainer_name(src), what=f"weight version {version}", timeout=timeout, group=group)
+    return bucket_views(bucket, buffer)
+
+
+def bucket_buffer(bucket: list[Slot], device: torch.device | str) -> torch.Tensor:
+    """An empty message (uint8) of ``bucket``'s size on ``device``: each parameter's bytes padded to ``ALIGN``."""
+    return torch.empty(sum(s.nbytes + (-s.nbytes % ALIGN) for s in bucket), dtype=torch.uint8, device=device)
+
+
+def bucket_views(bucket: list[Slot], buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A received bucket's parameters by name: views of ``buffer`` (``bucket_buffer``'s)."""
     named, at = [], 0
     for slot in bucket:
         named.append((slot.name, buffer[at : at + slot.nbytes].view(slot.dtype).view(slot.shape)))
@@ -186,10 +227,10 @@ def recv_bucket(
     return named
 
 
-def _packed(params: list[torch.Tensor]) -> torch.Tensor:
-    """The parameters' bytes back to back on the CPU, each padded to ``ALIGN``."""
+def _packed(params: list[torch.Tensor], device: torch.device | str = "cpu") -> torch.Tensor:
+    """The parameters' bytes back to back on ``device``, each padded to ``ALIGN``."""
     parts = []
     for param in params:
-        raw = param.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        parts += [raw, torch.zeros(-raw.numel() % ALIGN, dtype=torch.uint8)]
+        raw = param.detach().to(device).contiguous().reshape(-1).view(torch.uint8)
+        parts += [raw, torch.zeros(-raw.numel() % ALIGN, dtype=torch.uint8, device=device)]
     return torch.cat(parts)

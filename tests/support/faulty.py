@@ -9,6 +9,9 @@
 - ``trainer-slow``: the trainer sleeps ``SLOW_S`` before every push, so that a worker free to run ahead would;
 - ``worker-signalled``: the worker gets SIGTERM (sent to itself: a signal to it alone) after it shipped step STEP - 1's
   batch, so that step STEP's says so.
+
+With several workers or trainers, the environment's ``FAULT_RANK`` (a launched rank) names the one process at fault;
+without it every worker (or trainer) is.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 import varied
 
 import fasttnt.pipeline.remote as remote
+from fasttnt.distributed import launch_rank
 
 STEP = 2
 SLOW_S = 1.0
@@ -32,6 +36,9 @@ def main() -> int:
     fault = os.environ["FAULT"]
     assert fault in FAULTS, fault
     ship, push = remote.send_shipment, remote.RemoteRollouts.push
+    only = os.environ.get("FAULT_RANK")
+    if only is not None and launch_rank() != only:
+        fault = "none"  # another process is at fault
 
     def faulty_ship(shipment, dst, **kwargs) -> None:
         if shipment.step == STEP and fault == "worker-dies":

@@ -115,14 +115,32 @@ def run_job(cmd: list[str], *, env: dict, timeout: float) -> subprocess.Complete
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_job(proc.pid)
         stdout, stderr = proc.communicate()
         hung = f"the job hung: killed with its ranks after {timeout:g} s: {' '.join(cmd)}"
         raise AssertionError(f"{hung}\n{stdout[-2000:]}{stderr[-3000:]}") from None
     finally:
         if proc.poll() is None or _group_alive(proc.pid):  # a rank the launcher left behind after it exited
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_job(proc.pid)
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def kill_job(pid: int) -> None:
+    """SIGKILL a launched job: the process group of its launcher (``pid``, started in a session of its own) and every
+    process under the launcher, found first: torchrun's agent starts each rank in a session of its own, which the
+    group does not reach (measured: killed ranks' launchers left them sleeping for the rest of the run)."""
+    under, todo = [], [pid]
+    while todo:  # the launcher's descendants, through each thread's children (Linux's /proc)
+        parent = todo.pop()
+        for children in Path(f"/proc/{parent}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                todo += [int(child) for child in children.read_text().split()]
+        under.append(parent)
+    for target in under:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(target, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 def _group_alive(pgid: int) -> bool:
