@@ -39,7 +39,7 @@ from fasttnt.pipeline.peer import link
 from fasttnt.pipeline.remote import IN_FLIGHT
 from fasttnt.pipeline.staleness import StaleBatchError, check_fresh, oldest_version, staleness
 from fasttnt.pipeline.weights import Slot, WeightPushError, layout, recv_weights, send_weights
-from fasttnt.pipeline.wire import OPTIONAL, WorkerError, decode, from_fields, to_fields
+from fasttnt.pipeline.wire import OPTIONAL, Shipment, WorkerError, decode, from_fields, to_fields
 from fasttnt.scoring import Judged, ScoredBatch
 from fasttnt_kernels import TntRewards
 
@@ -116,6 +116,39 @@ def test_the_fields_of_a_scored_batch_round_trip(optional):
     fields = to_fields(want)
     assert all((fields[name] is None) == (not optional) for name in OPTIONAL), "precondition: the optional fields"
     assert_same_batch(from_fields(fields, worker="w"), want)
+
+
+def test_the_batches_in_flight_read_back_per_worker_and_a_checkpoint_of_other_workers_is_refused(tmp_path):
+    from fasttnt.checkpoint import ResumeError
+    from fasttnt.config import load_config
+    from fasttnt.pipeline.remote import RemoteRollouts
+    from fasttnt.pipeline.roles import Pipeline, PipelineRanks
+    from fasttnt.pipeline.wire import encode
+
+    def shipment(seed: int, step: int) -> Shipment:
+        return Shipment(scored_batch(seed), step, step - 2, [True, False, True], draws=1, data_position=8 * step,
+                        times={"time_generate": 1.0})  # fmt: skip
+
+    def trainer(workers: int, saved: dict) -> RemoteRollouts:
+        (tmp_path / IN_FLIGHT).unlink(missing_ok=True)
+        torch.save(saved, tmp_path / IN_FLIGHT)
+        cfg = load_config(None, [f"rollout.workers={workers}", "rollout.max_staleness=1", "rollout.prompts_per_step=4"])
+        pipeline = Pipeline(PipelineRanks(1 + workers, workers), 0, None, ("127.0.0.1", 0), 1.0)
+        return RemoteRollouts(cfg, pipeline, torch.device("cpu"), tmp_path)
+
+    two = {"last": [encode(shipment(SEED, 3)), encode(shipment(SEED + 1, 3))],
+           "queue": [[encode(shipment(SEED + 2, 4)), encode(shipment(SEED + 3, 4))]],
+           "probes": {3: [torch.zeros(5), torch.ones(5)]}}  # fmt: skip
+    got = trainer(2, two)
+    assert [s.step for s in got.last] == [3, 3] and [[s.step for s in q] for q in got.queue] == [[4, 4]]
+    assert_same_batch(got.queue[0][1].scored, scored_batch(SEED + 3))
+    assert [p.tolist() for p in got.probes[3]] == [[0.0] * 5, [1.0] * 5]
+    # a checkpoint of one worker from before several existed: its one message, its one probe
+    one = {"last": encode(shipment(SEED, 3)), "queue": [encode(shipment(SEED + 2, 4))], "probes": {3: torch.ones(5)}}
+    got = trainer(1, one)
+    assert [s.step for s in got.last] == [3] and [len(q) for q in got.queue] == [1] and len(got.probes[3]) == 1
+    with pytest.raises(ResumeError, match=r"the batches of 2 rollout workers, and this run has rollout.workers=1"):
+        trainer(1, two)
 
 
 def test_the_trainers_share_a_step_as_the_colocated_ranks_share_its_prompts():

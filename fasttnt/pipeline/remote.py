@@ -2,16 +2,17 @@
 between them: ``fasttnt.pipeline.roles``): the trainers' side (``RemoteRollouts``: each step's shipment received and
 checked, the weights pushed back after the update) and the worker's loop (``serve``).
 
-The protocol, one worker and one trainer or more (under DeepSpeed, in a world of their own): at the start trainer 0
+The protocol, one worker or more and one trainer or more (each role in a world of its own): at the start trainer 0
 (``TRAINER``) sends the step and data position it starts from, and the weights (version = that step; under ZeRO-3
 the trainers gather each bucket together and trainer 0 sends it); then for each step t the worker waits until it
 holds a version no older than t - 1 - k (``staleness.oldest_version``), runs the step's rollouts
 (``fasttnt.rollouts.Rollouts``, the colocated loop's own code) and ships them to every trainer, which trains on its
 share of the groups as the colocated ranks share a step's prompts (``trainer_share``); the trainers push version t,
 without waiting for the worker to take it (the sends run in the background while the trainers go on to receive the
-next step's batch). They push only the versions a later step needs, so every push is taken. At k = 0 the worker
-generates step t + 1 with the weights step t made: the colocated loop's samples, on another process, and the
-stale-weight guard compares the batch's log-probs with the trainer's as for vLLM. At k >= 1 the batch was sampled
+next step's batch; over NCCL, which has no timeout, the push waits until the workers take it: ``push``). They push
+only the versions a later step needs, so every push is taken. At k = 0 the worker generates step t + 1 with the
+weights step t made: the colocated loop's samples, on another process, and the stale-weight guard compares the
+batch's log-probs with the trainer's as for vLLM. At k >= 1 the batch was sampled
 from older weights than the trainers hold, so the guard checks each push instead: the trainers compute the log-probs
 of a probe (the first group of the step whose update made the version) under the version they push, the worker
 computes them once it took that version and ships them with its next batch, and the guard's rule
@@ -180,6 +181,7 @@ class RemoteRollouts:
         if self.deferred is not None:  # the workers took this batch's predecessor's version: now they take the next
             self._send(self.deferred, wait=True)
             self.deferred = None
+            clock.lap("sync")  # the push's seconds where the trainer logs its pushes (time_sync)
         self.last, self.shipped, self.logp_diff = shipments, whole_step(shipments), None
         self.stop_requested |= self.shipped.stop
         if any(s.probe_version >= 0 for s in shipments):
@@ -225,24 +227,31 @@ class RemoteRollouts:
         if not path.is_file():
             raise ResumeError(f"--resume: {path} is missing: a checkpoint at rollout.max_staleness >= 1 keeps the "
                               "batches in flight there")  # fmt: skip
-        saved = torch.load(path, weights_only=True)
+        saved = torch.load(path, weights_only=True, map_location=self.device)  # written on trainer 0's device
 
-        def read(messages: list) -> list[Shipment]:
+        def read(messages) -> list[Shipment]:
+            if isinstance(messages, tuple):  # written with one worker before several existed: its one message
+                messages = [messages]
+            if len(messages) != len(self.workers):
+                raise ResumeError(f"--resume: {path} holds the batches of {len(messages)} rollout workers, and this "
+                                  f"run has rollout.workers={len(self.workers)}: resume with as many")  # fmt: skip
             return [decode(*message, worker=f"{path}", device=self.device) for message in messages]
 
         self.last = read(saved["last"])
         self.queue.extend(read(messages) for messages in saved["queue"])
-        self.probes = dict(saved["probes"])
+        self.probes = {v: probe if isinstance(probe, list) else [probe] for v, probe in saved["probes"].items()}
 
     def _check_push(self, step: int, shipments: list[Shipment]) -> None:
         """Each worker's log-probs of a version's probe against the trainer's (``StaleWeightsError`` past the guard's
         limit)."""
-        v, limit = shipments[0].probe_version, self.cfg.rollout.max_logp_diff
+        v, limit = max(s.probe_version for s in shipments), self.cfg.rollout.max_logp_diff
         names = [worker_name(worker) for worker in self.workers]
-        for name, shipment in zip(names, shipments, strict=True):
-            if shipment.probe_version != v or not self.check_pushes or v not in self.probes:
-                raise WorkerError(f"{name} checked weight version {shipment.probe_version}, which was not pushed "
-                                  "with a probe")  # fmt: skip
+        for name, shipment in zip(names, shipments, strict=True):  # every worker took the version, and checked it
+            if shipment.probe_version != v:
+                raise WorkerError(f"{name} checked weight version {shipment.probe_version} where another worker "
+                                  f"checked version {v}")  # fmt: skip
+        if not self.check_pushes or v not in self.probes:
+            raise WorkerError(f"{names[0]} checked weight version {v}, which was not pushed with a probe")
         diffs = []
         for name, shipment, mine in zip(names, shipments, self.probes.pop(v), strict=True):
             theirs = shipment.probe_logp

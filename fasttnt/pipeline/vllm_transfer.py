@@ -28,8 +28,8 @@ every worker, ``NcclInitInfo``) broadcasts each bucket. The group is vLLM's own 
 ``StatelessProcessGroup`` rendezvous (``nccl_common.stateless_init_process_group``, as vLLM's nccl engine builds it),
 with the worker's rank given here rather than derived from vLLM's parallel config, which knows nothing of the other
 workers. An NCCL broadcast has no timeout, so the trainer starts one only once every worker said it is receiving,
-and only at k <= 1, where a push is taken as it is sent (``remote.RemoteRollouts.push``). **It has not run**: NCCL
-needs CUDA; only its arithmetic and its refusals are tested here.
+and only at k <= 1, where a push is taken as it is sent (``remote.RemoteRollouts.push``). **It has not run on a GPU**:
+the tests run its calls, their order and its refusals on the CPU with the NCCL group stood in by gloo.
 """
 
 from __future__ import annotations
