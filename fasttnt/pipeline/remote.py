@@ -12,12 +12,11 @@ without waiting for the worker to take it (the sends run in the background while
 next step's batch; over NCCL, which has no timeout, the push waits until the workers take it: ``push``). They push
 only the versions a later step needs, so every push is taken. At k = 0 the worker generates step t + 1 with the
 weights step t made: the colocated loop's samples, on another process, and the stale-weight guard compares the
-batch's log-probs with the trainer's as for vLLM. At k >= 1 the batch was sampled
-from older weights than the trainers hold, so the guard checks each push instead: the trainers compute the log-probs
-of a probe (the first group of the step whose update made the version) under the version they push, the worker
-computes them once it took that version and ships them with its next batch, and the guard's rule
-(``rollout.max_logp_diff``) stops the run where they differ: a push that did not arrive, or was garbled, stops it at
-any k.
+batch's log-probs with the trainer's as for vLLM. At k >= 1 the batch was sampled from older weights than the
+trainers hold, so the guard checks each push instead: the trainers compute the log-probs of a probe (the first group
+of the step whose update made the version) under the version they push, the worker computes them once it took that
+version and ships them with its next batch, and the guard's rule (``rollout.max_logp_diff``) stops the run where
+they differ: a push that did not arrive, or was garbled, stops it at any k.
 """
 
 from __future__ import annotations
@@ -179,19 +178,21 @@ class RemoteRollouts:
         shipments = self.queue.popleft() if self.queue else self._receive(step)
         clock.lap("wait")
         if self.deferred is not None:  # the workers took this batch's predecessor's version: now they take the next
-            self._send(self.deferred, wait=True)
+            self._send(self.deferred)
             self.deferred = None
             clock.lap("sync")  # the push's seconds where the trainer logs its pushes (time_sync)
         self.last, self.shipped, self.logp_diff = shipments, whole_step(shipments), None
         self.stop_requested |= self.shipped.stop
         if any(s.probe_version >= 0 for s in shipments):
             self._check_push(step, shipments)
-        groups, filled, offset = [], 0, 0
+        groups, filled, offset = [], 0, 0  # the groups trained on, in the joined batch's numbering
         for shipment in shipments:
             mine, fills = list(range(len(shipment.varied))), 0
             if self.cfg.rollout.dynamic_sampling:
                 mine, fills = choose_groups(shipment.varied, self.cfg.rollout.prompts_per_step // len(self.workers))
-            groups, filled, offset = groups + [offset + g for g in mine], filled + fills, offset + len(shipment.varied)
+            groups += [offset + g for g in mine]
+            filled += fills
+            offset += len(shipment.varied)
         whole = self.shipped
         return trainer_share(whole.scored, whole.varied, groups, filled, whole.draws, rank=self.rank,
                              trainers=self.trainers)  # fmt: skip
@@ -284,11 +285,12 @@ class RemoteRollouts:
                 # batch, which is when a worker one step off takes this version (step)
                 self.deferred = step
             else:
-                self._send(step, wait=self.nccl is not None)
+                self._send(step)
 
-    def _send(self, version: int, *, wait: bool) -> None:
+    def _send(self, version: int) -> None:
+        """Version ``version`` to the workers: in the background over gloo, at once over NCCL (``send_weights``)."""
         self.pending += send_weights(self.model, version, dsts=self.workers, src=TRAINER, group=self.push_link,
-                                     bucket_bytes=self.bucket_bytes, wait=wait, timeout=self.timeout,
+                                     bucket_bytes=self.bucket_bytes, wait=False, timeout=self.timeout,
                                      nccl=self.nccl)  # fmt: skip
 
     def wait(self) -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import distributed
-from .peer import PipelineError, isend, rank_in, recv_from, send_to, trainer_name, wait_for, worker_name
+from .peer import PipelineError, isend, rank_in, recv_from, trainer_name, wait_for, worker_name
 
 MAGIC = 0x7F7A_7477_0001  # "fasttnt weights", format 1
 ALIGN = 8
@@ -104,10 +104,6 @@ def send_weights(
     the others): the header goes over ``group`` as always, each receiver says it took it (a push of another model
     is refused there, before any bucket moves), and the buckets are broadcast device to device, synchronously
     (``vllm_transfer``'s nccl engine)."""
-    if nccl is not None:
-        _broadcast_weights(model, version, nccl, dsts=dsts, src=src, bucket_bytes=bucket_bytes, group=group,
-                           timeout=timeout)  # fmt: skip
-        return []
     sending = rank_in(group) == src
     sent = []
     what = f"weight version {version} to be taken"
@@ -125,36 +121,21 @@ def send_weights(
         buckets = layout(model, bucket_bytes)
         count = sum(len(bucket) for bucket in buckets)
         send(torch.tensor([MAGIC, version, count, signature(buckets)], dtype=torch.int64))
+        if nccl is not None:  # each receiver's word that it took the header, so no broadcast waits on a refusal
+            for dst in dsts:
+                recv_from(torch.empty(1, dtype=torch.int64), dst, peer=worker_name(dst),
+                          what=f"its word that weight version {version} is welcome", timeout=timeout,
+                          group=group)  # fmt: skip
     for bucket in layer_buckets(model, bucket_bytes):
         params = [p for _, p in bucket]
         with distributed.gathered(params):
-            if sending:
-                send(_packed(params))  # a copy: the model may change while a background send is in flight
-    return sent
-
-
-def _broadcast_weights(
-    model: torch.nn.Module, version: int, nccl, *, dsts: Sequence[int], src: int, bucket_bytes: int, group,
-    timeout: float | None,
-) -> None:  # fmt: skip
-    """``send_weights`` with the buckets over NCCL (its docstring)."""
-    sending = rank_in(group) == src
-    if sending:
-        buckets = layout(model, bucket_bytes)
-        header = torch.tensor([MAGIC, version, sum(len(b) for b in buckets), signature(buckets)], dtype=torch.int64)
-        for dst in dsts:  # then each receiver's word that it took it, so no broadcast waits on a refusal
-            send_to(header, dst, peer=worker_name(dst), what=f"weight version {version}", timeout=timeout, group=group)
-        for dst in dsts:
-            recv_from(torch.empty(1, dtype=torch.int64), dst, peer=worker_name(dst),
-                      what=f"its word that weight version {version} is welcome", timeout=timeout,
-                      group=group)  # fmt: skip
-    for bucket in layer_buckets(model, bucket_bytes):
-        params = [p for _, p in bucket]
-        with distributed.gathered(params):
-            if sending:
+            if sending and nccl is not None:
                 nccl.broadcast(_packed(params, nccl.device), src=0)
-    if sending and nccl.device.type == "cuda":
+            elif sending:
+                send(_packed(params))  # a copy: the model may change while a background send is in flight
+    if sending and nccl is not None and nccl.device.type == "cuda":
         torch.cuda.current_stream(nccl.device).synchronize()  # every bucket delivered before the weights change
+    return sent
 
 
 class _Sent:
