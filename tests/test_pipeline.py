@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -118,16 +119,36 @@ def test_the_fields_of_a_scored_batch_round_trip(optional):
     assert_same_batch(from_fields(fields, worker="w"), want)
 
 
+def shipment(seed: int, step: int, version: int | None = None, **fields) -> Shipment:
+    """Step ``step``'s shipment of ``scored_batch(seed)`` (3 groups), sampled with ``version`` (default step - 2)."""
+    return Shipment(scored_batch(seed), step, step - 2 if version is None else version, [True, False, True],
+                    data_position=8 * step, **{"times": {"time_generate": 1.0}, **fields})  # fmt: skip
+
+
+def test_the_workers_shipments_join_in_worker_order():
+    from fasttnt.dynamic_sampling import concat_draws
+    from fasttnt.pipeline.remote import whole_step
+
+    first = shipment(SEED, 4, times={"time_generate": 2.0, "time_idle": 0.5})
+    second = replace(shipment(SEED + 1, 4, version=1, times={"time_generate": 1.5, "time_idle": 0.7}, stop=True),
+                     varied=[False, False, True])  # fmt: skip
+    assert first.varied != second.varied, "precondition: the workers' flags tell them apart"
+    whole = whole_step([first, second])
+    # the groups, and the flags of each, in the workers' order (what the trainers choose from and share)
+    assert_same_batch(whole.scored, concat_draws([first.scored, second.scored]))
+    assert whole.varied == first.varied + second.varied
+    # the oldest weights, the slowest worker's seconds, a stop asked of any
+    assert (whole.step, whole.version, whole.stop) == (4, 1, True)
+    assert whole.times == {"time_generate": 2.0, "time_idle": 0.7}
+    assert whole_step([first]) is first
+
+
 def test_the_batches_in_flight_read_back_per_worker_and_a_checkpoint_of_other_workers_is_refused(tmp_path):
     from fasttnt.checkpoint import ResumeError
     from fasttnt.config import load_config
     from fasttnt.pipeline.remote import RemoteRollouts
     from fasttnt.pipeline.roles import Pipeline, PipelineRanks
     from fasttnt.pipeline.wire import encode
-
-    def shipment(seed: int, step: int) -> Shipment:
-        return Shipment(scored_batch(seed), step, step - 2, [True, False, True], draws=1, data_position=8 * step,
-                        times={"time_generate": 1.0})  # fmt: skip
 
     def trainer(workers: int, saved: dict) -> RemoteRollouts:
         (tmp_path / IN_FLIGHT).unlink(missing_ok=True)
