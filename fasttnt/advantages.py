@@ -5,7 +5,11 @@
   non-thinking response given the gap between the group's mean rewards over its non-thinking and thinking rows
   (``mode_advantages``; why: ``fasttnt.modes``);
 * ``saturating``: the answers judged as ``decoupled`` does, the choice's term sized by the group's own evidence
-  (``fasttnt.modes.saturating_choice``, which needs each group's pi_old(``</think>`` | x) of a mode-mixed run).
+  (``fasttnt.modes.saturating_choice``, which needs each group's pi_old(``</think>`` | x) of a mode-mixed run);
+* ``evidence``: the answers so too, the choice's term one half's gap over the other half's size
+  (``fasttnt.modes.evidence_choice``);
+* ``centered``: the answers so too, each group's decoupled choice step minus the batch's mean one
+  (``fasttnt.modes.centered_choice``).
 
 ``loss.adv_scale`` and ``loss.adv_eps`` scale each group's (or each mode's) advantages.
 """
@@ -17,7 +21,7 @@ import torch
 from fasttnt_kernels import TntRewards, group_advantages, mode_advantages
 
 from .config import TrainConfig
-from .modes import ModeMix, mode_advantage_of, saturating_choice
+from .modes import HALF_SPLIT, ModeMix, centered_choice, evidence_choice, mode_advantage_of, saturating_choice
 
 
 def step_advantages(
@@ -25,18 +29,23 @@ def step_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(advantages, first_advantages)``: the advantages (S,) of ``rewards`` (its rewards and non_thinking (S,),
     laid out group after group), every token's but the first's where ``first_advantages`` (S,) is given (the first
-    tokens' own: ``decoupled`` and ``saturating``; None for ``shared``). ``mode_mix`` and ``think_end_logp`` (G,),
-    each group's log pi_old(</think> | x): a mode-mixed run's, which the saturating choice needs."""
+    tokens' own; None for ``shared``). ``mode_mix`` and ``think_end_logp`` (G,),
+    each group's log pi_old(</think> | x): a mode-mixed run's, which the half-split choices need."""
     loss, k = cfg.loss, cfg.rollout.group_size
     mode_advantage = mode_advantage_of(cfg)
     if mode_advantage == "shared":
         return group_advantages(rewards.rewards, k, scale=loss.adv_scale, eps=loss.adv_eps), None
     out = mode_advantages(rewards.rewards, rewards.non_thinking, k, scale=loss.adv_scale, eps=loss.adv_eps)
-    # saturating: the direct rows' </think> carries the choice term alone, added below
-    choice = out.mode if mode_advantage == "decoupled" else torch.zeros_like(out.mode)
+    if mode_advantage == "decoupled":
+        choice = out.mode
+    elif mode_advantage == "centered":
+        choice = centered_choice(out.mode, rewards.non_thinking, k)
+    else:  # the half-split choices: the direct rows' </think> carries their term alone, added below
+        choice = torch.zeros_like(out.mode)
     first_advantages = torch.where(rewards.non_thinking.bool(), choice, out.answer)
-    if mode_advantage == "saturating" and mode_mix is not None:
+    if mode_advantage in HALF_SPLIT and mode_mix is not None:
         forced = (mode_mix.forced_non_thinking_rows, mode_mix.forced_thinking_rows)
-        term = saturating_choice(rewards.rewards, rewards.non_thinking, think_end_logp, k, forced)  # (S,)
+        rule = saturating_choice if mode_advantage == "saturating" else evidence_choice
+        term = rule(rewards.rewards, rewards.non_thinking, think_end_logp, k, forced)  # (S,)
         first_advantages = first_advantages + term.to(first_advantages.dtype)
     return out.answer, first_advantages

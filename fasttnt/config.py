@@ -19,6 +19,7 @@ from fasttnt_kernels import ROLLOUT_CORRECTIONS, PolicyLossConfig, SettingError,
 
 from .data import DATASETS, MARKER_SETS, names_a_path
 from .embedded.tiny import TinyModelConfig, WarmupConfig
+from .modes import HALF_SPLIT, SELF_BOUNDED
 from .rewards import REWARD_SCHEMES, RewardConfig
 from .typed_yaml import ConfigError, apply_overrides, build, read_yaml_mapping
 
@@ -167,9 +168,11 @@ class LossConfig:
     # judged within its mode (its expected step has the gap's sign at every p and temperature); "saturating", the
     # answers judged so too and the choice's step sized by the other half of the group's sign: towards direct as
     # (1 - p)^0.5, towards thinking as p^0.5, so it saturates at each mode (fasttnt.modes.saturating_choice);
-    # "shared", GRPO's one advantage per response (the TNT paper's); "auto": decoupled with mode-mixed rollouts,
-    # else shared
-    mode_advantage: Literal["auto", "shared", "decoupled", "saturating"] = "auto"
+    # "evidence", each half's gap over the other half's size, so a clear level steps as much as another
+    # (fasttnt.modes.evidence_choice); "centered", each group's decoupled step minus the batch's mean one
+    # (fasttnt.modes.centered_choice); "shared", GRPO's one advantage per response (the TNT paper's); "auto":
+    # decoupled with mode-mixed rollouts, else shared
+    mode_advantage: Literal["auto", "shared", "decoupled", "saturating", "evidence", "centered"] = "auto"
     # mode-mixed rollouts: below this pi(</think> first) a choice counts as settled, and its token's term fades as
     # (p / floor)^4 in either direction (a step size, never a sign); "auto": the smallest pi(</think>) of the first
     # step's groups, so the refused mode is not pushed below where the starting policy already had it; 0: off
@@ -421,23 +424,7 @@ def validate(cfg: TrainConfig) -> None:
     )
     floor = loss.mode_token_floor
     need(floor == "auto" or 0 <= floor < 1, "loss.mode_token_floor", "must be auto or a probability in [0, 1)")
-    need(
-        loss.mode_advantage != "saturating" or (sum(forced) > 0 and loss.mode_token_logp == "policy"),
-        "loss.mode_advantage",
-        "saturating needs mode-mixed rollouts (rollout.forced_non_thinking or rollout.forced_thinking > 0) and "
-        "loss.mode_token_logp=policy: its term is set for the old policy's own log-prob of each first token",
-    )
-    need(
-        loss.mode_advantage != "saturating" or all(n != 1 for n in forced),
-        "loss.mode_advantage",
-        f"saturating splits each group in two halves that must both hold each forced mode: force 0 or at least 2 "
-        f"rows of each (rollout.forced_non_thinking and rollout.forced_thinking give {forced[0]} and {forced[1]})",
-    )
-    need(
-        loss.mode_advantage != "saturating" or loss.mode_token_floor in ("auto", 0),
-        "loss.mode_token_floor",
-        "must be auto or 0 with loss.mode_advantage=saturating, whose term is bounded by itself (no fade)",
-    )
+    _validate_choice(loss, forced, need)
     need(
         loss.mode_token_logp != "half" or forced[1] == 0,
         "loss.mode_token_logp",
@@ -477,6 +464,29 @@ def validate(cfg: TrainConfig) -> None:
     need(bool(cfg.model.name.strip()), "model.name", "must name a model: tiny, a hub id or a local folder")
     name = cfg.model.name
     need(not names_a_path(name) or Path(name).expanduser().is_dir(), "model.name", f"{name} is not a folder")
+
+
+def _validate_choice(loss: LossConfig, forced: tuple[int, int], need) -> None:
+    """``loss.mode_advantage`` against the mode mix (``forced``: each group's forced direct and thinking rows) and
+    the other ``loss.mode_*`` keys."""
+    choice = loss.mode_advantage
+    need(
+        choice not in ("saturating", "evidence", "centered") or (sum(forced) > 0 and loss.mode_token_logp == "policy"),
+        "loss.mode_advantage",
+        f"{choice} needs mode-mixed rollouts (rollout.forced_non_thinking or rollout.forced_thinking > 0) and "
+        "loss.mode_token_logp=policy: its term is set for the old policy's own log-prob of each first token",
+    )
+    need(
+        choice not in HALF_SPLIT or all(n != 1 for n in forced),
+        "loss.mode_advantage",
+        f"{choice} splits each group in two halves that must both hold each forced mode: force 0 or at least 2 "
+        f"rows of each (rollout.forced_non_thinking and rollout.forced_thinking give {forced[0]} and {forced[1]})",
+    )
+    need(
+        choice not in SELF_BOUNDED or loss.mode_token_floor in ("auto", 0),
+        "loss.mode_token_floor",
+        f"must be auto or 0 with loss.mode_advantage={choice}, whose term is bounded by itself (no fade)",
+    )
 
 
 def rollout_correction(cfg: TrainConfig) -> str:

@@ -162,7 +162,7 @@ class ModeMix:
         """Whether this step measures the fade's floor: under ``auto`` while the trainer's state keeps none
         (the first step; after a resume, only from a checkpoint written without one, and then at the resumed
         policy)."""
-        return self.mode_token_floor == "auto" and self.mode_advantage != "saturating" and kept is None
+        return self.mode_token_floor == "auto" and self.mode_advantage not in SELF_BOUNDED and kept is None
 
     @property
     def fixed_floor(self) -> bool:
@@ -184,10 +184,10 @@ class ModeMix:
     def floor_logp(self, measured: float | None) -> float | None:
         """The log of the fade's floor: ``loss.mode_token_floor``'s, or under ``auto`` the one ``measured`` at the
         first step (the smallest log pi_old(</think> | x) of its groups over all ranks, kept in the trainer's
-        state); None when off (0, or ``auto`` under the saturating choice) or not measured yet."""
+        state); None when off (0, or ``auto`` under a choice in ``SELF_BOUNDED``) or not measured yet."""
         if self.mode_token_floor == 0:
             return None
-        if self.mode_token_floor == "auto" and self.mode_advantage == "saturating":  # bounded by itself: no fade
+        if self.mode_token_floor == "auto" and self.mode_advantage in SELF_BOUNDED:  # bounded by itself: no fade
             return None
         return measured if self.mode_token_floor == "auto" else math.log(self.mode_token_floor)
 
@@ -258,6 +258,17 @@ CHOICE_SCALE = 16.0
 weight in the loss (the answer tokens' advantages are std-normalised, of order 1)."""
 CHOICE_POWER = 0.5
 """gamma of the saturating choice: a push towards a mode shrinks as (its missing probability) ** gamma."""
+EVIDENCE_SCALE = 1.0
+"""The evidence choice's step on the ``</think>`` logit per group whose halves agree on a side, in units of one
+token's weight in the loss: as large as one answer token's term at a unit advantage."""
+EVIDENCE_FLOOR = 0.05
+"""The smallest half's gap the evidence choice sizes by: the accuracy-aware table's margin (a right direct answer
+against a right thinking one), the smallest gap that is evidence of a side rather than a tie."""
+SELF_BOUNDED = ("saturating", "centered")
+"""Choices whose term is bounded by itself, so the settled-choice fade stays off under ``loss.mode_token_floor=auto``:
+the saturating one at each mode, the centered one by its zero mean over the batch's groups."""
+HALF_SPLIT = ("saturating", "evidence")
+"""Choices that size one half of each group's rows by the other half (``saturating_choice``, ``evidence_choice``)."""
 
 
 def saturating_choice(
@@ -269,20 +280,55 @@ def saturating_choice(
     rows of each mode first, then the free ones: ``ModeMix.modes``), and each group's log pi_old(</think> | x)
     ``think_end_logp`` (G,).
 
-    Per group, split its rows into two halves (alternate rows within each block of forced direct, forced thinking
-    and free rows, so a mode forced on two rows or more is in both halves),
-    each half's gap d = its direct rows' mean reward minus its thinking rows' mean. The group's target step on the
-    ``</think>`` logit is C = CHOICE_SCALE * (d_B m(d_A) + d_A m(d_B)) / 2, with m(d) = (1 - p) ** CHOICE_POWER
-    where d > 0 (the other half finds direct better: a push that saturates as p -> 1) and p ** CHOICE_POWER
-    otherwise (one that vanishes where direct is refused). The halves' rows are independent draws, so each factor m
-    is independent of the gap it multiplies: E[C] = CHOICE_SCALE * (R_N - R_T) * E[m], which has the sign of the
-    modes' expected reward gap at every p, also where a group's gap is noisy, and |E[C]| <= CHOICE_SCALE |R_N -
-    R_T|. (Exactly so where the rewards of rows are independent given their modes; TNT's limit, set by the group's
-    thinking rows, and ``reward.mode_balance``, by the batch's free rows, couple them a little.) C is 0 where a
-    half lacks a mode. While p < 1/2 it rides on the direct rows' ``</think>`` (whose
+    Per group, split its rows into two halves (``_half_split_choice``), each half's gap d = its direct rows' mean
+    reward minus its thinking rows' mean. The group's target step on the ``</think>`` logit is C = CHOICE_SCALE *
+    (d_B m(d_A) + d_A m(d_B)) / 2, with m(d) = (1 - p) ** CHOICE_POWER where d > 0 (the other half finds direct
+    better: a push that saturates as p -> 1) and p ** CHOICE_POWER otherwise (one that vanishes where direct is
+    refused). The halves' rows are independent draws, so each factor m is independent of the gap it multiplies:
+    E[C] = CHOICE_SCALE * (R_N - R_T) * E[m], which has the sign of the modes' expected reward gap at every p, also
+    where a group's gap is noisy, and |E[C]| <= CHOICE_SCALE |R_N - R_T|. (Exactly so where the rewards of rows are
+    independent given their modes; TNT's limit, set by the group's thinking rows, and ``reward.mode_balance``, by
+    the batch's free rows, couple them a little.) A level at the wrong extreme is pulled back at full strength."""
+    p = think_end_logp.double().clamp(max=0.0).exp()  # (G,) a log-prob rounded above 0 is p = 1, not NaN below
+    up, down = (1 - p) ** CHOICE_POWER, p**CHOICE_POWER
+
+    def size(gap: torch.Tensor) -> torch.Tensor:
+        return CHOICE_SCALE * torch.where(gap > 0, up, down)
+
+    return _half_split_choice(rewards, non_thinking, p, group_size, forced, size)
+
+
+def evidence_choice(
+    rewards: torch.Tensor, non_thinking: torch.Tensor, think_end_logp: torch.Tensor, group_size: int,
+    forced: tuple[int, int],
+) -> torch.Tensor:  # fmt: skip
+    """The evidence choice's first-token advantage (S,) float32 (arguments as ``saturating_choice``): the group's
+    target step on the ``</think>`` logit is C = EVIDENCE_SCALE * (d_B / max(|d_A|, EVIDENCE_FLOOR) + d_A /
+    max(|d_B|, EVIDENCE_FLOOR)) / 2, each half's gap divided by the other half's size. A level whose halves agree
+    steps by about EVIDENCE_SCALE whatever its gap, so a clear level counts as much as another (the decoupled
+    gap weighs levels 3-4's -0.9 against level 1's +0.05, 18:1); a near tie, whose halves' gaps differ in sign and
+    size, steps by less. The halves are independent, so E[C] = EVIDENCE_SCALE * (R_N - R_T) * E[1 / max(|d|,
+    EVIDENCE_FLOOR)]: the gap's sign at every p. Not bounded at the modes: the settled-choice fade
+    (``loss.mode_token_floor``) stops the push-down of a refused mode, as for ``decoupled``."""
+    p = think_end_logp.double().clamp(max=0.0).exp()  # (G,)
+
+    def size(gap: torch.Tensor) -> torch.Tensor:
+        return EVIDENCE_SCALE / gap.abs().clamp(min=EVIDENCE_FLOOR)
+
+    return _half_split_choice(rewards, non_thinking, p, group_size, forced, size)
+
+
+def _half_split_choice(
+    rewards: torch.Tensor, non_thinking: torch.Tensor, p: torch.Tensor, group_size: int, forced: tuple[int, int],
+    size,
+) -> torch.Tensor:  # fmt: skip
+    """The first-token advantages (S,) float32 of a half-split choice: per group, two halves of its rows (alternate
+    rows within each block of forced direct, forced thinking and free rows, so a mode forced on two rows or more is
+    in both halves), each half's gap d (its direct rows' mean reward minus its thinking rows'), and the target step
+    C = (d_B size(d_A) + d_A size(d_B)) / 2 on the ``</think>`` logit (0 where a half lacks a mode); ``p`` (G,)
+    each group's pi_old(</think> | x), float64. While p < 1/2 C rides on the direct rows' ``</think>`` (whose
     log-prob moves the logit by 1 - p: C / (n_N (1 - p)) each), from 1/2 on the thinking rows' first tokens (-p:
-    -C / (n_T p) each, on top of their answer advantages), so no advantage is divided by less than 1/2: a level
-    that went direct and finds thinking better is pulled back at full strength."""
+    -C / (n_T p) each, on top of their answer advantages), so no advantage is divided by less than 1/2."""
     k = group_size
     r = rewards.double().view(-1, k)  # (G, K)
     direct = non_thinking.bool().view(-1, k)  # (G, K)
@@ -300,13 +346,7 @@ def saturating_choice(
 
     gap_a, both_a = half_gap(~odd)
     gap_b, both_b = half_gap(odd)
-    p = think_end_logp.double().clamp(max=0.0).exp()  # (G,) a log-prob rounded above 0 is p = 1, not NaN below
-    up, down = (1 - p) ** CHOICE_POWER, p**CHOICE_POWER
-
-    def size(gap: torch.Tensor) -> torch.Tensor:
-        return torch.where(gap > 0, up, down)
-
-    step = CHOICE_SCALE * (gap_b * size(gap_a) + gap_a * size(gap_b)) / 2  # (G,)
+    step = (gap_b * size(gap_a) + gap_a * size(gap_b)) / 2  # (G,)
     step = torch.where(both_a & both_b, step, 0.0)
     n_direct, n_thinking = direct.sum(1, keepdim=True), (~direct).sum(1, keepdim=True)  # (G, 1)
     # each used on its side of 1/2 only, where its divisor is at least 1/2 (the clamp keeps the other side finite)
@@ -315,6 +355,28 @@ def saturating_choice(
     low = (p < 0.5).unsqueeze(1)  # (G, 1)
     out = torch.where(direct, torch.where(low, on_direct, 0.0), torch.where(low, 0.0, on_thinking))  # (G, K)
     return out.reshape(-1).float()
+
+
+def centered_choice(mode_gap: torch.Tensor, non_thinking: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The centered choice's advantage (S,) of each direct row's ``</think>`` (0 on thinking rows): from the decoupled
+    gap ``mode_gap`` (S,) (``mode_advantages``' ``mode``: on a direct row its group's gap, on a thinking row minus
+    it, 0 where the group lacks a mode) and
+    the rows' modes ``non_thinking`` (S,). A group's decoupled step on the ``</think>`` logit is s = n_N * gap (its
+    n_N direct rows each carry the gap); the centered one is s minus the mean s over the batch's groups that hold
+    both modes, spread over the same rows, so a push shared by every level (levels 3-4's -0.9 outweighing level
+    1's +0.05 at the first position they share) cancels and only what separates the groups moves the choice. Its
+    expectation is a group's decoupled step minus the batch's mean one: the sign of the gap against the batch's
+    mean gap, not against 0 (a level at a near tie among levels that refuse direct answers is pushed towards
+    direct). The mean is the rank's own batch's."""
+    k = group_size
+    direct = non_thinking.bool().view(-1, k)  # (G, K)
+    n_direct = direct.sum(1)  # (G,)
+    gap = torch.where(direct, mode_gap.double().view(-1, k), -mode_gap.double().view(-1, k))[:, 0]  # (G,)
+    both = (n_direct > 0) & (n_direct < k)  # (G,)
+    step = gap * n_direct  # (G,)
+    mean = step[both].mean() if both.any() else step.new_zeros(())
+    on_direct = torch.where(both, (step - mean) / n_direct.clamp(min=1), 0.0)  # (G,)
+    return torch.where(direct, on_direct.unsqueeze(1), 0.0).reshape(-1).to(mode_gap.dtype)
 
 
 def settled_fade(think_end_logp: torch.Tensor, floor_logp: float) -> torch.Tensor:

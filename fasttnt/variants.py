@@ -8,6 +8,8 @@
     tnt+drgrpo            Dr. GRPO: no std scaling of advantages, a constant length normaliser
     tnt+mix               mode-mixed rollouts: half of each group with </think> pre-filled (fasttnt.modes)
     tnt+mix+acc           and the accuracy-aware table: a direct answer pays more only within 0.05 of thinking
+    tnt+adaptthink        AdaptThink's objective: tnt+mix+acc with one ratio per sequence, the forced </think>'s
+                          old log-prob log 0.5, one advantage per response and no std scaling
     tnt:omega=1           a parameter of the reward (any ``reward.*`` field), a top-level or dotted config key
     uniform-limit:cap=64  ``cap`` is the uniform limit
 
@@ -53,6 +55,19 @@ ALGORITHMS: dict[str, Callable[[TrainConfig], dict[str, object]]] = {
     "mix": lambda cfg: {"rollout.forced_non_thinking": 0.5},
     # the accuracy-aware table (RewardConfig.direct_margin): AdaptThink's constraint, delta = 0.05 as in its paper
     "acc": lambda cfg: {"reward.direct_margin": 0.05},
+    # AdaptThink's objective (Zhang et al. 2025; THU-KEG/AdaptThink): half of each group forced direct, one ratio per
+    # sequence, exp(mean_t log pi - mean_t log pi_old) (gspo), the forced first token's old log-prob log 0.5 (half),
+    # advantage acc + delta 1{direct} minus a baseline with no std scaling. Its baseline is the reference model's mean
+    # accuracy on x, from samples drawn before training; here the group's mean reward (GRPO's, no reference pass)
+    "adaptthink": lambda cfg: {
+        "rollout.forced_non_thinking": 0.5,
+        "reward.direct_margin": 0.05,
+        "loss.policy_loss": "gspo",
+        "loss.mode_token_logp": "half",
+        "loss.mode_advantage": "shared",
+        "loss.adv_scale": "none",
+        "loss.mode_token_floor": 0,  # no settled-choice fade: AdaptThink has none
+    },
 }
 ALIASES = {"cap": "reward.uniform_limit"}
 _REWARD_FIELDS = {f.name for f in fields(RewardConfig)}

@@ -281,7 +281,8 @@ def test_the_update_routes_a_tied_embeddings_rows(tmp_path, monkeypatch, large):
     monkeypatch.setattr(host_memory, "serve_large_blocks_from_mmap", lambda: True)
     if large:
         monkeypatch.setattr(host_memory, "WORTH_IT_FROM_PARAMETER_BYTES", 1)
-    trainer = Trainer(load_config(None, run_overrides(tmp_path, "micro_batch_tokens=64")), tmp_path / "run")
+    overrides = run_overrides(tmp_path, "micro_batch_tokens=64", "model.tiny.tie_word_embeddings=true")
+    trainer = Trainer(load_config(None, overrides), tmp_path / "run")
     model = trainer.parts.model
     assert model.get_input_embeddings().weight is model.get_output_embeddings().weight, "the tiny model is tied"
     batch = trainer.parts.engine.generate(

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from support import varied
-from support.small import SMALL, deterministic, free_port, metric_rows, warmups
+from support.small import SEED, SMALL, deterministic, free_port, metric_rows, warmups
 
 from fasttnt_kernels._lm_head import default_chunk_bytes
 
@@ -481,3 +481,60 @@ def test_gpu_loop_smoke(tmp_path):
     # the runs' folders (the stand-in model, checkpoints: GBs at the real shape) went to a temporary folder
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_loop.json"]
     assert all(0 <= r["rollout_logp_diff_max"] < 1e-4 for r in runs)  # float32 on the CPU: the same weights
+
+
+def test_choice_probes_statistics():
+    # auroc: the share of (positive, negative) pairs ranked right, ties counted half, against the pairs counted;
+    # the probe: a level planted as a one-hot (margin 1 against noise of 0.01) is read perfectly out of fold,
+    # and features that say nothing of it (constant) give scores that tie: AUROC exactly 1/2
+    probe = _module("choice_probe")
+    gen = torch.Generator().manual_seed(SEED)
+    scores = torch.randint(0, 5, (40,), generator=gen).double()  # many ties
+    positive = torch.arange(40) % 3 == 0
+    pairs = [(s > t) + 0.5 * (s == t) for s in scores[positive] for t in scores[~positive]]
+    assert probe.auroc(scores, positive) == pytest.approx(float(sum(pairs)) / len(pairs), abs=1e-12)
+    with pytest.raises(ValueError, match="both classes"):
+        probe.auroc(scores, torch.zeros(40, dtype=torch.bool))
+    levels = torch.arange(80) % 4 + 1  # (n,) levels 1-4
+    states = torch.nn.functional.one_hot(levels - 1, 4).float() + 0.01 * torch.randn(80, 4, generator=gen)  # (n, H)
+    logp = torch.randn(80, generator=gen)  # a choice that ignores the level
+    row = probe.choice_probe(states, logp, levels)
+    assert row["probe_auroc"] == 1.0 and row["probe_accuracy"] == 1.0
+    assert row["choice_auroc"] == pytest.approx(probe.auroc(logp, levels == 1))
+    assert row["think_end_logp_l2"] == pytest.approx(logp[levels == 2].mean().item(), rel=1e-6)
+    flat = probe.choice_probe(torch.ones(80, 4), logp, levels)
+    assert flat["probe_auroc"] == 0.5
+
+
+def test_choice_probe_reads_each_prompts_first_position_and_a_runs_models_in_order(tmp_path):
+    # the batched, right-padded pass gives each prompt's own state and log pi(</think>) (a pass of the prompt alone);
+    # --run finds a run's warm-up (step 0), its checkpoints and final/, and writes one row each
+    from support.small import run_overrides, train
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fasttnt.data import build_prompt, think_end_token_id
+
+    _, rows = train(tmp_path, "run", *run_overrides(tmp_path, steps=4)[1:])
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    probe = _module("choice_probe")
+    final = tmp_path / "run" / "final"
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    model = AutoModelForCausalLM.from_pretrained(final).eval()
+    problems = probe.synthetic_problems(3, (1, 2, 4))
+    assert len(problems) == 106 and len({len(p) for p, _ in problems}) > 1  # prompts of several lengths: padding
+    prompts = [build_prompt(tokenizer, text).text for text, _ in problems]
+    end = think_end_token_id(tokenizer)
+    states, logp = probe.first_position(model, tokenizer, prompts, end, 0.6, batch=32)
+    for i in (0, 50, 105):
+        ids = torch.tensor([tokenizer(prompts[i], add_special_tokens=False)["input_ids"]])
+        with torch.no_grad():
+            out = model(input_ids=ids, output_hidden_states=True)
+        torch.testing.assert_close(states[i], out.hidden_states[-1][0, -1], rtol=1e-4, atol=1e-5)
+        alone = torch.log_softmax(out.logits[0, -1] / 0.6, -1)[end]
+        assert abs(logp[i].item() - alone.item()) < 1e-4
+    out = tmp_path / "probe.jsonl"
+    _run("benchmarks/choice_probe.py", "--run", str(tmp_path / "run"), "--per-level", "20", "--out", str(out))
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["step"] for r in written] == [0, 2, 4]  # the warm-up, checkpoints/step-2, final/ (step 4)
+    assert all(0 <= r["probe_auroc"] <= 1 and 0 <= r["choice_auroc"] <= 1 for r in written)
+    assert written[0]["model"] != written[1]["model"]

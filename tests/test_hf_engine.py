@@ -129,7 +129,7 @@ EOS_BIAS = 1.2  # a random model gives EOS ~1/V per step (V = 103): +1.2 ends re
 
 
 def _model(arch: str, *, think_end_bias: float = 0.0, seed: int = 3):
-    """A float64 Qwen2 (grouped-query attention, tied embeddings) or Llama over the char tokenizer, with logit
+    """A float64 Qwen2 (grouped-query attention) or Llama over the char tokenizer, with logit
     biases on EOS (responses of very different lengths) and on ``</think>``."""
     tok = build_char_tokenizer()
     if arch == "qwen2":

@@ -21,7 +21,7 @@ from fasttnt.advantages import step_advantages
 from fasttnt.config import load_config
 from fasttnt.data import PromptMode
 from fasttnt.engines.batch import FORCED_CODES, RolloutBatch
-from fasttnt.modes import CHOICE_POWER, CHOICE_SCALE, ModeMix
+from fasttnt.modes import CHOICE_POWER, CHOICE_SCALE, EVIDENCE_FLOOR, EVIDENCE_SCALE, ModeMix
 from fasttnt.rewards import compute_rewards
 from fasttnt_kernels import PolicyLossConfig, _common, clipped_policy_loss
 
@@ -36,8 +36,13 @@ DELTA = 0.05
 CASES = {"direct": (0.9, 0.6), "near": (0.92, 1.0), "thinking": (0.1, 0.9), "tie": (0.95, 1.0)}
 
 
-def _gap(case: str) -> float:
-    acc_direct, acc_think = CASES[case]
+def _accuracies(case: str | tuple[float, float]) -> tuple[float, float]:
+    """(acc_direct, acc_think) of a named case or of a pair given as it is."""
+    return CASES[case] if isinstance(case, str) else case
+
+
+def _gap(case: str | tuple[float, float]) -> float:
+    acc_direct, acc_think = _accuracies(case)
     return acc_direct + DELTA - acc_think  # R_N - R_T under the accuracy-aware table
 
 
@@ -62,8 +67,10 @@ def _groups(p: float, acc_direct: float, acc_think: float):
 
 
 # the saturating choice's recipe: of K = 8, 4 rows forced direct, 2 forced thinking, 2 free; its halves (even and
-# odd positions) each hold 2 forced direct rows, 1 forced thinking row and 1 free one
+# odd positions) each hold 2 forced direct rows, 1 forced thinking row and 1 free one. The evidence choice splits
+# the same recipe's groups
 SATURATING = ["rollout.forced_thinking=0.25", "loss.mode_advantage=saturating"]
+EVIDENCE = ["rollout.forced_thinking=0.25", "loss.mode_advantage=evidence"]
 HALF_POSITIONS = ((0, 2, 4, 6), (1, 3, 5, 7))
 
 
@@ -125,13 +132,14 @@ def _loss(mix: ModeMix, cfg, logits: torch.Tensor, tokens: torch.Tensor, correct
     return loss, rewards
 
 
-def expected_step(overrides: list[str], p: float, case: str, T: float, floor: float | None = None):
+def expected_step(overrides: list[str], p: float, case: str | tuple[float, float], T: float,
+                  floor: float | None = None):  # fmt: skip
     """The expected SGD step -E[dL/dz] on the logits (z_end, z_think) of one group at pi_T(</think>) = p, each
     outcome's gradient weighted by its probability, in units of one group's rows (the token-mean's 1 / N undone),
     and the step it makes on the choice's log-odds log p - log(1 - p) at T."""
     cfg = load_config(None, [*RECIPE, f"rollout.temperature={T}", *overrides])
     mix = ModeMix.of(cfg)
-    groups = (_saturating_groups if SATURATING[0] in overrides else _groups)(p, *CASES[case])
+    groups = (_saturating_groups if SATURATING[0] in overrides else _groups)(p, *_accuracies(case))
     z0 = torch.tensor([T * math.log(p), T * math.log1p(-p)], dtype=torch.float64)
     logits = z0.repeat(len(groups), 1).requires_grad_(True)
     tokens = torch.tensor([t for _, toks, _ in groups for t in toks])
@@ -293,6 +301,174 @@ def test_the_saturating_choice_needs_mode_mixed_rollouts_and_the_policy_rule():
     # under auto, no settled-choice fade: the term is bounded by itself
     mix = ModeMix.of(load_config(None, [*RECIPE, *SATURATING]))
     assert mix.floor_logp(-20.0) is None and not mix.measures_floor(None)
+
+
+def test_the_evidence_and_centered_choices_are_refused_where_they_cannot_work():
+    from fasttnt.config import ConfigError
+
+    for choice in ("evidence", "centered"):
+        with pytest.raises(ConfigError, match=rf"loss\.mode_advantage: {choice} needs mode-mixed rollouts"):
+            load_config(None, [f"loss.mode_advantage={choice}"])
+    # the evidence choice splits each group in halves, as the saturating one; under auto it keeps the fade
+    with pytest.raises(ConfigError, match="force 0 or at least 2 rows of each"):
+        load_config(None, [*RECIPE, *EVIDENCE, "rollout.forced_thinking=0.125"])
+    assert ModeMix.of(load_config(None, [*RECIPE, *EVIDENCE])).measures_floor(None)
+    # the centered one is bounded by its zero mean: no fixed floor
+    with pytest.raises(ConfigError, match=r"loss\.mode_token_floor: must be auto or 0"):
+        load_config(None, [*RECIPE, "loss.mode_advantage=centered", "loss.mode_token_floor=1e-9"])
+
+
+def _half_evidence(p: float, acc_direct: float, acc_think: float) -> float:
+    """E[1 / max(|d|, EVIDENCE_FLOOR)] over one half's outcomes, d its gap (each half holds both modes)."""
+    total = 0.0
+    for prob, tokens, correct in _half_outcomes(p, acc_direct, acc_think):
+        direct = [ok + DELTA for t, ok in zip(tokens, correct, strict=True) if t == END]
+        thinking = [float(ok) for t, ok in zip(tokens, correct, strict=True) if t != END]
+        total += prob / max(abs(sum(direct) / len(direct) - sum(thinking) / len(thinking)), EVIDENCE_FLOOR)
+    return total
+
+
+@pytest.mark.parametrize("T", [0.6, 1.0])
+def test_the_evidence_choice_steps_with_the_gaps_sign_and_sizes_a_clear_level_alike(T):
+    # E[C] = EVIDENCE_SCALE (R_N - R_T) E[1 / max(|d|, floor)] per group (fasttnt.modes.evidence_choice), d one
+    # half's gap, computed here from the reward table; the step on the </think> logit is C / T
+    for case in CASES:
+        gap = _gap(case)
+        for p in (1e-9, 1e-4, 0.1, 0.49, 0.5, 0.9, 0.999, 1 - 1e-9):
+            step, on_odds = expected_step(EVIDENCE, p, case, T)
+            want = EVIDENCE_SCALE * gap * _half_evidence(p, *CASES[case]) / T
+            # rounding: float32 rewards and advantages (relative 1e-7 of terms of size <= EVIDENCE_SCALE * 1.05 /
+            # EVIDENCE_FLOOR / T = 21 / T and of the thinking rows' answer advantages, <= 3 each), summed over
+            # outcomes of total probability 1: within 1e-5 / T
+            tol = 1e-5 / T
+            assert abs(step[END].item() - want) <= tol, (case, p, step[END].item(), want)
+            assert abs(step.sum().item()) <= tol
+            if case == "tie":
+                assert abs(on_odds.item()) <= 2 * tol / T
+            else:
+                assert math.copysign(1, on_odds.item()) == math.copysign(1, gap), (case, p)
+                assert abs(step[END].item()) > 100 * tol, (case, p)
+    # the stand-in's levels 1 and 3: every answer right either way (gap +0.05) against direct answers right 10% of the
+    # time (gap -0.85). The decoupled gap weighs them 17:1; the evidence choice about alike (1 against 1.24 at small p)
+    easy, hard = (1.0, 1.0), (0.1, 1.0)
+    decoupled = [EVIDENCE[0], "loss.mode_advantage=decoupled"]  # the same groups, the gap on each direct row
+    for p in (1e-9, 0.1):
+
+        def ratio(overrides, p=p):
+            return abs(expected_step(overrides, p, hard, T)[0][END] / expected_step(overrides, p, easy, T)[0][END])
+
+        assert ratio(decoupled).item() == pytest.approx(abs(_gap(hard) / _gap(easy)), rel=1e-5)
+        assert 0.5 < ratio(EVIDENCE).item() < 2, p
+
+
+def test_the_centered_choice_steps_by_each_groups_gap_against_the_batchs_mean():
+    # a batch of two groups at p = 1e-9, each of its own level, every joint outcome in which no free row chose
+    # </think> enumerated (the batch's mean couples the groups; the outcomes left out weigh 4e-9, and the kept ones
+    # are renormalised): each group holds 4 direct and 4 thinking rows, so its decoupled step is s = 4 (its gap),
+    # E[s] = 4 (R_N - R_T), and the centered one moves its </think> logit by (s_a - s_b) / 2 (1 - p) / T, in
+    # expectation 2 (gap_a - gap_b) (1 - p) / T: zero-sum over the batch, against the batch's mean gap, not 0
+    T, p = 0.6, 1e-9
+    cfg = load_config(None, [*RECIPE, f"rollout.temperature={T}", "loss.mode_advantage=centered"])
+    mix = ModeMix.of(cfg)
+    assert mix.floor_logp(-20.0) is None, "no settled-choice fade: the term is bounded by its zero mean"
+    z0 = torch.tensor([T * math.log(p), T * math.log1p(-p)], dtype=torch.float64)
+    for a, b in (("direct", "thinking"), ("near", "thinking"), ("tie", "tie")):
+        kept = {}
+        for case in (a, b):
+            rows = [g for g in _groups(p, *CASES[case]) if g[1].count(END) == FORCED]
+            total = sum(g[0] for g in rows)
+            kept[case] = [(prob / total, tokens, correct) for prob, tokens, correct in rows]
+        step = torch.zeros(2, 2, dtype=torch.float64)
+        for (p_a, tok_a, ok_a), (p_b, tok_b, ok_b) in itertools.product(kept[a], kept[b]):
+            logits = z0.repeat(2, 1).requires_grad_(True)
+            weight = torch.full((2 * K,), p_a * p_b * 2 * K, dtype=torch.float64)  # the token-mean's 1 / N undone
+            loss, _ = _loss(mix, cfg, logits, torch.tensor(tok_a + tok_b), torch.tensor(ok_a + ok_b), weight, None,
+                            T, _codes([]))  # fmt: skip
+            loss.backward()
+            step -= logits.grad
+        want = 2 * (_gap(a) - _gap(b)) * (1 - p) / T
+        # rounding: float32 rewards (relative 1e-7 of steps of size <= 4 * 2.1 / T), summed over probability 1
+        tol = 1e-5 / T
+        assert abs(step[0, END].item() - want) <= tol, (a, b, step[0, END].item(), want)
+        assert abs(step[1, END].item() + want) <= tol, (a, b)  # zero-sum over the batch's groups
+        assert abs(step.sum().item()) <= 2 * tol
+        if a != b:
+            assert abs(want) > 1000 * tol
+    # the price of centering: "near", where thinking pays 0.03 more, is pushed towards direct beside "thinking"
+    assert _gap("near") < 0 < 2 * (_gap("near") - _gap("thinking"))
+
+
+FILL = 2  # a token after the first, whose log-prob is fixed: it moves nothing, and stretches the sequence's ratio
+
+
+def _adaptthink_expected(p: float, case: str, T: float, lengths: tuple[int, int]):
+    """The expected step on the </think> logit of one group under ``tnt+adaptthink`` (GSPO's sequence ratio, the
+    forced </think>'s old log-prob log 0.5, one advantage per response, no std scaling) with direct responses of
+    ``lengths[0]`` tokens and thinking ones of ``lengths[1]``, from the real rewards, advantages and loss; and the same
+    from the formula: a row's sequence ratio r = exp((log pi(y1) - old(y1)) / L) passes its advantage A where the
+    clip does not hold it (A > 0: r < 1 + clip_high; A < 0: r > 1 - clip_low), moving the logit by A r d log pi(y1)."""
+    from fasttnt.variants import variant_overrides
+
+    cfg = load_config(None, [f"rollout.temperature={T}", "rollout.group_size=8"])
+    cfg = load_config(None, [*variant_overrides("tnt+adaptthink", cfg), f"rollout.temperature={T}",
+                             "rollout.group_size=8"])  # fmt: skip
+    mix, loss_cfg = ModeMix.of(cfg), cfg.loss
+    groups = _groups(p, *CASES[case])
+    z = torch.tensor([T * math.log(p), T * math.log1p(-p)], dtype=torch.float64).repeat(len(groups), 1)
+    z.requires_grad_(True)
+    logp_first = torch.log_softmax(z / T, -1)  # (G, 2)
+    ids, logps, counts = [], [], []
+    for g, (_, tokens, _) in enumerate(groups):
+        for token in tokens:
+            n = lengths[0] if token == END else lengths[1]
+            ids += [token] + [FILL] * (n - 1)
+            logps += [logp_first[g, token]] + [torch.zeros((), dtype=torch.float64)] * (n - 1)
+            counts.append(n)
+    ids, logp = torch.tensor(ids), torch.stack(logps)  # (N,)
+    cu = torch.tensor([0, *itertools.accumulate(counts)])
+    correct = torch.tensor([c for _, _, ok in groups for c in ok])
+    rewards = compute_rewards(RolloutBatch.of_packed(ids, cu, K), correct, END, cfg.reward)
+    forced = torch.tensor(_codes([]) * len(groups), dtype=torch.int8)
+    batch = RolloutBatch([[0]] * len(counts), ids, cu, torch.zeros(len(counts), dtype=torch.bool), K, forced=forced)
+    end_logp = logp_first[:, END].detach()
+    inputs = UpdateInputs(batch, *step_advantages(rewards, cfg, mix, end_logp), old_logp=logp.detach())
+    terms, _ = mix.mode_token_terms(inputs, rewards.non_thinking, end_logp, END, floor_logp=mix.floor_logp(None))
+    assert terms.is_weights is None and terms.first_advantages is None, "no fade, one advantage per response"
+    probs = torch.tensor([g[0] for g in groups], dtype=torch.float64)
+    weight = torch.repeat_interleave(probs.repeat_interleave(K), torch.tensor(counts)) * len(ids)  # (N,)
+    loss, _ = clipped_policy_loss(logp, terms.old_logp.to(logp.dtype), terms.advantages, cu,
+                                  config=PolicyLossConfig.of(loss_cfg), is_weights=weight)  # fmt: skip
+    loss.backward()
+    got = -z.grad[:, END].sum().item()
+    want = 0.0
+    starts, old = cu[:-1], terms.old_logp.detach()
+    for row, (start, n) in enumerate(zip(starts.tolist(), counts, strict=True)):
+        g, adv = row // K, terms.advantages[row].item()
+        r = math.exp((logp[start].item() - old[start].item()) / n)
+        passes = (adv > 0 and r < 1 + loss_cfg.clip_high) or (adv < 0 and r > 1 - loss_cfg.clip_low)
+        d_logp = (1 - p) / T if ids[start] == END else -p / T
+        want += probs[g].item() * adv * r * d_logp * passes
+    return got, want
+
+
+def test_adaptthinks_objective_ratchets_up_on_short_answers_and_follows_the_gap_on_long_ones():
+    # tnt+adaptthink at p = 1e-9. The forced </think>'s ratio, exp((log p - log 0.5) / L), is 0.16 on the
+    # stand-in's 11-token direct answers: below 1 - clip_low, where the clip holds every negative advantage and
+    # passes every positive one, so the expected step on the choice is up at every level, where thinking pays too.
+    # On R1's answers of hundreds of tokens it is 0.96, inside the clip range: both signs pass, and the step has
+    # the sign of the gap (no std scaling: the 0.05 margin stays 0.05)
+    T, p = 0.6, 1e-9
+    for lengths, follows_gap in (((11, 20), False), ((500, 1000), True)):
+        for case in CASES:
+            got, want = _adaptthink_expected(p, case, T, lengths)
+            # rounding: float32 rewards and advantages (relative 1e-7 of terms <= 2.1 / T), over probability 1
+            assert abs(got - want) <= 1e-5 / T, (lengths, case, got, want)
+            if case == "tie":
+                continue
+            if follows_gap:
+                assert math.copysign(1, got) == math.copysign(1, _gap(case)), (lengths, case, got)
+            else:
+                assert got > 1e-3, (lengths, case, got)  # up, whatever the gap
 
 
 @pytest.mark.parametrize("T", [0.6, 1.0])

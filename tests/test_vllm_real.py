@@ -42,9 +42,10 @@ from fasttnt.pipeline.weights import WeightPushError, layout, send_weights  # no
 
 # vLLM's CPU attention takes head sizes 32, 64, ... (vllm/v1/attention/backends/cpu_attn.py): width 64 over 2 heads,
 # not support/small.py's TINY (head size 16).
-# Tied embeddings, as the embedded default's; a learning rate and an entropy bonus that move every weight every step
+# Tied embeddings (Qwen2.5's small models tie them; the embedded default does not): the push vLLM's reload can get
+# wrong, the tied lm_head sent by name. A learning rate and an entropy bonus that move every weight every step
 VLLM_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
-             "num_key_value_heads": 1}  # fmt: skip
+             "num_key_value_heads": 1, "tie_word_embeddings": True}  # fmt: skip
 SHAPE = [f"model.tiny.{name}={value}" for name, value in VLLM_TINY.items()]
 RUN = [*SHAPE, "warmup.steps=20", "warmup.batch_size=16", "rollout.prompts_per_step=4", "rollout.group_size=4",
        "rollout.max_new_tokens=16", "verify_workers=1", "rollout.engine=vllm", "optim.lr=1e-2",

@@ -31,6 +31,10 @@ class TinyModelConfig:
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     max_position_embeddings: int = 256
+    # R1-Distill-Qwen-1.5B and -7B keep their input and output embeddings apart. Tied, the </think> row would also be
+    # the input that every direct answer reads at its next position, so learning the answers of any level would move
+    # every level's choice logit (benchmarks/choice_attribution.py measures that spill)
+    tie_word_embeddings: bool = False
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,7 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast, cfg: TinyModelConfig, s
         num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads,
         max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=True,
+        tie_word_embeddings=cfg.tie_word_embeddings,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
