@@ -538,3 +538,34 @@ def test_choice_probe_reads_each_prompts_first_position_and_a_runs_models_in_ord
     assert [r["step"] for r in written] == [0, 2, 4]  # the warm-up, checkpoints/step-2, final/ (step 4)
     assert all(0 <= r["probe_auroc"] <= 1 and 0 <= r["choice_auroc"] <= 1 for r in written)
     assert written[0]["model"] != written[1]["model"]
+
+
+def test_choice_grid_holds_each_run_against_free_tnts_run_of_its_seed():
+    # a summary as fasttnt compare writes it (the keys choice_grid reads), two seeds of free TNT and of a recipe: one
+    # recipe run meets every target, the other misses each in turn where its numbers cross the bound
+    grid = _module("choice_grid")
+
+    def run(seed, acc, length, direct, most, acc_l=(100, 100, 100, 100), hack=0.0, pays2=False):
+        by = {lv: {"acc": a, "non_thinking_ratio": d, "most_non_thinking": m,
+                   "direct_pays": pays2 if lv == "2" else None}
+              for lv, a, d, m in zip("1234", acc_l, direct, most, strict=True)}  # fmt: skip
+        return {"warmup": 0, "seed": seed, "acc": acc, "len": length, "hack_rate": hack, "by_level": by}
+
+    free = [run(3, 90.0, 40.0, (0, 0, 0, 0), (0, 0, 0, 0)), run(4, 90.0, 40.0, (0, 0, 0, 0), (0, 0, 0, 0))]
+    recipe = [
+        run(3, 88.0, 38.0, (0.95, 0.0, 0.0, 0.0), (1.0, 0.2, 0.01, 0.0)),
+        run(4, 87.0, 41.0, (0.85, 0.6, 0.0, 0.0), (1.0, 0.7, 0.02, 0.0), hack=0.03),
+    ]
+    summary = {"settings": {"eval": {"temperature": 0.6}},
+               "variants": {"tnt": {"runs": free}, "recipe": {"runs": recipe}}}  # fmt: skip
+    args = argparse.Namespace(easy_direct=0.9, hard_direct=0.01, acc_within=2.5, hack=0.02)
+    rows = {(r["variant"], r["seed"]): r for r in grid.run_rows(summary, "tnt", args, {})}
+    assert rows[("recipe", 3)]["misses"] == [] and rows[("recipe", 3)]["tokens"] == pytest.approx(0.95)
+    assert rows[("recipe", 4)]["misses"] == ["l1", "l3-4", "l2", "acc", "tok", "hack"]
+    assert rows[("recipe", 4)]["d_acc"] == pytest.approx(-3.0)
+    assert rows[("tnt", 3)]["d_acc"] is None
+    table = grid.markdown(list(rows.values()))
+    assert "| 0.6 | recipe | 4 | 87.0 | -3.0 | 1.02 |" in table
+    assert "| 0.6 | recipe | 2 | 87.5 ± 0.5 | -2.5 ± 0.5 | 0.99 |" in grid.means(list(rows.values()))
+    with pytest.raises(SystemExit, match="no variant 'free'"):
+        grid.run_rows(summary, "free", args, {})

@@ -1,0 +1,163 @@
+"""The choice grid's table: each run of ``fasttnt compare`` (late means over ``--eval-steps``) against free TNT's run
+of the same warm-up and seed, and the targets of a recipe that teaches a thinking-only model when to think.
+
+Reads one or more ``compare.json`` files (one per temperature) and prints a Markdown table, a run a row: accuracy,
+its difference from the baseline's run, tokens as a share of the baseline's, accuracy and the direct share by level,
+the largest direct share over the evaluated steps by level, the hack rate, and which targets the run misses:
+
+* ``l1``: the easiest level answered directly on at least ``--easy-direct`` (0.9) of its late answers;
+* ``l3-4``: the hardest levels direct on at most ``--hard-direct`` (1%) of their answers at every evaluated step;
+* ``l2``: the middle level in the mode its table pays more for, by the warm-up's forced-mode accuracies
+  (``compare.json``'s ``direct_pays``): direct on at least half its answers exactly when direct pays;
+* ``acc``: within ``--acc-within`` (2.5) points of the baseline's run; ``tok``: no more tokens than it;
+* ``hack``: a hack rate of at most ``--hack`` (2%).
+
+Then each variant's means with their standard errors and how many of its runs met every target. With ``--probe``,
+a JSONL of ``benchmarks/choice_probe.py`` rows of the runs' final models adds each run's choice AUROC.
+
+    python benchmarks/choice_grid.py runs/choice-t0.6/compare.json --baseline tnt --probe probe.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+
+LEVELS = ("1", "2", "3", "4")
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return math.nan, math.nan
+    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+    return statistics.fmean(values), se
+
+
+def probe_auroc(path: Path | None) -> dict[str, float]:
+    """Each run folder's choice AUROC from choice_probe.py rows of its ``final/`` model."""
+    if path is None:
+        return {}
+    out = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        out[str(Path(row["model"]).parent)] = row["choice_auroc"]
+    return out
+
+
+def run_rows(summary: dict, baseline: str, args, aurocs: dict[str, float]) -> list[dict]:
+    """One row per run of every variant, against the baseline's run of the same warm-up and seed."""
+    variants = summary["variants"]
+    if baseline not in variants:
+        raise SystemExit(f"choice_grid.py: no variant {baseline!r} in the summary (it has {', '.join(variants)})")
+    base = {(r["warmup"], r["seed"]): r for r in variants[baseline]["runs"]}
+    temperature = summary["settings"]["eval"]["temperature"]
+    rows = []
+    for name, data in variants.items():
+        for run in data["runs"]:
+            ref = base.get((run["warmup"], run["seed"]))
+            by = run["by_level"]
+            misses = []
+            if by["1"]["non_thinking_ratio"] < args.easy_direct:
+                misses.append("l1")
+            if any(by[lv]["most_non_thinking"] > args.hard_direct for lv in ("3", "4")):
+                misses.append("l3-4")
+            pays = by["2"]["direct_pays"]
+            if pays is not None and (by["2"]["non_thinking_ratio"] >= 0.5) != pays:
+                misses.append("l2")
+            if ref is not None and name != baseline:
+                if run["acc"] < ref["acc"] - args.acc_within:
+                    misses.append("acc")
+                if run["len"] > ref["len"]:
+                    misses.append("tok")
+            if run["hack_rate"] > args.hack:
+                misses.append("hack")
+            rows.append({
+                "T": temperature, "variant": name, "seed": run["seed"], "acc": run["acc"],
+                "d_acc": None if ref is None or name == baseline else run["acc"] - ref["acc"],
+                "tokens": run["len"] / ref["len"] if ref is not None and name != baseline else None,
+                "len": run["len"],
+                "acc_by_level": [by[lv]["acc"] for lv in LEVELS],
+                "direct_by_level": [by[lv]["non_thinking_ratio"] for lv in LEVELS],
+                "most_direct_by_level": [by[lv]["most_non_thinking"] for lv in LEVELS],
+                "hack": run["hack_rate"], "misses": misses,
+                "choice_auroc": aurocs.get(run.get("out", "")),
+            })  # fmt: skip
+    return rows
+
+
+def _levels(values: list[float]) -> str:
+    return " / ".join(f"{v:.2f}" for v in values)
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [
+        "| T | variant | seed | acc (%) | Δ acc | tokens | acc by level (%) | direct by level | most direct by level "
+        "| hack | choice AUROC | misses |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | --- | --- | --- | ---: | ---: | --- |",
+    ]
+    for r in rows:
+        d_acc = "" if r["d_acc"] is None else f"{r['d_acc']:+.1f}"
+        tokens = f"{r['len']:.1f}" if r["tokens"] is None else f"{r['tokens']:.2f}"
+        auroc = "" if r["choice_auroc"] is None else f"{r['choice_auroc']:.2f}"
+        lines.append(
+            f"| {r['T']:g} | {r['variant']} | {r['seed']} | {r['acc']:.1f} | {d_acc} | {tokens} | "
+            f"{' / '.join(f'{v:.0f}' for v in r['acc_by_level'])} | {_levels(r['direct_by_level'])} | "
+            f"{_levels(r['most_direct_by_level'])} | {r['hack']:.3f} | {auroc} | "
+            f"{', '.join(r['misses']) or 'none'} |"
+        )
+    return "\n".join(lines)
+
+
+def means(rows: list[dict]) -> str:
+    lines = ["| T | variant | runs | acc (%) | Δ acc | tokens | direct by level | all targets met |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | --- | ---: |"]  # fmt: skip
+    for key in dict.fromkeys((r["T"], r["variant"]) for r in rows):
+        group = [r for r in rows if (r["T"], r["variant"]) == key]
+        acc, acc_se = mean_se([r["acc"] for r in group])
+        d = [r["d_acc"] for r in group if r["d_acc"] is not None]
+        d_acc = "" if not d else "{:+.1f} ± {:.1f}".format(*mean_se(d))
+        t = [r["tokens"] for r in group if r["tokens"] is not None]
+        tokens = "" if not t else f"{mean_se(t)[0]:.2f}"
+        direct = " / ".join(f"{mean_se([r['direct_by_level'][i] for r in group])[0]:.2f}" for i in range(4))
+        met = sum(not r["misses"] for r in group)
+        lines.append(f"| {key[0]:g} | {key[1]} | {len(group)} | {acc:.1f} ± {acc_se:.1f} | {d_acc} | {tokens} | "
+                     f"{direct} | {met} of {len(group)} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("summaries", nargs="+", type=Path, help="compare.json files")
+    parser.add_argument("--baseline", default="tnt", help="the variant each run is held against (free TNT)")
+    parser.add_argument("--probe", type=Path, help="choice_probe.py rows of the runs' final models")
+    parser.add_argument("--easy-direct", type=float, default=0.9)
+    parser.add_argument("--hard-direct", type=float, default=0.01)
+    parser.add_argument("--acc-within", type=float, default=2.5)
+    parser.add_argument("--hack", type=float, default=0.02)
+    args = parser.parse_args()
+    aurocs = probe_auroc(args.probe)
+    rows = []
+    for path in args.summaries:
+        summary = json.loads(path.read_text())
+        for data in summary["variants"].values():  # each run's folder, for the probe's rows
+            for run, folder in zip(data["runs"], _run_folders(path, summary, data), strict=True):
+                run["out"] = str(folder)
+        rows += run_rows(summary, args.baseline, args, aurocs)
+    print(markdown(rows))
+    print()
+    print(means(rows))
+
+
+def _run_folders(path: Path, summary: dict, data: dict) -> list[Path]:
+    """The run folders of a variant's runs, as fasttnt compare lays them out (runs/w<warm-up>-seed<seed>/<slug>)."""
+    from fasttnt.variants import slug
+
+    name = next(n for n, d in summary["variants"].items() if d is data)
+    return [path.parent / "runs" / f"w{r['warmup']}-seed{r['seed']}" / slug(name) for r in data["runs"]]
+
+
+if __name__ == "__main__":
+    main()
