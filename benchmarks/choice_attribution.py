@@ -18,6 +18,13 @@ beside the run's own files; the run trains as ``fasttnt train`` would, at a few 
 
     python benchmarks/choice_attribution.py runs/attribution --variant tnt+mix+acc --steps 30 \\
         warmup.direct_share=0.5 warmup.choose_direct=false rollout.temperature=0.6 seed=1
+
+``--summary FILE ...`` reads such rows instead and prints the spill of each level's push onto the others: per step
+where level s's forced first tokens push its own choice up, push(forced_first_ls -> l) / push(forced_first_ls -> ls)
+for every other level l (median and range over those steps), and the median push of the direct rows' other tokens
+on each level's choice (what a tied embedding adds: the ``</think>`` row is also their input).
+
+    python benchmarks/choice_attribution.py --summary runs/tied/attribution.jsonl runs/untied/attribution.jsonl
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
@@ -155,13 +163,41 @@ class Attribution:
         return wrapped
 
 
+def spill_summary(rows: list[dict]) -> list[str]:
+    """The spill lines of ``--summary`` for one run's rows."""
+    levels = sorted({int(k.rsplit("->l", 1)[1]) for row in rows for k in row if k.startswith("push_")})
+    lines = []
+    for src in levels:
+        own = f"push_forced_first_l{src}->l{src}"
+        steps = [row for row in rows if row.get(own, 0) > 0]
+        parts = []
+        for dst in levels:
+            if dst != src and steps:
+                spill = [row.get(f"push_forced_first_l{src}->l{dst}", 0.0) / row[own] for row in steps]
+                parts.append(f"l{dst} {statistics.median(spill):+.3f} ({min(spill):+.3f}..{max(spill):+.3f})")
+        if parts:
+            lines.append(f"  level {src}'s push ({len(steps)} steps) spills onto " + ", ".join(parts))
+    rest = [f"l{lv} {statistics.median(row.get(f'push_direct_rest->l{lv}', 0.0) for row in rows):+.3f}"
+            for lv in levels]  # fmt: skip
+    lines.append("  the direct rows' other tokens push, median per step: " + ", ".join(rest))
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", type=Path)
+    parser.add_argument("--summary", nargs="+", type=Path, help="attribution.jsonl files to summarise, not a run")
+    parser.add_argument("out", type=Path, nargs="?")
     parser.add_argument("--variant", default="tnt+mix+acc")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
+    if args.summary:
+        for path in args.summary:
+            print(path)
+            print("\n".join(spill_summary([json.loads(line) for line in path.read_text().splitlines()])))
+        return
+    if args.out is None:
+        parser.error("give the run's folder OUT, or --summary FILE ...")
     base = load_config(None, args.overrides)
     cfg = load_config(None, [*args.overrides, *variant_overrides(args.variant, base, None), f"steps={args.steps}"])
     if cfg.loss.mini_batches != 1 or cfg.loss.ppo_epochs != 1:  # the push is that of one Adam step per rollout

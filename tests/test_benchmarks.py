@@ -569,3 +569,24 @@ def test_choice_grid_holds_each_run_against_free_tnts_run_of_its_seed():
     assert "| 0.6 | recipe | 2 | 87.5 ± 0.5 | -2.5 ± 0.5 | 0.99 |" in grid.means(list(rows.values()))
     with pytest.raises(SystemExit, match="no variant 'free'"):
         grid.run_rows(summary, "free", args, {})
+
+
+def test_choice_attribution_runs_and_summarises_the_spill(tmp_path):
+    # two steps of a mode-mixed run on the suite's tiny model: a row per step whose pushes on each level's choice are
+    # finite and, where a level's forced rows pushed its own choice, summarised as each level's spill
+    from support.small import short_run
+
+    out = tmp_path / "attr"
+    args = ["benchmarks/choice_attribution.py", str(out), "--variant", "tnt+mix+acc", "--steps", "2",
+            f"cache_dir={warmups(tmp_path)}", *short_run(steps=2)]  # fmt: skip
+    _run(*args, env={"OMP_NUM_THREADS": "1"})
+    rows = [json.loads(line) for line in (out / "attribution.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    pushes = [v for r in rows for k, v in r.items() if k.startswith("push_")]
+    assert pushes and all(math.isfinite(v) for v in pushes) and any(v != 0 for v in pushes)
+    summary = _run("benchmarks/choice_attribution.py", "--summary", str(out / "attribution.jsonl"))
+    assert "the direct rows' other tokens push, median per step" in summary
+    synthetic = [{"step": 1, "push_forced_first_l1->l1": 2.0, "push_forced_first_l1->l2": 0.5},
+                 {"step": 2, "push_forced_first_l1->l1": 4.0, "push_forced_first_l1->l2": 0.4}]  # fmt: skip
+    spill = _module("choice_attribution").spill_summary(synthetic)
+    assert spill[0] == "  level 1's push (2 steps) spills onto l2 +0.175 (+0.100..+0.250)"
