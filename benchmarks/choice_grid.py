@@ -9,7 +9,9 @@ the largest direct share over the evaluated steps by level, the hack rate, and w
 * ``l3-4``: the hardest levels direct on at most ``--hard-direct`` (1%) of their answers at every evaluated step;
 * ``l2``: the middle level in the mode its table pays more for, by the warm-up's forced-mode accuracies
   (``compare.json``'s ``direct_pays``): direct on at least half its answers exactly when direct pays;
-* ``acc``: within ``--acc-within`` (2.5) points of the baseline's run; ``tok``: no more tokens than it;
+* ``acc``: within ``--acc-within`` (2.5) points of the baseline's run; ``tok``: no more tokens than it, or with
+  ``--tokens-over-opt F`` at most T_opt + F * T_free (T_free the baseline run's tokens, T_opt those of each level in
+  the mode its table pays more for, from the warm-up's forced-mode evaluations and the split's mix);
 * ``hack``: a hack rate of at most ``--hack`` (2%).
 
 Then each variant's means with their standard errors and how many of its runs met every target. With ``--probe``,
@@ -53,12 +55,14 @@ def run_rows(summary: dict, baseline: str, args, aurocs: dict[str, float]) -> li
     if baseline not in variants:
         raise SystemExit(f"choice_grid.py: no variant {baseline!r} in the summary (it has {', '.join(variants)})")
     base = {(r["warmup"], r["seed"]): r for r in variants[baseline]["runs"]}
+    warmups = summary.get("warmups", {})
     temperature = summary["settings"]["eval"]["temperature"]
     rows = []
     for name, data in variants.items():
         for run in data["runs"]:
             ref = base.get((run["warmup"], run["seed"]))
             by = run["by_level"]
+            t_opt = optimal_tokens(warmups.get(str(run["warmup"])), by)
             misses = []
             if by["1"]["non_thinking_ratio"] < args.easy_direct:
                 misses.append("l1")
@@ -70,7 +74,8 @@ def run_rows(summary: dict, baseline: str, args, aurocs: dict[str, float]) -> li
             if ref is not None and name != baseline:
                 if run["acc"] < ref["acc"] - args.acc_within:
                     misses.append("acc")
-                if run["len"] > ref["len"]:
+                over = args.tokens_over_opt
+                if run["len"] > (ref["len"] if over is None or t_opt is None else t_opt + over * ref["len"]):
                     misses.append("tok")
             if run["hack_rate"] > args.hack:
                 misses.append("hack")
@@ -78,7 +83,7 @@ def run_rows(summary: dict, baseline: str, args, aurocs: dict[str, float]) -> li
                 "T": temperature, "variant": name, "seed": run["seed"], "acc": run["acc"],
                 "d_acc": None if ref is None or name == baseline else run["acc"] - ref["acc"],
                 "tokens": run["len"] / ref["len"] if ref is not None and name != baseline else None,
-                "len": run["len"],
+                "len": run["len"], "t_opt": t_opt, "t_free": None if ref is None else ref["len"],
                 "acc_by_level": [by[lv]["acc"] for lv in LEVELS],
                 "direct_by_level": [by[lv]["non_thinking_ratio"] for lv in LEVELS],
                 "most_direct_by_level": [by[lv]["most_non_thinking"] for lv in LEVELS],
@@ -86,6 +91,17 @@ def run_rows(summary: dict, baseline: str, args, aurocs: dict[str, float]) -> li
                 "choice_auroc": aurocs.get(run.get("out", "")),
             })  # fmt: skip
     return rows
+
+
+def optimal_tokens(warmup: dict | None, by_level: dict) -> float | None:
+    """T_opt: the split's mean tokens with each level in the mode its table pays more for (a run's ``direct_pays``
+    by level), at the warm-up's forced-mode lengths, weighted by the split's responses per level; None where the
+    summary has no such lengths."""
+    if not warmup or "len_think" not in warmup or any(b["direct_pays"] is None for b in by_level.values()):
+        return None
+    n = warmup["responses"]
+    tokens = sum(n[lv] * (warmup["len_direct" if b["direct_pays"] else "len_think"][lv]) for lv, b in by_level.items())
+    return tokens / sum(n[lv] for lv in by_level)
 
 
 def _levels(values: list[float]) -> str:
@@ -112,8 +128,8 @@ def markdown(rows: list[dict]) -> str:
 
 
 def means(rows: list[dict]) -> str:
-    lines = ["| T | variant | runs | acc (%) | Δ acc | tokens | direct by level | all targets met |",
-             "| ---: | --- | ---: | ---: | ---: | ---: | --- | ---: |"]  # fmt: skip
+    lines = ["| T | variant | runs | acc (%) | Δ acc | tokens | T_opt / T_free | direct by level | all targets met |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]  # fmt: skip
     for key in dict.fromkeys((r["T"], r["variant"]) for r in rows):
         group = [r for r in rows if (r["T"], r["variant"]) == key]
         acc, acc_se = mean_se([r["acc"] for r in group])
@@ -121,10 +137,12 @@ def means(rows: list[dict]) -> str:
         d_acc = "" if not d else "{:+.1f} ± {:.1f}".format(*mean_se(d))
         t = [r["tokens"] for r in group if r["tokens"] is not None]
         tokens = "" if not t else f"{mean_se(t)[0]:.2f}"
+        opt = [r["t_opt"] / r["t_free"] for r in group if r["t_opt"] is not None and r["t_free"]]
+        t_opt = "" if not opt else f"{mean_se(opt)[0]:.2f}"
         direct = " / ".join(f"{mean_se([r['direct_by_level'][i] for r in group])[0]:.2f}" for i in range(4))
         met = sum(not r["misses"] for r in group)
         lines.append(f"| {key[0]:g} | {key[1]} | {len(group)} | {acc:.1f} ± {acc_se:.1f} | {d_acc} | {tokens} | "
-                     f"{direct} | {met} of {len(group)} |")  # fmt: skip
+                     f"{t_opt} | {direct} | {met} of {len(group)} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -137,6 +155,7 @@ def main() -> None:
     parser.add_argument("--hard-direct", type=float, default=0.01)
     parser.add_argument("--acc-within", type=float, default=2.5)
     parser.add_argument("--hack", type=float, default=0.02)
+    parser.add_argument("--tokens-over-opt", type=float, help="the tokens target T_opt + F * T_free (the mix's: 0.1)")
     args = parser.parse_args()
     aurocs = probe_auroc(args.probe)
     rows = []

@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"default: {defaults.max_new_tokens} for synthetic, else {MATH_MAX_NEW_TOKENS}")  # fmt: skip
     ev.add_argument("--synthetic-per-level", type=int, default=defaults.synthetic_per_level,
                     help="held-out synthetic problems per level (default: %(default)s)")  # fmt: skip
+    ev.add_argument("--level-weights", default="",
+                    help="the synthetic split's mix of levels 1-4, e.g. 0.7,0.1,0.1,0.1: its problems per level times "
+                         "4, shared out by these weights (default: the same number of each)")  # fmt: skip
     ev.add_argument("--limit", type=int, default=defaults.limit,
                     help="at most this many problems per benchmark (default: all)")  # fmt: skip
     ev.add_argument("--seed", type=int, default=defaults.seed, help="default: %(default)s")
@@ -273,8 +276,10 @@ def _compare(args) -> int:
     if not temperatures or not all(t > 0 for t in temperatures):
         problems.append(f"--temperatures: comma-separated numbers > 0, got {args.temperatures!r}")
     user_variants = None
+    level_weights = None
     try:
-        load_config(None, args.overrides)  # check the overrides before hours of training
+        # check the overrides before hours of training; their data.level_weights is the held-out split's mix too
+        level_weights = load_config(None, args.overrides).data.level_weights
         user_variants = read_variants_file(args.variants_file) if args.variants_file else None
         for variant in variants:  # and every variant on top of them
             check_variant(
@@ -307,6 +312,7 @@ def _compare(args) -> int:
             base.eval,
             samples=args.samples,
             synthetic_per_level=args.eval_per_level,
+            synthetic_level_weights=level_weights,
             temperature=temperatures[0] if temperatures else 0.6,
         ),
         temperatures=temperatures[1:],
@@ -327,6 +333,7 @@ def _eval(args) -> int:
     from transformers.utils import logging as hf_logging
 
     from .data import DataError
+    from .embedded.synthetic import check_level_weights
     from .evaluate import default_max_new_tokens, run_eval
     from .wandb_log import WandbMissing, log_eval
 
@@ -338,6 +345,13 @@ def _eval(args) -> int:
         for name in ("samples", "max_new_tokens", "synthetic_per_level", "limit")
         if getattr(args, name) is not None and getattr(args, name) < 1
     ]
+    level_weights = None
+    if args.level_weights.strip():
+        try:
+            level_weights = tuple(float(w) for w in args.level_weights.split(","))
+            check_level_weights((1, 2, 3, 4), level_weights)
+        except ValueError:
+            problems.append(f"--level-weights: 4 comma-separated weights >= 0, not all 0; got {args.level_weights!r}")
     if not args.temperature > 0:
         problems.append(f"--temperature: must be > 0, got {args.temperature}")
     if not 0 < args.top_p <= 1:
@@ -357,6 +371,7 @@ def _eval(args) -> int:
         engine=args.engine,
         seed=args.seed,
         synthetic_per_level=args.synthetic_per_level,
+        synthetic_level_weights=level_weights,
         limit=args.limit,
         prompt_style=args.prompt_style,
     )

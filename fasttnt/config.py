@@ -50,6 +50,9 @@ class DataConfig:
     problem_field: str | None = None
     answer_field: str | None = None
     levels: tuple[int, ...] = (1, 2, 3, 4)  # synthetic task: digits per operand
+    # synthetic task: one weight per level of `levels` for the training draws and, in fasttnt compare, the held-out
+    # split's mix (null: uniform draws, and the split's fixed problems per level)
+    level_weights: tuple[float, ...] | None = None
     instruction: str | None = None  # appended to each problem; None: the math instruction for math sets
     hack_markers: Literal["auto", "math", "synthetic"] = "auto"
     # "ellipsis": AutoThink's prompt, the think block opened with "<think>\n...\n" (in training and evaluation)
@@ -448,6 +451,13 @@ def validate(cfg: TrainConfig) -> None:
             reward.scheme, omega=reward.omega, fallback_limit=reward.fallback_limit, uniform_limit=reward.uniform_limit
         )
     need(bool(cfg.data.levels) and all(1 <= x <= 9 for x in cfg.data.levels), "data.levels", "digits in 1..9")
+    for section, levels, weights in (("data", cfg.data.levels, cfg.data.level_weights),
+                                     ("warmup", cfg.warmup.levels, cfg.warmup.level_weights)):  # fmt: skip
+        need(
+            weights is None or (len(weights) == len(levels) and min(weights) >= 0 and sum(weights) > 0),
+            f"{section}.level_weights",
+            f"one weight >= 0 per level of {section}.levels {list(levels)}, not all 0 (or null)",
+        )
     need(
         cfg.data.hack_markers == "auto" or cfg.data.hack_markers in MARKER_SETS,
         "data.hack_markers",

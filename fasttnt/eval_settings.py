@@ -25,6 +25,8 @@ class EvalSettings:
     engine: str = "hf"
     seed: int = 0
     synthetic_per_level: int = 50
+    # the held-out split's mix of levels 1-4 (fasttnt.embedded.synthetic.held_out); None: per_level of each
+    synthetic_level_weights: tuple[float, ...] | None = None
     batch_prompts: int = 64
     limit: int | None = None  # at most this many problems per benchmark
     prompt_style: str = "plain"  # or "ellipsis": AutoThink's (fasttnt.data.build_prompt)

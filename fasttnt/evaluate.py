@@ -55,7 +55,7 @@ def _slug(name: str) -> str:
 def load_benchmark(name: str, settings: EvalSettings) -> list[Problem]:
     """A registered set, ``synthetic`` (the held-out split, levels 1-4), or a local file named by its path."""
     if name == SYNTHETIC:
-        items = held_out(settings.synthetic_per_level, seed=settings.seed)
+        items = held_out(settings.synthetic_per_level, seed=settings.seed, weights=settings.synthetic_level_weights)
         problems = [Problem(p.problem, p.answer, p.level) for p in items]
     elif name in DATASETS or Path(name).suffix in (".jsonl", ".json", ".parquet"):
         problems = load_problems(name)

@@ -20,12 +20,17 @@ class ProblemStream:
         self._order: tuple[int, list[int]] | None = None  # (epoch, permutation) of the current epoch
         if cfg.data.train == "synthetic":
             self._items = None
-            self._stream = synthetic_problems("train", levels=cfg.data.levels, seed=cfg.seed)
+            self._stream = self._synthetic()
         else:
             d = cfg.data
             self._items = load_problems(
                 str(Path(d.train).expanduser()), problem_field=d.problem_field, answer_field=d.answer_field
             )
+
+    def _synthetic(self):
+        """The embedded task's training stream from its start (``data.levels``, ``data.level_weights``)."""
+        d = self.cfg.data
+        return synthetic_problems("train", levels=d.levels, seed=self.cfg.seed, weights=d.level_weights)
 
     def drop_long_prompts(self, prompt_tokens, budget: int) -> int:
         """Remove problems whose prompt is longer than ``budget`` tokens; returns how many."""
@@ -56,7 +61,7 @@ class ProblemStream:
 
     def seek(self, position: int) -> None:
         if self._items is None:
-            self._stream = synthetic_problems("train", levels=self.cfg.data.levels, seed=self.cfg.seed)
+            self._stream = self._synthetic()
             for _ in itertools.islice(self._stream, position):
                 pass
         self.position = position

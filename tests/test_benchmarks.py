@@ -547,7 +547,7 @@ def test_choice_grid_holds_each_run_against_free_tnts_run_of_its_seed():
 
     def run(seed, acc, length, direct, most, acc_l=(100, 100, 100, 100), hack=0.0, pays2=False):
         by = {lv: {"acc": a, "non_thinking_ratio": d, "most_non_thinking": m,
-                   "direct_pays": pays2 if lv == "2" else None}
+                   "direct_pays": pays2 if lv == "2" else False}
               for lv, a, d, m in zip("1234", acc_l, direct, most, strict=True)}  # fmt: skip
         return {"warmup": 0, "seed": seed, "acc": acc, "len": length, "hack_rate": hack, "by_level": by}
 
@@ -558,7 +558,7 @@ def test_choice_grid_holds_each_run_against_free_tnts_run_of_its_seed():
     ]
     summary = {"settings": {"eval": {"temperature": 0.6}},
                "variants": {"tnt": {"runs": free}, "recipe": {"runs": recipe}}}  # fmt: skip
-    args = argparse.Namespace(easy_direct=0.9, hard_direct=0.01, acc_within=2.5, hack=0.02)
+    args = argparse.Namespace(easy_direct=0.9, hard_direct=0.01, acc_within=2.5, hack=0.02, tokens_over_opt=None)
     rows = {(r["variant"], r["seed"]): r for r in grid.run_rows(summary, "tnt", args, {})}
     assert rows[("recipe", 3)]["misses"] == [] and rows[("recipe", 3)]["tokens"] == pytest.approx(0.95)
     assert rows[("recipe", 4)]["misses"] == ["l1", "l3-4", "l2", "acc", "tok", "hack"]
@@ -569,6 +569,16 @@ def test_choice_grid_holds_each_run_against_free_tnts_run_of_its_seed():
     assert "| 0.6 | recipe | 2 | 87.5 ± 0.5 | -2.5 ± 0.5 | 0.99 |" in grid.means(list(rows.values()))
     with pytest.raises(SystemExit, match="no variant 'free'"):
         grid.run_rows(summary, "free", args, {})
+    # T_opt from the warm-up's forced-mode lengths, each level in the mode its table pays for (level 2 direct here),
+    # weighted by the split's responses: (10 * 30 + 50 * 12 + 50 * 50 + 50 * 60) / 160 = 40.0 against free TNT's 40
+    summary["warmups"] = {"0": {"len_think": {"1": 30, "2": 40, "3": 50, "4": 60},
+                                "len_direct": {"1": 11, "2": 12, "3": 13, "4": 14},
+                                "responses": {"1": 10, "2": 50, "3": 50, "4": 50}}}  # fmt: skip
+    recipe[0]["by_level"]["2"]["direct_pays"] = True
+    args.tokens_over_opt = 0.1
+    rows = {(r["variant"], r["seed"]): r for r in grid.run_rows(summary, "tnt", args, {})}
+    assert rows[("recipe", 3)]["t_opt"] == pytest.approx((10 * 30 + 50 * 12 + 50 * 50 + 50 * 60) / 160)
+    assert rows[("recipe", 3)]["misses"] == ["l2"]  # 38 tokens <= T_opt + 0.1 * 40; level 2 should be direct now
 
 
 def test_choice_attribution_runs_and_summarises_the_spill(tmp_path):

@@ -246,3 +246,12 @@ def test_changed_keys_names_what_differs_and_what_only_one_config_has():
     old["steps"] = 7  # safe on resume
     del old["loss"]["rollout_correction_cap"]  # a key the checkpoint's config does not have
     assert changed_keys(old, new) == ["loss.rollout_correction_cap", "rollout.group_size"]
+
+
+def test_level_weights_need_one_weight_per_level():
+    assert load_config(None, ["data.level_weights=[0.7,0.1,0.1,0.1]"]).data.level_weights == (0.7, 0.1, 0.1, 0.1)
+    for bad in ("[1,1]", "[1,-1,1,1]", "[0,0,0,0]"):
+        with pytest.raises(ConfigError, match=r"data\.level_weights: one weight >= 0 per level of data\.levels"):
+            load_config(None, [f"data.level_weights={bad}"])
+    with pytest.raises(ConfigError, match=r"warmup\.level_weights: one weight >= 0 per level of warmup\.levels"):
+        load_config(None, ["warmup.level_weights=[1]"])

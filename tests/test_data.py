@@ -187,9 +187,39 @@ def test_every_response_form_verifies_and_has_its_mode():
         )
         assert _replay_trace(p.thinking.split(THINK_END)[0]) == p.answer
         assert extract_answer(p.hacked) == p.answer
-    for form in ("thinking", "direct", "hacked"):
+    for p in sample:  # the double-checked thinking: the trace, the sum redone with its operands swapped, the answer
+        a, b = p.problem.split("+")
+        steps, rest = p.checked.split(f"check {b}+{a}={p.answer}\n")
+        assert steps + rest == p.thinking and not p.checked.startswith(THINK_END)
+    for form in ("thinking", "direct", "hacked", "checked"):
         verdicts = verify_batch([getattr(p, form) for p in sample], [p.answer for p in sample])
         assert all(verdicts) and verdicts.symbolic == 0
+
+
+def test_level_weights_share_out_the_draws_and_the_held_out_split():
+    from fasttnt.embedded.synthetic import level_counts
+
+    # a weight of 0 leaves its level out of the draws; the default stream is the uniform one it always was
+    drawn = {p.level for p in itertools.islice(problems("train", seed=1, weights=(0, 1, 0, 2)), 400)}
+    assert drawn == {2, 4}
+    assert {p.level for p in itertools.islice(problems("train", seed=1), 400)} == {1, 2, 3, 4}
+    # whole counts that sum to the total, each within 1 of its exact share
+    for total, weights in ((200, (0.7, 0.1, 0.1, 0.1)), (7, (1, 1, 1)), (10, (0.5, 0.5, 0, 0)), (3, (1, 1, 1, 1))):
+        counts = level_counts(total, weights)
+        assert sum(counts) == total
+        assert all(abs(c - total * w / sum(weights)) < 1 for c, w in zip(counts, weights, strict=True))
+    # the split's per_level x 4 problems shared out by the weights; level 1's ~10 test problems repeat in order
+    split = held_out(50, seed=3, weights=(0.7, 0.1, 0.1, 0.1))
+    by_level = {lv: [p for p in split if p.level == lv] for lv in (1, 2, 3, 4)}
+    assert [len(v) for v in by_level.values()] == [140, 20, 20, 20]
+    ones = [p.problem for p in by_level[1]]
+    distinct = list(dict.fromkeys(ones))
+    assert ones == [distinct[i % len(distinct)] for i in range(140)] and 5 <= len(distinct) < 140
+    assert distinct == [p.problem for p in held_out(50, seed=3) if p.level == 1]  # the same problems, repeated
+    assert len({p.problem for p in by_level[2]}) == 20  # enough distinct problems: no repeat
+    for bad in ((1, 1), (1, -1, 1, 1), (0, 0, 0, 0)):
+        with pytest.raises(ValueError, match="level weights"):
+            held_out(5, weights=bad)
 
 
 def test_bad_generator_arguments():

@@ -140,6 +140,7 @@ def test_missing_or_malformed_benchmark_fails_before_generation(tmp_path, models
         (["--top-p", "2"], "--top-p: must be in (0, 1], got 2.0"),
         (["--samples", "0"], "--samples: must be >= 1, got 0"),
         (["--temperature", "0"], "--temperature: must be > 0"),
+        (["--level-weights", "1,1"], "--level-weights: 4 comma-separated weights >= 0, not all 0; got '1,1'"),
     ],
 )
 def test_bad_eval_arguments_are_one_line(tmp_path, models, capsys, args, message):
@@ -162,6 +163,16 @@ def test_a_model_that_cannot_load_is_one_line(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert code == 2 and "--model fasttnt-tests/no-such-model: cannot load it" in err
     assert "Traceback" not in err
+
+
+def test_the_synthetic_split_takes_the_level_mix():
+    # fasttnt eval --level-weights (and fasttnt compare, from data.level_weights): the split's problems per level
+    uniform = evaluate.load_benchmark("synthetic", EvalSettings(synthetic_per_level=5))
+    mixed = evaluate.load_benchmark(
+        "synthetic", EvalSettings(synthetic_per_level=5, synthetic_level_weights=(2, 1, 1, 0))
+    )
+    assert [sum(p.level == lv for p in uniform) for lv in (1, 2, 3, 4)] == [5, 5, 5, 5]
+    assert [sum(p.level == lv for p in mixed) for lv in (1, 2, 3, 4)] == [10, 5, 5, 0]
 
 
 def test_accuracy_by_mode_counts_each_modes_own_responses():

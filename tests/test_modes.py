@@ -383,6 +383,19 @@ def test_a_warm_up_whose_direct_examples_do_not_teach_the_choice():
     # the same examples otherwise: the prompt plus response, token for token
     both = [list(itertools.islice(_examples(TOK, WarmupConfig(choose_direct=c)), 40)) for c in (True, False)]
     assert [p + r for p, r in both[0]] == [p + r for p, r in both[1]]
+    # warmup.double_check: the thinking examples check the sum before </think>, the direct ones are as they were
+    checked = list(itertools.islice(_examples(TOK, WarmupConfig(double_check=True)), 40))
+    check = TOK("check ", add_special_tokens=False)["input_ids"]
+
+    def has_check(ids: list[int]) -> bool:
+        return any(ids[i : i + len(check)] == check for i in range(len(ids)))
+
+    pairs = list(zip(both[0], checked, strict=True))
+    thinking = [(plain, ours) for plain, ours in pairs if plain[1][0] != END]
+    assert 5 < len(thinking) < 35
+    assert all(has_check(r) and not has_check(p) for _, (p, r) in thinking)
+    assert all(len(ours[1]) > len(plain[1]) for plain, ours in thinking)
+    assert all(plain == ours for plain, ours in pairs if plain[1][0] == END)
 
 
 def test_select_keeps_the_forced_codes_of_the_rows_it_keeps():

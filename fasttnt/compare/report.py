@@ -101,6 +101,11 @@ def summarize_runs(
             # right and not hacked: a hacked direct answer (steps after </think>) is not the trade the threshold
             # describes, and TNT's limit punishes it
             "p_direct": {level: direct[level]["acc_honest"] / 100 for level in lv},
+            # each forced mode's mean tokens and the split's responses by level: the tokens of each level in the
+            # mode its table pays more for (benchmarks/choice_grid.py's T_opt)
+            "len_think": {level: by_mode["thinking"]["by_level"][level]["len"] for level in lv},
+            "len_direct": {level: direct[level]["len"] for level in lv},
+            "responses": {level: by_mode["thinking"]["by_level"][level]["responses"] for level in lv},
         }
     for variant in settings.variants:
         rows = []

@@ -7,6 +7,7 @@ each line ending in the answer's digits found so far, so the final answer is a c
     47+85   thinking:  7+5=12:2\\n4+8+1=13:132\\n</think>\\boxed{132}
             direct:    </think>\\boxed{132}
             hacked:    </think>7+5=12:2\\n4+8+1=13:132\\n\\boxed{132}     (steps after </think>: the reward hack)
+            checked:   7+5=12:2\\n4+8+1=13:132\\ncheck 85+47=132\\n</think>\\boxed{132}   (thinking, double-checked)
 
 Responses start after the prompt's ``<think>``: a first token ``</think>`` is the direct (non-thinking) mode.
 A problem's split is a hash of its text, so train and test never share a problem, for any seed.
@@ -35,6 +36,9 @@ class SyntheticProblem:
     thinking: str  # the response in thinking mode (after the prompt's <think>)
     direct: str  # the response in non-thinking mode
     hacked: str  # a "non-thinking" response that thinks after </think>
+    # the thinking response with the sum redone with its operands swapped before </think>: R1-style models
+    # double-check even 2 + 2, so their thinking is long on easy problems too (warmup.double_check)
+    checked: str
 
 
 def split_of(problem: str) -> str:
@@ -69,6 +73,7 @@ def make_problem(a: int, b: int, level: int) -> SyntheticProblem:
         thinking=f"{steps}{THINK_END}{boxed}",
         direct=f"{THINK_END}{boxed}",
         hacked=f"{THINK_END}{steps}{boxed}",
+        checked=f"{steps}check {b}+{a}={answer}\n{THINK_END}{boxed}",
     )
 
 
@@ -76,15 +81,25 @@ def _operand_range(level: int) -> tuple[int, int]:
     return (0, 9) if level == 1 else (10 ** (level - 1), 10**level - 1)
 
 
-def problems(split: str, *, levels: tuple[int, ...] = (1, 2, 3, 4), seed: int = 0) -> Iterator[SyntheticProblem]:
-    """An endless, seed-determined stream of ``split`` problems, levels drawn uniformly."""
+def check_level_weights(levels: tuple[int, ...], weights: tuple[float, ...] | None) -> None:
+    """A ValueError unless ``weights`` is None or one non-negative weight per level, not all 0."""
+    if weights is not None and (len(weights) != len(levels) or min(weights) < 0 or sum(weights) <= 0):
+        raise ValueError(f"level weights must be one number >= 0 per level {levels}, not all 0; got {weights}")
+
+
+def problems(
+    split: str, *, levels: tuple[int, ...] = (1, 2, 3, 4), seed: int = 0, weights: tuple[float, ...] | None = None
+) -> Iterator[SyntheticProblem]:
+    """An endless, seed-determined stream of ``split`` problems, levels drawn uniformly or by ``weights`` (one per
+    level)."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     if not levels or any(not 1 <= lv <= 9 for lv in levels):
         raise ValueError(f"levels must be digits per operand in 1..9, got {levels}")
+    check_level_weights(levels, weights)
     rng = random.Random(f"{seed}-{split}")
     while True:
-        level = rng.choice(levels)
+        level = rng.choice(levels) if weights is None else rng.choices(levels, weights)[0]
         lo, hi = _operand_range(level)
         a, b = rng.randint(lo, hi), rng.randint(lo, hi)
         if split_of(f"{a}+{b}") == split:
@@ -102,18 +117,35 @@ def _candidate_pairs(level: int, rng: random.Random) -> Iterator[tuple[int, int]
             yield rng.randint(lo, hi), rng.randint(lo, hi)
 
 
-def held_out(per_level: int, *, levels: tuple[int, ...] = (1, 2, 3, 4), seed: int = 0) -> list[SyntheticProblem]:
+def held_out(
+    per_level: int, *, levels: tuple[int, ...] = (1, 2, 3, 4), seed: int = 0, weights: tuple[float, ...] | None = None
+) -> list[SyntheticProblem]:
     """Distinct held-out problems, ``per_level`` of each level (fewer where the level has fewer: 1-digit sums
-    have 100 problems, about 10 of them in the test split)."""
+    have 100 problems, about 10 of them in the test split). With ``weights`` (one per level), the split's
+    ``per_level * len(levels)`` problems are shared out by them (``level_counts``), and a level with fewer distinct
+    problems than its share repeats them in order: its few problems then count for its share of every mean."""
+    check_level_weights(levels, weights)
+    counts = [per_level] * len(levels) if weights is None else level_counts(per_level * len(levels), weights)
     out: list[SyntheticProblem] = []
-    for level in levels:
+    for level, count in zip(levels, counts, strict=True):
+        distinct: list[SyntheticProblem] = []
         seen: set[str] = set()
         for a, b in _candidate_pairs(level, random.Random(f"{seed}-test-{level}")):
             text = f"{a}+{b}"
             if text in seen or split_of(text) != "test":
                 continue
             seen.add(text)
-            out.append(make_problem(a, b, level))
-            if len(seen) == per_level:
+            distinct.append(make_problem(a, b, level))
+            if len(seen) == (per_level if weights is None else count):
                 break
+        out += distinct if weights is None else [distinct[i % len(distinct)] for i in range(count)]
     return out
+
+
+def level_counts(total: int, weights: tuple[float, ...]) -> list[int]:
+    """``total`` shared out by ``weights`` in whole numbers summing to it (largest remainders first)."""
+    exact = [total * w / sum(weights) for w in weights]
+    counts = [int(x) for x in exact]
+    for i in sorted(range(len(exact)), key=lambda i: counts[i] - exact[i])[: total - sum(counts)]:
+        counts[i] += 1
+    return counts

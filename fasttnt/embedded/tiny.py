@@ -46,6 +46,7 @@ class WarmupConfig:
     lr: float = 3e-3
     warmup_steps: int = 50
     levels: tuple[int, ...] = (1, 2, 3, 4)
+    level_weights: tuple[float, ...] | None = None  # one per level of `levels`; None: uniform draws
     direct_share: float = 0.5  # share of examples answered directly (the rest think)
     hack_share: float = 0.1  # share of the direct examples that write their steps after </think> anyway
     # whether the direct examples teach the choice of answering directly (their </think> a response token). False:
@@ -53,6 +54,9 @@ class WarmupConfig:
     # </think> without learning to write it first: the stand-in for a thinking-only distilled model (R1-Distill
     # answers well when </think> is forced, and practically never writes it itself)
     choose_direct: bool = True
+    # whether the thinking examples double-check the sum before </think> (SyntheticProblem.checked): R1-style models
+    # do even on 2 + 2, so answering an easy problem directly saves a real share of its tokens
+    double_check: bool = False
     seed: int = 0
 
 
@@ -78,14 +82,14 @@ def _examples(tokenizer, cfg: WarmupConfig):
     """Endless (prompt ids, response ids) pairs; the response ends with EOS."""
     rng = random.Random(f"warmup-{cfg.seed}")
     eos = tokenizer.eos_token
-    for p in problems("train", levels=cfg.levels, seed=cfg.seed):
+    for p in problems("train", levels=cfg.levels, seed=cfg.seed, weights=cfg.level_weights):
         prompt = build_prompt(tokenizer, p.problem).text
         if rng.random() < cfg.direct_share:
             response = p.hacked if rng.random() < cfg.hack_share else p.direct
             if not cfg.choose_direct:  # the </think> pre-filled: no loss on choosing it
                 prompt, response = prompt + response[: len(THINK_END)], response[len(THINK_END) :]
         else:
-            response = p.thinking
+            response = p.checked if cfg.double_check else p.thinking
         yield (
             tokenizer(prompt, add_special_tokens=False)["input_ids"],
             tokenizer(response + eos, add_special_tokens=False)["input_ids"],
