@@ -79,6 +79,8 @@ def run_rows(summary: dict, baseline: str, args, aurocs: dict[str, float]) -> li
                     misses.append("tok")
             if run["hack_rate"] > args.hack:
                 misses.append("hack")
+            if name == baseline:  # what the others are held against, under its own table: not judged
+                misses = None
             rows.append({
                 "T": temperature, "variant": name, "seed": run["seed"], "acc": run["acc"],
                 "d_acc": None if ref is None or name == baseline else run["acc"] - ref["acc"],
@@ -119,10 +121,10 @@ def markdown(rows: list[dict]) -> str:
         tokens = f"{r['len']:.1f}" if r["tokens"] is None else f"{r['tokens']:.2f}"
         auroc = "" if r["choice_auroc"] is None else f"{r['choice_auroc']:.2f}"
         lines.append(
-            f"| {r['T']:g} | {r['variant']} | {r['seed']} | {r['acc']:.1f} | {d_acc} | {tokens} | "
+            f"| {r['T']:.1f} | {r['variant']} | {r['seed']} | {r['acc']:.1f} | {d_acc} | {tokens} | "
             f"{' / '.join(f'{v:.0f}' for v in r['acc_by_level'])} | {_levels(r['direct_by_level'])} | "
             f"{_levels(r['most_direct_by_level'])} | {r['hack']:.3f} | {auroc} | "
-            f"{', '.join(r['misses']) or 'none'} |"
+            f"{'(baseline)' if r['misses'] is None else ', '.join(r['misses']) or 'none'} |"
         )
     return "\n".join(lines)
 
@@ -140,9 +142,9 @@ def means(rows: list[dict]) -> str:
         opt = [r["t_opt"] / r["t_free"] for r in group if r["t_opt"] is not None and r["t_free"]]
         t_opt = "" if not opt else f"{mean_se(opt)[0]:.2f}"
         direct = " / ".join(f"{mean_se([r['direct_by_level'][i] for r in group])[0]:.2f}" for i in range(4))
-        met = sum(not r["misses"] for r in group)
-        lines.append(f"| {key[0]:g} | {key[1]} | {len(group)} | {acc:.1f} ± {acc_se:.1f} | {d_acc} | {tokens} | "
-                     f"{t_opt} | {direct} | {met} of {len(group)} |")  # fmt: skip
+        met = "" if group[0]["misses"] is None else f"{sum(not r['misses'] for r in group)} of {len(group)}"
+        lines.append(f"| {key[0]:.1f} | {key[1]} | {len(group)} | {acc:.1f} ± {acc_se:.1f} | {d_acc} | {tokens} | "
+                     f"{t_opt} | {direct} | {met} |")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -563,7 +563,7 @@ def test_choice_grid_holds_each_run_against_free_tnts_run_of_its_seed():
     assert rows[("recipe", 3)]["misses"] == [] and rows[("recipe", 3)]["tokens"] == pytest.approx(0.95)
     assert rows[("recipe", 4)]["misses"] == ["l1", "l3-4", "l2", "acc", "tok", "hack"]
     assert rows[("recipe", 4)]["d_acc"] == pytest.approx(-3.0)
-    assert rows[("tnt", 3)]["d_acc"] is None
+    assert rows[("tnt", 3)]["d_acc"] is None and rows[("tnt", 3)]["misses"] is None  # the baseline: not judged
     table = grid.markdown(list(rows.values()))
     assert "| 0.6 | recipe | 4 | 87.0 | -3.0 | 1.02 |" in table
     assert "| 0.6 | recipe | 2 | 87.5 ± 0.5 | -2.5 ± 0.5 | 0.99 |" in grid.means(list(rows.values()))
