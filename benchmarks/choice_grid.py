@@ -26,6 +26,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 from pathlib import Path
 
 LEVELS = ("1", "2", "3", "4")
@@ -45,7 +46,7 @@ def probe_auroc(path: Path | None) -> dict[str, float]:
     out = {}
     for line in path.read_text().splitlines():
         row = json.loads(line)
-        out[str(Path(row["model"]).parent)] = row["choice_auroc"]
+        out[str(Path(row["model"]).resolve().parent)] = row["choice_auroc"]
     return out
 
 
@@ -71,6 +72,8 @@ def run_rows(summary: dict, baseline: str, args, aurocs: dict[str, float]) -> li
             pays = by["2"]["direct_pays"]
             if pays is not None and (by["2"]["non_thinking_ratio"] >= 0.5) != pays:
                 misses.append("l2")
+            if ref is None and name != baseline:
+                misses.append("no-baseline")  # nothing to hold its accuracy and tokens against
             if ref is not None and name != baseline:
                 if run["acc"] < ref["acc"] - args.acc_within:
                     misses.append("acc")
@@ -90,7 +93,7 @@ def run_rows(summary: dict, baseline: str, args, aurocs: dict[str, float]) -> li
                 "direct_by_level": [by[lv]["non_thinking_ratio"] for lv in LEVELS],
                 "most_direct_by_level": [by[lv]["most_non_thinking"] for lv in LEVELS],
                 "hack": run["hack_rate"], "misses": misses,
-                "choice_auroc": aurocs.get(run.get("out", "")),
+                "choice_auroc": aurocs.get(str(Path(run["out"]).resolve())) if "out" in run else None,
             })  # fmt: skip
     return rows
 
@@ -167,6 +170,8 @@ def main() -> None:
             for run, folder in zip(data["runs"], _run_folders(path, summary, data), strict=True):
                 run["out"] = str(folder)
         rows += run_rows(summary, args.baseline, args, aurocs)
+    if aurocs and not any(r["choice_auroc"] is not None for r in rows):
+        print(f"choice_grid.py: no row of {args.probe} names a run of these summaries' final/ models", file=sys.stderr)
     print(markdown(rows))
     print()
     print(means(rows))

@@ -11,8 +11,9 @@ model, on the same problems:
 * ``choice_auroc``: the AUROC of log pi(</think> | x) at the sampling temperature for the same labels: how well the
   model's own choice separates the level the table pays to answer directly.
 
-The </think> logit is one linear read-out of that same state, so ``choice_auroc`` <= what the best linear probe
-reaches; the choice follows the table when ``choice_auroc`` rises toward ``probe_auroc`` during training. With
+The </think> logit is one linear read-out of that same state (log pi adds the log-normaliser), so a fitted linear probe
+usually does at least as well; the choice follows the table when ``choice_auroc`` rises toward ``probe_auroc``
+during training. With
 ``--run`` every checkpoint of a run (its warm-up at step 0 when the model is the embedded one, each
 ``checkpoints/step-N``, ``final/``) is measured in order, which is how the two move during training.
 

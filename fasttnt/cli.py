@@ -279,7 +279,13 @@ def _compare(args) -> int:
     level_weights = None
     try:
         # check the overrides before hours of training; their data.level_weights is the held-out split's mix too
-        level_weights = load_config(None, args.overrides).data.level_weights
+        data = load_config(None, args.overrides).data
+        level_weights = data.level_weights
+        if level_weights is not None and tuple(data.levels) != (1, 2, 3, 4):
+            problems.append(
+                f"data.level_weights: the held-out split has levels 1-4, and data.levels is {list(data.levels)}; "
+                "give data.levels=[1,2,3,4] with a mix for both"
+            )
         user_variants = read_variants_file(args.variants_file) if args.variants_file else None
         for variant in variants:  # and every variant on top of them
             check_variant(

@@ -18,8 +18,9 @@ import yaml
 from fasttnt_kernels import ROLLOUT_CORRECTIONS, PolicyLossConfig, SettingError, check_reward_limits
 
 from .data import DATASETS, MARKER_SETS, names_a_path
+from .embedded.synthetic import check_level_weights
 from .embedded.tiny import TinyModelConfig, WarmupConfig
-from .modes import HALF_SPLIT, SELF_BOUNDED
+from .modes import HALF_SPLIT, UNFADED
 from .rewards import REWARD_SCHEMES, RewardConfig
 from .typed_yaml import ConfigError, apply_overrides, build, read_yaml_mapping
 
@@ -453,11 +454,11 @@ def validate(cfg: TrainConfig) -> None:
     need(bool(cfg.data.levels) and all(1 <= x <= 9 for x in cfg.data.levels), "data.levels", "digits in 1..9")
     for section, levels, weights in (("data", cfg.data.levels, cfg.data.level_weights),
                                      ("warmup", cfg.warmup.levels, cfg.warmup.level_weights)):  # fmt: skip
-        need(
-            weights is None or (len(weights) == len(levels) and min(weights) >= 0 and sum(weights) > 0),
-            f"{section}.level_weights",
-            f"one weight >= 0 per level of {section}.levels {list(levels)}, not all 0 (or null)",
-        )
+        try:
+            check_level_weights(levels, weights)
+        except ValueError:
+            need(False, f"{section}.level_weights", f"one weight >= 0 per level of {section}.levels {list(levels)}, "
+                 "not all 0 (or null)")  # fmt: skip
     need(
         cfg.data.hack_markers == "auto" or cfg.data.hack_markers in MARKER_SETS,
         "data.hack_markers",
@@ -481,7 +482,7 @@ def _validate_choice(loss: LossConfig, forced: tuple[int, int], need) -> None:
     the other ``loss.mode_*`` keys."""
     choice = loss.mode_advantage
     need(
-        choice not in ("saturating", "evidence", "centered") or (sum(forced) > 0 and loss.mode_token_logp == "policy"),
+        choice not in (*HALF_SPLIT, "centered") or (sum(forced) > 0 and loss.mode_token_logp == "policy"),
         "loss.mode_advantage",
         f"{choice} needs mode-mixed rollouts (rollout.forced_non_thinking or rollout.forced_thinking > 0) and "
         "loss.mode_token_logp=policy: its term is set for the old policy's own log-prob of each first token",
@@ -493,9 +494,9 @@ def _validate_choice(loss: LossConfig, forced: tuple[int, int], need) -> None:
         f"rows of each (rollout.forced_non_thinking and rollout.forced_thinking give {forced[0]} and {forced[1]})",
     )
     need(
-        choice not in SELF_BOUNDED or loss.mode_token_floor in ("auto", 0),
+        choice not in UNFADED or loss.mode_token_floor in ("auto", 0),
         "loss.mode_token_floor",
-        f"must be auto or 0 with loss.mode_advantage={choice}, whose term is bounded by itself (no fade)",
+        f"must be auto or 0 with loss.mode_advantage={choice}, which has no settled-choice fade",
     )
 
 

@@ -162,7 +162,7 @@ class ModeMix:
         """Whether this step measures the fade's floor: under ``auto`` while the trainer's state keeps none
         (the first step; after a resume, only from a checkpoint written without one, and then at the resumed
         policy)."""
-        return self.mode_token_floor == "auto" and self.mode_advantage not in SELF_BOUNDED and kept is None
+        return self.mode_token_floor == "auto" and self.mode_advantage not in UNFADED and kept is None
 
     @property
     def fixed_floor(self) -> bool:
@@ -184,10 +184,10 @@ class ModeMix:
     def floor_logp(self, measured: float | None) -> float | None:
         """The log of the fade's floor: ``loss.mode_token_floor``'s, or under ``auto`` the one ``measured`` at the
         first step (the smallest log pi_old(</think> | x) of its groups over all ranks, kept in the trainer's
-        state); None when off (0, or ``auto`` under a choice in ``SELF_BOUNDED``) or not measured yet."""
+        state); None when off (0, or ``auto`` under a choice in ``UNFADED``) or not measured yet."""
         if self.mode_token_floor == 0:
             return None
-        if self.mode_token_floor == "auto" and self.mode_advantage in SELF_BOUNDED:  # bounded by itself: no fade
+        if self.mode_token_floor == "auto" and self.mode_advantage in UNFADED:  # no fade
             return None
         return measured if self.mode_token_floor == "auto" else math.log(self.mode_token_floor)
 
@@ -264,9 +264,10 @@ token's weight in the loss: as large as one answer token's term at a unit advant
 EVIDENCE_FLOOR = 0.05
 """The smallest half's gap the evidence choice sizes by: the accuracy-aware table's margin (a right direct answer
 against a right thinking one), the smallest gap that is evidence of a side rather than a tie."""
-SELF_BOUNDED = ("saturating", "centered")
-"""Choices whose term is bounded by itself, so the settled-choice fade stays off under ``loss.mode_token_floor=auto``:
-the saturating one at each mode, the centered one by its zero mean over the batch's groups."""
+UNFADED = ("saturating", "centered")
+"""Choices without the settled-choice fade (``loss.mode_token_floor`` auto or 0): the saturating one is bounded at each
+mode by itself; the centered one would lose its zero mean over the batch's groups, and has no bound (a level below
+the batch's mean gap is pushed down at every step, refused or not)."""
 HALF_SPLIT = ("saturating", "evidence")
 """Choices that size one half of each group's rows by the other half (``saturating_choice``, ``evidence_choice``)."""
 
@@ -306,9 +307,10 @@ def evidence_choice(
     target step on the ``</think>`` logit is C = EVIDENCE_SCALE * (d_B / max(|d_A|, EVIDENCE_FLOOR) + d_A /
     max(|d_B|, EVIDENCE_FLOOR)) / 2, each half's gap divided by the other half's size. A level whose halves agree
     steps by about EVIDENCE_SCALE whatever its gap, so a clear level counts as much as another (the decoupled
-    gap weighs levels 3-4's -0.9 against level 1's +0.05, 18:1); a near tie, whose halves' gaps differ in sign and
-    size, steps by less. The halves are independent, so E[C] = EVIDENCE_SCALE * (R_N - R_T) * E[1 / max(|d|,
-    EVIDENCE_FLOOR)]: the gap's sign at every p. Not bounded at the modes: the settled-choice fade
+    gap weighs levels 3-4's -0.85 against level 1's +0.05, 17:1); a near tie's halves often differ in sign and
+    size (+0.05 against -0.45: C = -4.4), so its steps are large and noisy, and small only in expectation. The
+    halves are independent, so E[C] = EVIDENCE_SCALE * (R_N - R_T) * E[1 / max(|d|, EVIDENCE_FLOOR)]: the gap's
+    sign at every p. Not bounded at the modes: the settled-choice fade
     (``loss.mode_token_floor``) stops the push-down of a refused mode, as for ``decoupled``."""
     p = think_end_logp.double().clamp(max=0.0).exp()  # (G,)
 
@@ -363,11 +365,12 @@ def centered_choice(mode_gap: torch.Tensor, non_thinking: torch.Tensor, group_si
     it, 0 where the group lacks a mode) and
     the rows' modes ``non_thinking`` (S,). A group's decoupled step on the ``</think>`` logit is s = n_N * gap (its
     n_N direct rows each carry the gap); the centered one is s minus the mean s over the batch's groups that hold
-    both modes, spread over the same rows, so a push shared by every level (levels 3-4's -0.9 outweighing level
+    both modes, spread over the same rows, so a push shared by every level (levels 3-4's -0.85 outweighing level
     1's +0.05 at the first position they share) cancels and only what separates the groups moves the choice. Its
     expectation is a group's decoupled step minus the batch's mean one: the sign of the gap against the batch's
     mean gap, not against 0 (a level at a near tie among levels that refuse direct answers is pushed towards
-    direct). The mean is the rank's own batch's."""
+    direct). The mean is the rank's own batch's. No settled-choice fade (it would break the zero mean), and no
+    bound: a level below the batch's mean gap is pushed down at every step."""
     k = group_size
     direct = non_thinking.bool().view(-1, k)  # (G, K)
     n_direct = direct.sum(1)  # (G,)

@@ -248,6 +248,10 @@ def test_bad_arguments_fail_before_training(tmp_path, capsys):
         assert f"--eval-steps: comma-separated steps from 1 to --steps (80), got '{steps}'" in capsys.readouterr().err
     assert cli_main(["compare", "--first-seed", "-1", "--output-dir", str(tmp_path / "x")]) == 2
     assert "--first-seed: must be >= 0, got -1" in capsys.readouterr().err
+    # the held-out split has levels 1-4: a mix of other levels cannot be its mix
+    args = ["compare", "--output-dir", str(tmp_path / "x"), "data.levels=[1,2]", "data.level_weights=[3,1]"]
+    assert cli_main(args) == 2
+    assert "data.level_weights: the held-out split has levels 1-4, and data.levels is [1, 2]" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 
 

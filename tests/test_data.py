@@ -217,6 +217,8 @@ def test_level_weights_share_out_the_draws_and_the_held_out_split():
     assert ones == [distinct[i % len(distinct)] for i in range(140)] and 5 <= len(distinct) < 140
     assert distinct == [p.problem for p in held_out(50, seed=3) if p.level == 1]  # the same problems, repeated
     assert len({p.problem for p in by_level[2]}) == 20  # enough distinct problems: no repeat
+    # a level with no share is left out (a weight of 0 at a level whose problems never run out)
+    assert {p.level for p in held_out(5, seed=3, weights=(1, 1, 1, 0))} == {1, 2, 3}
     for bad in ((1, 1), (1, -1, 1, 1), (0, 0, 0, 0)):
         with pytest.raises(ValueError, match="level weights"):
             held_out(5, weights=bad)

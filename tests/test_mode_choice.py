@@ -313,7 +313,7 @@ def test_the_evidence_and_centered_choices_are_refused_where_they_cannot_work():
     with pytest.raises(ConfigError, match="force 0 or at least 2 rows of each"):
         load_config(None, [*RECIPE, *EVIDENCE, "rollout.forced_thinking=0.125"])
     assert ModeMix.of(load_config(None, [*RECIPE, *EVIDENCE])).measures_floor(None)
-    # the centered one is bounded by its zero mean: no fixed floor
+    # the centered one has no settled-choice fade (it would break the zero mean): no fixed floor
     with pytest.raises(ConfigError, match=r"loss\.mode_token_floor: must be auto or 0"):
         load_config(None, [*RECIPE, "loss.mode_advantage=centered", "loss.mode_token_floor=1e-9"])
 
@@ -370,7 +370,7 @@ def test_the_centered_choice_steps_by_each_groups_gap_against_the_batchs_mean():
     T, p = 0.6, 1e-9
     cfg = load_config(None, [*RECIPE, f"rollout.temperature={T}", "loss.mode_advantage=centered"])
     mix = ModeMix.of(cfg)
-    assert mix.floor_logp(-20.0) is None, "no settled-choice fade: the term is bounded by its zero mean"
+    assert mix.floor_logp(-20.0) is None, "no settled-choice fade: it would break the zero mean"
     z0 = torch.tensor([T * math.log(p), T * math.log1p(-p)], dtype=torch.float64)
     for a, b in (("direct", "thinking"), ("near", "thinking"), ("tie", "tie")):
         kept = {}

@@ -128,6 +128,8 @@ def held_out(
     counts = [per_level] * len(levels) if weights is None else level_counts(per_level * len(levels), weights)
     out: list[SyntheticProblem] = []
     for level, count in zip(levels, counts, strict=True):
+        if count == 0:  # no share of the split (a weight of 0, or one that rounds to nothing)
+            continue
         distinct: list[SyntheticProblem] = []
         seen: set[str] = set()
         for a, b in _candidate_pairs(level, random.Random(f"{seed}-test-{level}")):
