@@ -162,27 +162,21 @@ def main() -> None:
     parser.add_argument("--hack", type=float, default=0.02)
     parser.add_argument("--tokens-over-opt", type=float, help="the tokens target T_opt + F * T_free (the mix's: 0.1)")
     args = parser.parse_args()
+    from fasttnt.compare.plan import run_dir  # where compare keeps each run, beside its compare.json
+
     aurocs = probe_auroc(args.probe)
     rows = []
     for path in args.summaries:
         summary = json.loads(path.read_text())
-        for data in summary["variants"].values():  # each run's folder, for the probe's rows
-            for run, folder in zip(data["runs"], _run_folders(path, summary, data), strict=True):
-                run["out"] = str(folder)
+        for name, data in summary["variants"].items():  # each run's folder, for the probe's rows
+            for run in data["runs"]:
+                run["out"] = str(run_dir(path.parent, run["warmup"], run["seed"], name))
         rows += run_rows(summary, args.baseline, args, aurocs)
     if aurocs and not any(r["choice_auroc"] is not None for r in rows):
         print(f"choice_grid.py: no row of {args.probe} names a run of these summaries' final/ models", file=sys.stderr)
     print(markdown(rows))
     print()
     print(means(rows))
-
-
-def _run_folders(path: Path, summary: dict, data: dict) -> list[Path]:
-    """The run folders of a variant's runs, as fasttnt compare lays them out (runs/w<warm-up>-seed<seed>/<slug>)."""
-    from fasttnt.variants import slug
-
-    name = next(n for n, d in summary["variants"].items() if d is data)
-    return [path.parent / "runs" / f"w{r['warmup']}-seed{r['seed']}" / slug(name) for r in data["runs"]]
 
 
 if __name__ == "__main__":

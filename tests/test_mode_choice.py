@@ -209,14 +209,18 @@ def test_below_the_floor_the_step_fades_and_keeps_its_sign():
         assert below.item() == pytest.approx(math.exp(-4) * unfaded.item(), rel=1e-5)
 
 
-def _half_finds_direct_better(p: float, acc_direct: float, acc_think: float) -> float:
-    """P(a half's gap > 0): its direct rows' mean reward (right + DELTA, wrong DELTA) above its thinking rows'."""
-    total = 0.0
+def _half_gaps(p: float, acc_direct: float, acc_think: float):
+    """Every outcome of one half as (probability, its gap d): its direct rows' mean reward (right + DELTA, wrong
+    DELTA) minus its thinking rows' (each half holds both modes)."""
     for prob, tokens, correct in _half_outcomes(p, acc_direct, acc_think):
         direct = [ok + DELTA for t, ok in zip(tokens, correct, strict=True) if t == END]
         thinking = [float(ok) for t, ok in zip(tokens, correct, strict=True) if t != END]
-        total += prob * (sum(direct) / len(direct) > sum(thinking) / len(thinking))
-    return total
+        yield prob, sum(direct) / len(direct) - sum(thinking) / len(thinking)
+
+
+def _half_finds_direct_better(p: float, acc_direct: float, acc_think: float) -> float:
+    """P(a half's gap > 0)."""
+    return sum(prob * (d > 0) for prob, d in _half_gaps(p, acc_direct, acc_think))
 
 
 @pytest.mark.parametrize("T", [0.6, 1.0])
@@ -319,13 +323,8 @@ def test_the_evidence_and_centered_choices_are_refused_where_they_cannot_work():
 
 
 def _half_evidence(p: float, acc_direct: float, acc_think: float) -> float:
-    """E[1 / max(|d|, EVIDENCE_FLOOR)] over one half's outcomes, d its gap (each half holds both modes)."""
-    total = 0.0
-    for prob, tokens, correct in _half_outcomes(p, acc_direct, acc_think):
-        direct = [ok + DELTA for t, ok in zip(tokens, correct, strict=True) if t == END]
-        thinking = [float(ok) for t, ok in zip(tokens, correct, strict=True) if t != END]
-        total += prob / max(abs(sum(direct) / len(direct) - sum(thinking) / len(thinking)), EVIDENCE_FLOOR)
-    return total
+    """E[1 / max(|d|, EVIDENCE_FLOOR)] over one half's outcomes, d its gap."""
+    return sum(prob / max(abs(d), EVIDENCE_FLOOR) for prob, d in _half_gaps(p, acc_direct, acc_think))
 
 
 @pytest.mark.parametrize("T", [0.6, 1.0])

@@ -62,6 +62,11 @@ class Run:
         return f"{self.variant} warm-up {self.warmup} seed {self.seed}"
 
 
+def run_dir(output_dir: Path, warmup: int, seed: int, variant: str) -> Path:
+    """Where a run of ``variant`` from warm-up ``warmup`` and training seed ``seed`` keeps its files."""
+    return output_dir / "runs" / f"w{warmup}-seed{seed}" / variant_slug(variant)
+
+
 def default_jobs() -> int:
     """Runs at once: one per core, at most 8. On 2 cores, two runs at one thread each did 1.76x the work of one
     at two threads (the tiny model's steps are mostly Python and small kernels)."""
@@ -90,7 +95,7 @@ def plan_runs(
                         f"warmup.seed={base.warmup.seed + w}",
                     ],
                 )
-                out = output_dir / "runs" / f"w{w}-seed{seed}" / variant_slug(variant)
+                out = run_dir(output_dir, w, seed, variant)
                 runs.append(Run(variant, w, seed, out, cfg))
     return runs
 
