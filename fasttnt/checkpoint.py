@@ -4,15 +4,18 @@ A step's folder is written under a temporary name and renamed into place, so a r
 previous checkpoint whole. It holds the weights (safetensors, Hugging Face layout), the optimizer
 (``optimizer.pt``; distributed runs: DeepSpeed's per-rank shards under ``deepspeed/``), each rank's RNG states,
 the step and data position (``trainer_state.json``), the resolved config, and the tokenizer (so a checkpoint is a
-model folder that ``fasttnt eval --model`` takes). Optimizer and RNG states load with
-``torch.load(weights_only=True)``, never an unrestricted unpickle; the learning rate is a function of the step.
+model folder that ``fasttnt eval --model`` takes). Every pickled file loads with ``torch.load(weights_only=True)``,
+DeepSpeed's shards included (``load_deepspeed_state``), never an unrestricted unpickle: a checkpoint folder from
+elsewhere runs no code; a file that cannot be read is a ``ResumeError`` naming it. The learning rate is a function
+of the step.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import pickle
 import random
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +24,7 @@ import numpy as np
 import torch
 import yaml
 
-from . import distributed
+from . import distributed, files
 from .config import TrainConfig, changed_keys, config_yaml, to_dict
 
 _PREFIX = "step-"
@@ -114,70 +117,63 @@ def write_trainer_files(
 
 
 def commit_checkpoint(root: Path, tmp: Path, final: Path, *, keep: int) -> None:
-    """Make a fully written temporary folder the checkpoint (one rename), then drop the oldest."""
-    _fsync_tree(tmp)
-    if final.exists():  # only when a step is saved twice; never the checkpoint a resume would use
-        shutil.rmtree(final)
-    os.replace(tmp, final)  # the commit point
-    _fsync_dir(root)
+    """Make a fully written temporary folder the checkpoint (its rename), then drop the oldest, each renamed out of
+    ``list_checkpoints``' sight before it is deleted."""
+    files.replace_folder(tmp, final)
     for old in list_checkpoints(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync_tree(path: Path) -> None:
-    for f in path.rglob("*"):
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make the rename itself durable (POSIX: a directory's entries are flushed by fsync on the directory)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        files.remove_folder(old)
 
 
 def list_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (half-written ``.tmp`` folders are not checkpoints)."""
+    """Complete checkpoints, oldest first: ``step-N`` folders alone (``.tmp``, half written, and ``.old``, half
+    deleted, are not checkpoints)."""
     if not root.is_dir():
         return []
-    done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and not p.name.endswith(".tmp")]
+    done = [p for p in root.iterdir() if p.is_dir() and re.fullmatch(rf"{_PREFIX}\d+", p.name)]
     return sorted(done, key=lambda p: int(p.name[len(_PREFIX) :]))
 
 
 def remove_partial(root: Path) -> None:
-    if root.is_dir():
-        for p in root.glob(f"{_PREFIX}*.tmp"):
-            shutil.rmtree(p, ignore_errors=True)
+    """What a kill left: half-written and half-deleted checkpoint folders."""
+    files.sweep(root, _PREFIX)
 
 
 def read_trainer_state(path: Path) -> TrainerState:
     return TrainerState(**json.loads((path / "trainer_state.json").read_text()))
 
 
+class ResumeError(ValueError):
+    """A checkpoint that the configured run cannot continue."""
+
+
+def load_tensors(path: Path, map_location=None, *, safe_globals: list | None = None):
+    """``torch.load(weights_only=True)`` of a checkpoint's file (tensors, plain containers and the ``safe_globals``
+    classes, nothing that runs code), each failure a ``ResumeError`` that names the file and what is wrong."""
+    if not path.is_file():
+        raise ResumeError(f"--resume: {path} is missing")
+    try:
+        with torch.serialization.safe_globals(safe_globals or []):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:  # weights_only's refusal: a class or call outside the allowed ones
+        raise ResumeError(f"--resume: {path} holds objects a checkpoint of this run never holds, refused unread "
+                          f"(weights_only): {str(err).splitlines()[0]}") from err  # fmt: skip
+    except Exception as err:  # a damaged file fails anywhere in torch's reader, with any error type
+        raise ResumeError(f"--resume: {path} is damaged or truncated ({type(err).__name__}: {err})") from err
+
+
 def load_training_state(path: Path, optimizer=None, *, rank: int = 0) -> TrainerState:
     """Restore the optimizer (single process; DeepSpeed restores its own shards) and this rank's RNG states from
     a checkpoint, and return the step and data position. The model is loaded by the caller."""
     if optimizer is not None:
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+        optimizer.load_state_dict(load_tensors(path / "optimizer.pt"))
     rng = path / f"rng{'' if rank == 0 else f'_rank{rank}'}.pt"
-    state = torch.load(rng, weights_only=True)
+    state = load_tensors(rng)
     missing = {"torch", "python", "numpy"} - set(state)
     if missing:
         raise ResumeError(f"--resume: {rng} holds no {', '.join(sorted(missing))} RNG state (written by an earlier "
                           "version): continue it with that version, or start a new run")  # fmt: skip
     set_rng_state(state)
     return read_trainer_state(path)
-
-
-class ResumeError(ValueError):
-    """A checkpoint that the configured run cannot continue."""
 
 
 def check_resume(cfg: TrainConfig, checkpoint: Path, world: int, *, new_config_ok: bool) -> None:
@@ -205,7 +201,10 @@ def load_weights(model, folder: Path) -> None:
 
     state = {}
     for file in sorted(folder.glob("*.safetensors")):
-        state.update(load_file(file))
+        try:
+            state.update(load_file(file))
+        except Exception as err:  # safetensors' own error type names neither the file nor the kind of damage
+            raise ValueError(f"{file}: not a readable safetensors file ({type(err).__name__}: {err})") from err
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {name for name in missing if "lm_head" in name and model.config.tie_word_embeddings}
     if set(missing) - tied or unexpected:
@@ -257,20 +256,57 @@ def restore(folder: Path, model, optimizer, ds_engine=None, *, rank: int = 0) ->
     if ds_engine is None:
         load_weights(model, folder)
     else:
-        if not (folder / "deepspeed").is_dir():
-            raise FileExistsError(f"{folder} was written by a single-process run: resume it the same way (no launcher)")
-        ds_engine.load_checkpoint(str(folder), tag="deepspeed")
+        load_deepspeed_state(folder, ds_engine)
     return load_training_state(folder, optimizer if ds_engine is None else None, rank=rank)
+
+
+def deepspeed_safe_globals() -> list[type]:
+    """The classes DeepSpeed 0.19's ZeRO-2/3 shards pickle besides tensors and plain containers (read off saved
+    shards with ``torch.serialization.get_unsafe_globals_in_checkpoint``): plain data, rebuilt without calling
+    anything else."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+def load_deepspeed_state(folder: Path, ds_engine) -> None:
+    """DeepSpeed's shards of the weights and optimizer, restored by DeepSpeed with every file read through
+    ``load_tensors``. Its own torch checkpoint engine unpickles in full (``weights_only=False`` in deepspeed 0.19's
+    ``TorchCheckpointEngine.load``): a shard carrying a ``__reduce__`` would run on ``--resume``. Every read of
+    ``load_checkpoint`` goes through that engine's ``load`` (universal checkpoints aside, which fasttnt's DeepSpeed
+    config never turns on), so it is replaced for the duration."""
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    if not (folder / "deepspeed").is_dir():
+        raise FileExistsError(f"{folder} was written by a single-process run: resume it the same way (no launcher)")
+    engine = ds_engine.checkpoint_engine
+    if type(engine) is not TorchCheckpointEngine:  # another engine reads files its own way
+        raise ResumeError(f"--resume: DeepSpeed's {type(engine).__name__} reads checkpoints outside fasttnt's "
+                          "weights-only loads; fasttnt resumes through TorchCheckpointEngine (no checkpoint writer "
+                          "in the DeepSpeed config)")  # fmt: skip
+    allowed = deepspeed_safe_globals()
+
+    def load(path: str, map_location=None):
+        return load_tensors(Path(path), map_location, safe_globals=allowed)
+
+    engine.load = load  # the instance's attribute shadows the class's method
+    try:
+        load_path, _ = ds_engine.load_checkpoint(str(folder), tag="deepspeed")
+    finally:
+        del engine.load
+    if load_path is None:
+        raise ResumeError(f"--resume: DeepSpeed found no checkpoint under {folder / 'deepspeed'}")
 
 
 def export_final(out: Path, model, tokenizer: Path | None, *, rank: int = 0) -> Path:
     """``out/final``: the trained model and (copied from ``tokenizer``, the run's saved folder) its tokenizer in
-    Hugging Face's layout (written once, atomically)."""
+    Hugging Face's layout, written under another name and renamed into place (``files.replace_folder``)."""
     final, tmp = out / "final", out / "final.tmp"
     with distributed.gathered(list(model.parameters())):
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             write_model_folder(tmp, model, tokenizer)
-            shutil.rmtree(final, ignore_errors=True)
-            tmp.rename(final)
+            files.replace_folder(tmp, final)
     return final

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import scoring
+from . import files, scoring
 from .data import (
     DATASETS,
     SYNTHETIC,
@@ -210,8 +210,8 @@ def run_eval(
     averaged = mean_over(benchmarks)
     report = {"settings": asdict(settings), "benchmarks": benchmarks, "mean_over": averaged, "results": results,
               "mean": {name: benchmark_mean(per_bench, averaged) for name, per_bench in results.items()}}  # fmt: skip
-    _write_atomic(output_dir / "eval.json", json.dumps(report, indent=1))
-    _write_atomic(output_dir / "eval.md", markdown_table(report))
+    files.write_text(output_dir / "eval.json", json.dumps(report, indent=1))
+    files.write_text(output_dir / "eval.md", markdown_table(report))
     plot_eval(report, output_dir / "eval.png")
     return report
 
@@ -252,8 +252,8 @@ def _eval_model(
             metrics, records = evaluate_one(engine, tokenizer, bench, problem_sets[bench], settings, pool)
             if save_responses:
                 rpath = output_dir / "responses" / slug / f"{_slug(bench)}.jsonl"
-                _write_atomic(rpath, "".join(json.dumps(r) + "\n" for r in records))
-            _write_atomic(path, json.dumps({**identity, "metrics": metrics}, indent=1))
+                files.write_text(rpath, "".join(json.dumps(r) + "\n" for r in records))
+            files.write_text(path, json.dumps({**identity, "metrics": metrics}, indent=1))
             results[bench] = metrics
     finally:
         if engine is not None:
@@ -272,13 +272,6 @@ def model_fingerprint(name: str) -> str:
         stat = f.stat()
         parts.append(f"{f.name}:{stat.st_size}:{stat.st_mtime_ns}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def markdown_table(report: dict) -> str:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from . import files
+
 
 def read_jsonl(path: Path) -> list[dict]:
     """Rows of a metrics file; a line torn by a kill mid-write (always the last) is dropped."""
@@ -25,7 +27,7 @@ def truncate_metrics(path: Path, step: int) -> None:
     if not path.exists():
         return
     kept = [json.dumps(row) for row in read_jsonl(path) if row["step"] <= step]
-    path.write_text("".join(line + "\n" for line in kept))
+    files.write_text(path, "".join(line + "\n" for line in kept))  # a kill leaves the old file or the new
 
 
 class RunLog:

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from . import files
 from .config import LoggingConfig, TrainConfig, to_dict
 from .typed_yaml import build, read_yaml_mapping
 
@@ -45,9 +46,7 @@ class WandbRun:
         id_file = out / RUN_ID_FILE
         run_id = id_file.read_text().strip() if resume and id_file.is_file() else None  # None: wandb makes one
         run = _init(wandb, cfg.logging, out, run_id, name=cfg.logging.name or out.resolve().name, config=to_dict(cfg))
-        tmp = id_file.with_suffix(".tmp")
-        tmp.write_text(run.id + "\n")
-        tmp.replace(id_file)
+        files.write_text(id_file, run.id + "\n")
         return cls(run, wandb)
 
     @classmethod

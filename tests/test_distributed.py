@@ -374,3 +374,94 @@ def test_bf16_autocast_reaches_the_forward_inside_deepspeeds_engine(tmp_path):
         assert f"rank {rank} trained in ['torch.bfloat16'] through DeepSpeedEngine" in result.stdout, result.stdout[
             -2000:
         ]
+
+
+class _Payload:
+    """What a hostile shard could carry: unpickling it in full creates ``marker`` (a stand-in for any code)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+@pytest.fixture
+def world_of_one(tmp_path_factory):
+    """A gloo process group of one rank in this process (DeepSpeed's engine wants one), torn down after the test."""
+    import torch.distributed as dist
+
+    store = tmp_path_factory.mktemp("store") / "store"
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "DS_ACCELERATOR": "cpu"}
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def _ds_engine(stage: int, seed: int):
+    """A two-layer model under fasttnt's DeepSpeed config at ``stage``, with AdamW state from one step."""
+    from types import SimpleNamespace
+
+    import deepspeed
+    import torch
+
+    from fasttnt.distributed import deepspeed_config
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    zero = SimpleNamespace(zero_stage=stage, bucket_size=10**6)
+    cfg = SimpleNamespace(optim=SimpleNamespace(grad_clip=1.0), distributed=zero)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg, 1))
+    engine.backward(engine(torch.randn(3, 4)).square().sum())
+    engine.step()
+    return engine
+
+
+def _adam_moments(engine) -> list:
+    import torch
+
+    state = engine.optimizer.optimizer.state  # the wrapped AdamW's, over this rank's float32 partitions
+    return [torch.cat([s["exp_avg"].flatten(), s["exp_avg_sq"].flatten()]) for s in state.values()]
+
+
+def test_a_deepspeed_resume_reads_every_shard_weights_only(world_of_one, tmp_path):
+    # at ZeRO-2 and ZeRO-3 (one test: DeepSpeed keeps its groups for the life of the process group), fasttnt's
+    # DeepSpeed load puts back what DeepSpeed saved (the optimizer's moments), every file read weights-only; then
+    # each shard in turn given a __reduce__ payload: refused with its name, the payload never run
+    import torch
+
+    from fasttnt import checkpoint
+
+    for stage in (2, 3):
+        folder = tmp_path / f"zero{stage}"
+        saved = _ds_engine(stage, seed=0)
+        saved.save_checkpoint(str(folder), tag="deepspeed")
+        fresh = _ds_engine(stage, seed=1)
+        assert not all(torch.equal(a, b) for a, b in zip(_adam_moments(fresh), _adam_moments(saved), strict=True))
+        checkpoint.load_deepspeed_state(folder, fresh)
+        assert all(torch.equal(a, b) for a, b in zip(_adam_moments(fresh), _adam_moments(saved), strict=True))
+        assert "load" not in vars(fresh.checkpoint_engine)  # DeepSpeed's own load is back once the resume is over
+
+        shards = sorted((folder / "deepspeed").glob("*.pt"))
+        assert len(shards) == 2, shards  # the model states and the optimizer states
+        for shard in shards:
+            marker = tmp_path / f"ran-{stage}-{shard.stem}"
+            original = shard.read_bytes()
+            content = torch.load(shard, weights_only=False)
+            content["extra"] = _Payload(marker)
+            torch.save(content, shard)
+            torch.load(shard, weights_only=False)  # precondition: a full unpickle runs the payload
+            assert marker.exists()
+            marker.unlink()
+            with pytest.raises(checkpoint.ResumeError, match=f"{shard}.*refused unread"):
+                checkpoint.load_deepspeed_state(folder, _ds_engine(stage, seed=1))
+            assert not marker.exists()
+            shard.write_bytes(original)

@@ -37,10 +37,10 @@ from fasttnt.checkpoint import list_checkpoints
 from fasttnt.embedded.char_tokenizer import build_char_tokenizer
 from fasttnt.engines.batch import RolloutBatch
 from fasttnt.pipeline.peer import link
-from fasttnt.pipeline.remote import IN_FLIGHT
+from fasttnt.pipeline.remote import IN_FLIGHT, in_flight_file, read_in_flight
 from fasttnt.pipeline.staleness import StaleBatchError, check_fresh, oldest_version, staleness
 from fasttnt.pipeline.weights import Slot, WeightPushError, layout, recv_weights, send_weights
-from fasttnt.pipeline.wire import OPTIONAL, Shipment, WorkerError, decode, from_fields, to_fields
+from fasttnt.pipeline.wire import OPTIONAL, Limits, Shipment, WorkerError, encode, from_fields, to_fields
 from fasttnt.scoring import Judged, ScoredBatch
 from fasttnt_kernels import TntRewards
 
@@ -48,6 +48,9 @@ pytest.importorskip("deepspeed")  # distributed.init joins the process group thr
 
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 HANG_S = 300  # each job takes seconds; a hang fails after this, its ranks killed with it
+# scored_batch's shipments at the limits: its 12 responses of at most 8 tokens, after prompts of at most 5, every id
+# under 100
+LIMITS = Limits(rows=12, row_tokens=8, vocab=100)
 
 
 def test_the_staleness_bound_by_hand():
@@ -116,7 +119,7 @@ def test_the_fields_of_a_scored_batch_round_trip(optional):
     want = scored_batch(SEED, optional=optional)
     fields = to_fields(want)
     assert all((fields[name] is None) == (not optional) for name in OPTIONAL), "precondition: the optional fields"
-    assert_same_batch(from_fields(fields, worker="w"), want)
+    assert_same_batch(from_fields(fields, worker="w", vocab=LIMITS.vocab), want)
 
 
 def shipment(seed: int, step: int, version: int | None = None, **fields) -> Shipment:
@@ -148,7 +151,6 @@ def test_the_batches_in_flight_read_back_per_worker_and_a_checkpoint_of_other_wo
     from fasttnt.config import load_config
     from fasttnt.pipeline.remote import RemoteRollouts
     from fasttnt.pipeline.roles import Pipeline, PipelineRanks
-    from fasttnt.pipeline.wire import encode
 
     def trainer(workers: int, saved: dict) -> RemoteRollouts:
         (tmp_path / IN_FLIGHT).unlink(missing_ok=True)
@@ -157,15 +159,13 @@ def test_the_batches_in_flight_read_back_per_worker_and_a_checkpoint_of_other_wo
         pipeline = Pipeline(PipelineRanks(1 + workers, workers), 0, None, ("127.0.0.1", 0), 1.0)
         return RemoteRollouts(cfg, pipeline, torch.device("cpu"), tmp_path)
 
-    two = {"last": [encode(shipment(SEED, 3)), encode(shipment(SEED + 1, 3))],
-           "queue": [[encode(shipment(SEED + 2, 4)), encode(shipment(SEED + 3, 4))]],
-           "probes": {3: [torch.zeros(5), torch.ones(5)]}}  # fmt: skip
+    two = in_flight_file([shipment(SEED, 3), shipment(SEED + 1, 3)], [[shipment(SEED + 2, 4), shipment(SEED + 3, 4)]],
+                         {3: [torch.zeros(5), torch.ones(5)]})  # fmt: skip
     got = trainer(2, two)
     assert [s.step for s in got.last] == [3, 3] and [[s.step for s in q] for q in got.queue] == [[4, 4]]
     assert_same_batch(got.queue[0][1].scored, scored_batch(SEED + 3))
     assert [p.tolist() for p in got.probes[3]] == [[0.0] * 5, [1.0] * 5]
-    # a checkpoint of one worker from before several existed: its one message, its one probe
-    one = {"last": encode(shipment(SEED, 3)), "queue": [encode(shipment(SEED + 2, 4))], "probes": {3: torch.ones(5)}}
+    one = in_flight_file([shipment(SEED, 3)], [[shipment(SEED + 2, 4)]], {3: [torch.ones(5)]})
     got = trainer(1, one)
     assert [s.step for s in got.last] == [3] and [len(q) for q in got.queue] == [1] and len(got.probes[3]) == 1
     with pytest.raises(ResumeError, match=r"the batches of 2 rollout workers, and this run has rollout.workers=1"):
@@ -210,14 +210,131 @@ def test_the_trainers_share_a_step_as_the_colocated_ranks_share_its_prompts():
         ("text_lengths", lambda t: t + 1, "text_lengths do not add up"),
         ("counts", lambda t: torch.tensor([5, 0, 0]), "12 responses are not groups of 5"),
         ("rewards", lambda t: None, r"fields \['rewards'\] missing"),
+        # counts of another size, ids outside the vocabulary (the first and last rows), rewards that are not finite
+        ("counts", lambda t: t[:2], r"counts holds 2 numbers, not 3"),
+        ("counts", lambda t: torch.cat([t, t[:1]]), r"counts holds 4 numbers, not 3"),
+        ("response_ids", lambda t: at(t, 0, -1), r"response_ids holds token id -1 \(row 0\), outside the vocabulary "
+         r"\[0, 100\)"),
+        ("response_ids", lambda t: at(t, -1, 100), r"response_ids holds token id 100 \(row 11\), outside"),
+        ("prompt_tokens", lambda t: at(t, -1, -1), r"prompt_tokens holds token id -1 \(row 11\), outside"),
+        ("prompt_tokens", lambda t: at(t, 0, 100), r"prompt_tokens holds token id 100 \(row 0\), outside"),
+        ("rewards", lambda t: at(t, 5, math.nan), r"rewards holds nan \(row 5\), not a finite number"),
+        ("rewards", lambda t: at(t, 0, math.inf), r"rewards holds inf \(row 0\), not a finite number"),
+        ("rewards", lambda t: at(t, -1, -math.inf), r"rewards holds -inf \(row 11\), not a finite number"),
     ],
-)
+)  # fmt: skip
 def test_a_malformed_batch_is_refused_naming_the_worker(field, value, message):
     fields = to_fields(scored_batch(SEED))
-    from_fields(dict(fields), worker="w")  # precondition: the batch as sent is whole
+    from_fields(dict(fields), worker="w", vocab=LIMITS.vocab)  # precondition: the batch as sent is whole
     fields[field] = value(fields[field])
     with pytest.raises(WorkerError, match=f"rollout worker rank 3: malformed batch: {message}"):
-        from_fields(fields, worker="rollout worker rank 3")
+        from_fields(fields, worker="rollout worker rank 3", vocab=LIMITS.vocab)
+
+
+def at(t: torch.Tensor, i: int, value) -> torch.Tensor:
+    """A copy of ``t`` holding ``value`` at ``i``."""
+    t = t.clone()
+    t[i] = value
+    return t
+
+
+@pytest.mark.parametrize(
+    ("field", "count"),
+    [*((field, 2**60) for field in ("cu_seqlens", "prompt_tokens", "response_ids", "text_bytes", "counts", "rewards",
+                                    "probe_logp")),
+     ("rewards", LIMITS.rows + 1), ("counts", 4)],
+)  # fmt: skip
+def test_a_header_announcing_more_than_a_shipment_holds_is_refused_before_anything_is_allocated(monkeypatch, field,
+                                                                                                count):  # fmt: skip
+    from fasttnt.pipeline import wire
+
+    sent: list[torch.Tensor] = []  # what the worker's sends put in the trainer's buffers, in order
+    monkeypatch.setattr(wire, "recv_from", lambda tensor, src, **_: tensor.copy_(sent.pop(0)))
+    empty = torch.empty
+
+    def small_empty(*size, **options):
+        n = torch.Size(size[0] if len(size) == 1 and not isinstance(size[0], int) else size).numel()
+        assert n <= 1 << 20, f"torch.empty of {n} elements"
+        return empty(*size, **options)
+
+    monkeypatch.setattr(torch, "empty", small_empty)
+    header, payload = encode(shipment(SEED, 3, probe_version=1, probe_logp=-torch.rand(6)))
+    sent += [header, payload]
+    got = wire.recv_shipment(3, limits=LIMITS)  # precondition: as sent, at the limits' rows, it arrives whole
+    assert_same_batch(got.scored, scored_batch(SEED))
+    assert (got.probe_version, got.probe_logp.numel()) == (1, 6)
+    header[wire.HEADER_INTS + 2 * [name for name, _ in wire.MESSAGE_FIELDS].index(field) + 1] = count
+    sent += [header]
+    with pytest.raises(WorkerError, match=rf"rollout worker rank 3: malformed batch: field {field} announces {count} "
+                       "elements, more than the"):  # fmt: skip
+        wire.recv_shipment(3, limits=LIMITS)
+    assert not sent, "the payload was not received"
+
+
+def in_flight_of_two_workers() -> dict[str, object]:
+    return in_flight_file([shipment(SEED, 3), shipment(SEED + 1, 3)], [[shipment(SEED + 2, 4), shipment(SEED + 3, 4)]],
+                          {3: [-torch.rand(5), -torch.rand(5)]})  # fmt: skip
+
+
+def contents(in_flight: tuple) -> tuple:
+    """``read_in_flight``'s batches as their messages' numbers, and its probes', to compare."""
+    last, queue, probes = in_flight
+    messages = [[t.tolist() for t in encode(s)] for s in [*last, *(s for step in queue for s in step)]]
+    return messages, [len(step) for step in queue], {v: [(p.dtype, p.tolist()) for p in ps] for v, ps in probes.items()}
+
+
+def test_a_flipped_bit_in_the_batches_in_flight_is_refused_or_reads_back_unchanged(tmp_path):
+    import random
+
+    from fasttnt.checkpoint import ResumeError
+
+    path = tmp_path / IN_FLIGHT
+    torch.save(in_flight_of_two_workers(), path)
+    raw, want = path.read_bytes(), contents(read_in_flight(path, workers=2))
+    rng, refused, flips = random.Random(SEED), 0, range(0, len(raw), 8)  # a bit of every 8th byte, a random one
+    for i in flips:
+        flipped = bytearray(raw)
+        flipped[i] ^= 1 << rng.randrange(8)
+        path.write_bytes(flipped)
+        try:
+            got = read_in_flight(path, workers=2)
+        except ResumeError as err:
+            assert str(err).startswith(f"--resume: {path}"), err
+            refused += 1
+            continue
+        # a bit of the zip's records that its reader skips, or of padding: the same batches, not others
+        assert contents(got) == want, f"byte {i}: a flipped bit read back as other batches"
+    assert refused > len(flips) // 2, "precondition: most flips touch what is read"
+
+
+def test_a_damaged_in_flight_file_is_refused_naming_it_and_what_is_wrong(tmp_path):
+    from fasttnt.checkpoint import ResumeError
+
+    path = tmp_path / IN_FLIGHT
+    saved = in_flight_of_two_workers()
+    torch.save(saved, path)
+    raw = path.read_bytes()
+    read_in_flight(path, workers=2)  # precondition: as written, it reads back
+
+    def refused(content: bytes | dict, message: str, workers: int = 2) -> None:
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            torch.save(content, path)
+        with pytest.raises(ResumeError, match=re.escape(f"--resume: {path}") + message):
+            read_in_flight(path, workers=workers)
+
+    for content in (b"", raw[:100], raw[: len(raw) // 2], raw[:-1], b"not a checkpoint"):  # empty, truncated, no zip
+        refused(content, r" \w")  # checkpoint.load_tensors' words for what is wrong
+    refused({k: v for k, v in saved.items() if k != "queue"}, r": key 'queue' missing")
+    old = {"last": [encode(shipment(SEED, 3))], "queue": [], "probes": {}}  # the layout before checksums
+    refused(old, r": format None, not 2: written before its batches carried checksums")
+    header, payload, digest = saved["queue"][0][1]
+    damaged = {**saved, "queue": [[saved["queue"][0][0], (header, at(payload, 40, payload[40] ^ 4), digest)]]}
+    refused(damaged, re.escape(": batch queue[0][1] does not match its checksum: the file is damaged"))
+    probes, digest = saved["probes"][3]
+    refused({**saved, "probes": {3: ([probes[0], probes[1] + 1], digest)}}, re.escape(": probes[3] do not match"))
+    refused(saved, " holds the batches of 2 rollout workers, and this run has rollout.workers=1", workers=1)
 
 
 EXCHANGE = f"""
@@ -228,9 +345,10 @@ sys.path.insert(0, {str(os.path.dirname(__file__))!r})
 from test_pipeline import assert_same_batch, scored_batch, tiny_model
 from fasttnt import distributed
 from fasttnt.pipeline.weights import WeightPushError, recv_weights, send_weights
-from fasttnt.pipeline.wire import HEADER_LEN, Shipment, WorkerError, recv_shipment, send_shipment
+from fasttnt.pipeline.wire import HEADER_LEN, Limits, Shipment, WorkerError, recv_shipment, send_shipment
 
 BUCKET = 4096  # bytes: several buckets, so their order and bounds are exercised
+LIMITS = {LIMITS!r}
 
 def main():
     ctx = distributed.init("cpu")
@@ -241,7 +359,7 @@ def main():
         shipment = Shipment(scored_batch({SEED}), 7, 5, [True, False, True], draws=2, data_position=96, times=times)
         send_shipment(shipment, [trainer])
     else:
-        got = recv_shipment(worker)
+        got = recv_shipment(worker, limits=LIMITS)
         assert (got.step, got.version, got.varied, got.draws, got.data_position) == (7, 5, [True, False, True], 2, 96)
         assert got.times == {{"time_generate": 1.5, "time_verify": 0.25, "time_reward": 0.125, "time_idle": 0.5}}
         assert_same_batch(got.scored, scored_batch({SEED}))
@@ -263,7 +381,7 @@ def main():
         dist.send(torch.zeros(HEADER_LEN, dtype=torch.int64), trainer)
     else:
         try:
-            recv_shipment(worker)
+            recv_shipment(worker, limits=LIMITS)
         except WorkerError as err:
             print(f"refused: {{err}}", flush=True)
     # a push from a model of another shape: the worker refuses it before loading anything
@@ -517,8 +635,7 @@ def test_a_run_killed_one_step_off_resumes_to_what_an_uninterrupted_run_logs(tmp
     out = tmp_path / "killed"
     assert [r["step"] for r in metric_rows(out)] == [1]
     (checkpoint,) = list_checkpoints(out / "checkpoints")
-    saved = torch.load(checkpoint / IN_FLIGHT, weights_only=True)
-    (in_flight,) = ([decode(*message, worker="test") for message in messages] for messages in saved["queue"])
+    _, (in_flight,), _ = read_in_flight(checkpoint / IN_FLIGHT, workers=ranks)
     assert len(in_flight) == ranks, "each worker's batch"
     assert all((s.step, staleness(s.step, s.version)) == (2, 1) for s in in_flight), "a stale batch was in flight"
 

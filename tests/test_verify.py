@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -363,3 +367,163 @@ def test_a_worker_that_dies_on_an_item_counts_it_as_a_crash(monkeypatch):
             ["\\boxed{\\sqrt{4}}", "\\boxed{crash}", "\\boxed{\\sqrt{9}}"], ["2", "2", "3"], pool=pool
         )
     assert list(verdicts) == [True, False, True] and verdicts.crashes == 1 and verdicts.timeouts == 0
+
+
+def _wait_for(condition, seconds: float, what: str):
+    """Poll ``condition`` until it returns something true (returned) or ``seconds`` pass (an error naming ``what``)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {seconds:.0f} s")
+        time.sleep(0.1)
+
+
+def _process_table() -> dict[int, tuple[str, int, int, int]]:
+    """pid -> (state, parent pid, CPU clock ticks, start time) of every process, from /proc/<pid>/stat."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # it ended meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after the command's name, which may hold spaces and ")"
+        state, ppid, utime, stime, start = fields[0], int(fields[1]), int(fields[11]), int(fields[12]), int(fields[19])
+        table[int(entry)] = (state, ppid, utime + stime, start)
+    return table
+
+
+def _descendants(pid: int, table: dict[int, tuple[str, int, int, int]]) -> set[int]:
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, (_, ppid, _, _) in table.items() if ppid in frontier} - found
+        found |= frontier
+    return found
+
+
+def _still_running(processes: dict[int, int]) -> list[int]:
+    """Which of ``processes`` (pid -> start time) still run: a zombie has ended, and a reused pid is another's."""
+    table = _process_table()
+    running = []
+    for pid, start in processes.items():
+        state, _, _, started = table.get(pid, ("X", 0, 0, start))
+        if started == start and state not in "ZX":
+            running.append(pid)
+    return running
+
+
+def _command(pid: int) -> str:
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline") as f:
+        return f.read().replace("\0", " ")[:150]
+    return "(ended)"
+
+
+KILLED_TRAINER = """
+import pathlib
+import sys
+
+from fasttnt.verify import VerifierPool, verify_batch
+
+if __name__ == "__main__":
+    # a timeout (and so a CPU limit) far longer than the test waits: only the trainer's death can end the worker
+    pool = VerifierPool(workers=1, timeout=600.0)
+    assert list(verify_batch(["\\\\boxed{\\\\sqrt{4}}"], ["2"], pool=pool)) == [True]
+    pathlib.Path(sys.argv[1]).write_text("judging")
+    verify_batch(["\\\\boxed{9^{9^{9^{9}}}}"], ["1"], pool=pool)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process tree from /proc")
+def test_no_process_outlives_a_trainer_killed_mid_item(tmp_path):
+    # kill -9 of the trainer runs none of its clean-up: its workers, forkserver and resource tracker must end by
+    # themselves, the worker even while a power tower holds it in one long C call (SIGTERM it ignores)
+    script, marker = tmp_path / "trainer.py", tmp_path / "judging"
+    script.write_text(KILLED_TRAINER)
+    trainer = subprocess.Popen([sys.executable, str(script), str(marker)], cwd=tmp_path, stderr=subprocess.PIPE)
+    processes: dict[int, int] = {}
+    try:
+        _wait_for(lambda: marker.exists() or trainer.poll() is not None, 300, "the trainer's first verdict")
+        assert trainer.poll() is None, trainer.stderr.read().decode()[-2000:]
+
+        def busy_worker():
+            table = _process_table()
+            # the worker is a grandchild of the trainer (a child of the forkserver)
+            workers = [pid for pid in _descendants(trainer.pid, table) if table[pid][1] != trainer.pid]
+            return workers and table
+
+        table = _wait_for(busy_worker, 60, "the verification worker")
+        processes = {pid: table[pid][3] for pid in _descendants(trainer.pid, table)}
+        (worker,) = (pid for pid in processes if table[pid][1] != trainer.pid)
+        ticks = table[worker][2]
+        enough = os.sysconf("SC_CLK_TCK") // 2  # half a second of CPU: it is working on the power tower
+
+        def working():  # a worker that ended shows no more CPU time: the wait fails, naming what it waited for
+            return _process_table().get(worker, ("X", 0, ticks, 0))[2] - ticks >= enough
+
+        _wait_for(working, 120, "the worker's work on the item")
+        assert len(processes) >= 2, processes  # the worker and the forkserver at least
+
+        trainer.kill()
+        trainer.wait()
+        with contextlib.suppress(AssertionError):
+            _wait_for(lambda: not _still_running(processes), 30, "the trainer's processes to end")
+        survivors = [f"{pid}: {_command(pid)}" for pid in _still_running(processes)]
+        assert not survivors, f"still running after the trainer's death: {survivors}"
+    finally:
+        trainer.kill()
+        trainer.wait()
+        for pid in _still_running(processes):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGXCPU"), reason="no CPU limit (RLIMIT_CPU) on this platform")
+def test_the_cpu_limit_ends_an_item_without_the_pools_timeout():
+    # a CPU limit of 1-2 s and a pool's timeout of 60 s: the kernel ends the worker at its CPU limit, the pool counts
+    # the item as a timeout (not a crash, which can stop a run) and judges the next item in a new worker
+    with VerifierPool(workers=1, timeout=60.0) as pool:
+        pool.cpu_seconds = 1
+        assert list(verify_batch(["\\boxed{\\sqrt{4}}"], ["2"], pool=pool)) == [True]
+        worker = pool._workers[0].process
+        assert worker.is_alive()
+        verdicts = verify_batch(["\\boxed{9^{9^{9^{9}}}}", "\\boxed{\\sqrt{9}}"], ["1", "3"], pool=pool)
+        assert worker.exitcode == -signal.SIGXCPU
+        assert list(verdicts) == [False, True]
+        assert verdicts.timeouts == 1 and verdicts.crashes == 0
+        assert pool._workers[0].process is not worker and pool._workers[0].process.is_alive()
+
+
+WATCHED = """
+import pathlib
+import sys
+
+from fasttnt.verify.pool import _exit_with_trainer
+
+_exit_with_trainer(int(sys.argv[1]))
+pathlib.Path(sys.argv[2]).write_text("watching")
+while True:  # Python code that never ends by itself, as a slow symbolic simplification
+    pass
+"""
+
+
+def test_the_watchdog_ends_a_busy_worker_whose_trainer_is_gone(tmp_path):
+    # the watchdog thread needs no prctl and no forkserver: it covers other platforms and a forkserver kept up by
+    # other processes, for a worker running Python code
+    marker = tmp_path / "watching"
+    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    worker = subprocess.Popen([sys.executable, "-c", WATCHED, str(trainer.pid), str(marker)], cwd=tmp_path)
+    try:
+        _wait_for(lambda: marker.exists() or worker.poll() is not None, 120, "the watchdog's start")
+        assert worker.poll() is None
+        trainer.kill()
+        trainer.wait()  # reaped: its pid is gone
+        assert worker.wait(timeout=30) == 1
+    finally:
+        for process in (trainer, worker):
+            process.kill()
+            process.wait()

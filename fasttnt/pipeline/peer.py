@@ -11,7 +11,12 @@ builds groups on every rank of the default one). Ranks are the group's own.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
@@ -51,6 +56,41 @@ def wait_for(work, *, peer: str, what: str, timeout: float | None) -> None:
                 f"{peer} stopped answering: no {what} for {waited:.0f} s (rollout.worker_timeout={timeout:g})"
             ) from err
         raise _gone(peer, what, err) from err
+
+
+WATCHDOG_EXIT = 3  # the exit status of a process its watchdog stopped
+
+
+@contextlib.contextmanager
+def watchdog(*, peer: str, what: str, timeout: float | None, abort: Callable[[], None]) -> Iterator[None]:
+    """Bound a wait that has no timeout of its own: NCCL's broadcasts and the stream synchronisation after them
+    block for ever on a peer that died or stopped. After ``timeout`` seconds (None: unbounded) a thread aborts the
+    communicator (``abort``: vLLM's ``PyNcclCommunicator.destroy``, its ncclCommAbort) and ends the process with one
+    line naming the peer; a thread, since the blocked main thread cannot raise, and the process's end, since a
+    launcher then ends the run's other processes."""
+    if timeout is None:
+        yield
+        return
+    done = threading.Event()
+
+    def watch() -> None:
+        if done.wait(timeout):
+            return
+        print(f"fasttnt: {peer} took no part in {what} for {timeout:g} s (rollout.worker_timeout): aborting the NCCL "
+              "communicator and stopping the run", file=sys.stderr, flush=True)  # fmt: skip
+        try:
+            abort()
+        finally:
+            sys.stdout.flush()
+            os._exit(WATCHDOG_EXIT)
+
+    thread = threading.Thread(target=watch, name="fasttnt-nccl-watchdog", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def link(host: str, port: int, rank: int, world: int, *, name: str, timeout: float) -> dist.ProcessGroup:

@@ -21,16 +21,18 @@ they differ: a push that did not arrive, or was garbled, stops it at any k.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from .. import distributed
-from ..checkpoint import ResumeError
+from ..checkpoint import ResumeError, load_tensors
 from ..config import TrainConfig
 from ..dynamic_sampling import choose_groups, concat_draws, select_groups
 from ..engines.batch import RolloutBatch
@@ -43,9 +45,15 @@ from .roles import TRAINER, Pipeline, join
 from .staleness import check_fresh, oldest_version
 from .vllm_transfer import BACKEND, NCCL_BACKEND
 from .weights import layout, recv_weights, send_weights
-from .wire import Shipment, WorkerError, decode, encode, recv_shipment, send_shipment
+from .wire import Limits, Shipment, WorkerError, decode, encode, recv_shipment, send_shipment
 
 IN_FLIGHT = "in_flight.pt"  # a checkpoint's file at rollout.max_staleness >= 1 (RemoteRollouts.in_flight)
+# IN_FLIGHT's layout (in_flight_file): 2 stores a checksum with every batch and probe; a file of an earlier format has
+# none to check, and is refused
+IN_FLIGHT_FORMAT = 2
+# a run whose model names no position limit, and that sets no data.max_prompt_tokens, takes prompts of any length: a
+# million tokens a row still bounds what a garbled shipment header can make a trainer allocate (shipment_limits)
+NO_BUDGET_PROMPT_TOKENS = 1 << 20
 
 
 def probe_rows(batch: RolloutBatch) -> RolloutBatch:
@@ -88,6 +96,105 @@ def whole_step(shipments: list[Shipment]) -> Shipment:
                     stop=any(s.stop for s in shipments))  # fmt: skip
 
 
+def shipment_limits(cfg: TrainConfig, model: torch.nn.Module, prompt_budget: int | None) -> Limits:
+    """What a shipment of this run may hold (``wire.Limits``): the responses of a worker's share of a step's prompts
+    in each draw the step may take; a row's prompt, and its response, within the positions the run gives a sequence
+    (``prompt_budget``, the longest prompt it takes: ``run_setup.prompt_budget_of``, + rollout.max_new_tokens, the
+    engines' max_model_len: a response is its pre-fill, a few tokens, and at most max_new_tokens sampled); token ids
+    within ``model``'s embedding."""
+    r = cfg.rollout
+    draws = r.max_draws if r.dynamic_sampling else 1
+    prompt = NO_BUDGET_PROMPT_TOKENS if prompt_budget is None else prompt_budget
+    return Limits(rows=r.prompts_per_step // r.workers * r.group_size * draws, row_tokens=prompt + r.max_new_tokens,
+                  vocab=model.get_input_embeddings().num_embeddings)  # fmt: skip
+
+
+def checksum(*tensors: torch.Tensor) -> str:
+    """The SHA-256 of ``tensors``' dtypes, shapes and bytes, in order (``in_flight_file``)."""
+    digest = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().to("cpu").contiguous()
+        digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+# Each stored batch is its message (header, payload: ``wire.encode``) and the checksum of both, the header holding the
+# step, the version, the draws, the data position and every field's dtype and size, the payload every field: the
+# checksum covers exactly what is read back. Each probe entry is its version's probes and the checksum of the version
+# with them. Per batch rather than one checksum of the file, so that a mismatch names the batch, and the file stays
+# what checkpoint.write_trainer_files' torch.save writes: a flipped bit in a tensor, or in the pickled structure that
+# says which bytes make a tensor, changes what a checksum covers; one in the rest of the file (the zip's records, the
+# keys, the format) fails the load or the layout's checks (read_in_flight), or leaves the content as it was written.
+def in_flight_file(last: list[Shipment], queue: Iterable[list[Shipment]], probes: dict[int, list[torch.Tensor]]
+                   ) -> dict[str, object]:  # fmt: skip
+    """What ``IN_FLIGHT`` holds (``torch.save``'s object): the shipments of the step trained last (``last``) and of
+    the steps in flight (``queue``), one per worker, and the probes not checked yet, each with its checksum."""
+
+    def stored(shipment: Shipment) -> tuple[torch.Tensor, torch.Tensor, str]:
+        header, payload = encode(shipment)
+        return header, payload, checksum(header, payload)
+
+    return {
+        "format": IN_FLIGHT_FORMAT,
+        "last": [stored(s) for s in last],
+        "queue": [[stored(s) for s in step] for step in queue],
+        "probes": {v: (list(p), checksum(torch.tensor([v]), *p)) for v, p in probes.items()},
+    }
+
+
+def read_in_flight(path: Path, *, workers: int, device: torch.device | str = "cpu"
+                   ) -> tuple[list[Shipment], list[list[Shipment]], dict[int, list[torch.Tensor]]]:  # fmt: skip
+    """``in_flight_file``'s ``last``, ``queue`` and ``probes`` read back from ``path`` onto ``device``, of a run with
+    ``workers`` rollout workers: a file that cannot be read, lacks a key, holds another layout or other workers'
+    batches, or whose content does not match its checksums is a ``ResumeError`` naming it and what is wrong."""
+    saved = load_tensors(path, map_location="cpu")  # checked here, on the host, then moved
+
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise ResumeError(f"--resume: {path}: {what}")
+
+    need(isinstance(saved, dict), f"holds a {type(saved).__name__}, not the dict of a checkpoint's batches in flight")
+    version = saved.get("format")
+    need(version == IN_FLIGHT_FORMAT, f"format {version}, not {IN_FLIGHT_FORMAT}: written before its batches carried "
+         "checksums (no format) or by another version of fasttnt, or damaged")  # fmt: skip
+    for key in ("last", "queue", "probes"):
+        need(key in saved, f"key {key!r} missing")
+    need(len(saved) == 4, f"keys {sorted(map(str, saved))}, not format, last, queue and probes")
+
+    def read(messages, where: str) -> list[Shipment]:
+        need(isinstance(messages, list), f"{where} is a {type(messages).__name__}, not a list of batches")
+        if len(messages) != workers:
+            raise ResumeError(f"--resume: {path} holds the batches of {len(messages)} rollout workers, and this run "
+                              f"has rollout.workers={workers}: resume with as many")  # fmt: skip
+        shipments = []
+        for i, message in enumerate(messages):
+            at = f"{where}[{i}]"
+            need(isinstance(message, tuple) and len(message) == 3, f"batch {at} is not a (header, payload, checksum)")
+            header, payload, digest = message
+            need(isinstance(header, torch.Tensor) and isinstance(payload, torch.Tensor) and isinstance(digest, str),
+                 f"batch {at} is not a (header, payload, checksum)")  # fmt: skip
+            need(checksum(header, payload) == digest, f"batch {at} does not match its checksum: the file is damaged")
+            # no limits: the batch was held against them when it arrived, and its checksum says it is as it was
+            shipments.append(decode(header, payload, worker=f"{path} batch {at}", limits=None, device=device))
+        return shipments
+
+    last = read(saved["last"], "last")
+    need(isinstance(saved["queue"], list), "queue is not a list of steps")
+    queue = [read(messages, f"queue[{i}]") for i, messages in enumerate(saved["queue"])]
+    need(isinstance(saved["probes"], dict), "probes is not a dict of weight versions")
+    probes = {}
+    for v, entry in saved["probes"].items():
+        ok = isinstance(v, int) and 0 <= v < 2**63 and isinstance(entry, tuple) and len(entry) == 2
+        need(ok and isinstance(entry[0], list) and all(isinstance(p, torch.Tensor) for p in entry[0]),
+             f"probes[{v!r}] is not a weight version's (probes, checksum)")  # fmt: skip
+        need(len(entry[0]) == workers, f"probes[{v}] holds {len(entry[0])} probes, not one per rollout worker")
+        need(checksum(torch.tensor([v]), *entry[0]) == entry[1], f"probes[{v}] do not match their checksum: the file "
+             "is damaged")  # fmt: skip
+        probes[v] = [p.to(device) for p in entry[0]]
+    return last, queue, probes
+
+
 def checks_pushes(cfg: TrainConfig) -> bool:
     """Whether each weight push is checked by a probe's log-probs on both sides (module docstring): at k >= 1, with
     the stale-weight guard on."""
@@ -109,6 +216,7 @@ class RemoteRollouts:
         self.push_link = None  # the weights': the pipeline's link, or the vLLM workers' own (made at start)
         self.nccl = None  # rollout.weight_transfer=nccl, on trainer 0: vLLM's PyNcclCommunicator to the workers
         self.model: torch.nn.Module | None = None
+        self.limits: Limits | None = None  # what a shipment may hold, once the model is known (start)
         self.deferred: int | None = None  # nccl at k = 1: the version pushed once the next batch is in (push)
         self.bucket_bytes = cfg.rollout.weight_sync_bucket_bytes
         self.timeout = cfg.rollout.worker_timeout
@@ -129,6 +237,8 @@ class RemoteRollouts:
         """The workers' starting point: the step they generate from and their data position there, the weights, and
         a resumed run's shipments (the last trained and those in flight, whose first groups each worker's push
         checks read: each worker gets its own)."""
+        from ..run_setup import prompt_budget_of
+
         first = step + len(self.queue)  # the workers generate step first + 1 on
         position = self.queue[-1][0].data_position if self.queue else data_position
         back = [self.last, *self.queue] if self.last else []
@@ -148,6 +258,7 @@ class RemoteRollouts:
                 self.nccl = stateless_init_process_group(self.pipeline.address[0], nccl_port, 0,
                                                          1 + len(self.workers), self.device)  # fmt: skip
         self.model = model
+        self.limits = shipment_limits(self.cfg, model, prompt_budget_of(self.cfg))
         if self.rank == TRAINER:
             for worker in self.workers:
                 send_to(torch.tensor([first, position, len(back)], dtype=torch.int64), worker,
@@ -202,7 +313,8 @@ class RemoteRollouts:
         shipments = []
         for worker in self.workers:
             name = worker_name(worker)
-            shipment = recv_shipment(worker, group=self.link, device=self.device, timeout=self.timeout)
+            shipment = recv_shipment(worker, group=self.link, limits=self.limits, device=self.device,
+                                     timeout=self.timeout)  # fmt: skip
             if shipment.step != step:
                 raise WorkerError(f"{name} shipped step {shipment.step}'s batch where step {step}'s was due")
             check_fresh(step, shipment.version, self.cfg.rollout.max_staleness, worker=name)
@@ -219,28 +331,15 @@ class RemoteRollouts:
             return None
         while len(self.queue) < k and step + len(self.queue) < self.cfg.steps:
             self.queue.append(self._receive(step + len(self.queue) + 1))
-        saved = {"last": [encode(s) for s in self.last], "queue": [[encode(s) for s in q] for q in self.queue],
-                 "probes": dict(self.probes)}  # fmt: skip
-        return {IN_FLIGHT: saved}
+        return {IN_FLIGHT: in_flight_file(self.last, self.queue, self.probes)}
 
     def _restore(self, path: Path) -> None:
         """``in_flight``'s file, read back (written by a run with as many workers: the config check said so)."""
         if not path.is_file():
             raise ResumeError(f"--resume: {path} is missing: a checkpoint at rollout.max_staleness >= 1 keeps the "
                               "batches in flight there")  # fmt: skip
-        saved = torch.load(path, weights_only=True, map_location=self.device)  # written on trainer 0's device
-
-        def read(messages) -> list[Shipment]:
-            if isinstance(messages, tuple):  # written with one worker before several existed: its one message
-                messages = [messages]
-            if len(messages) != len(self.workers):
-                raise ResumeError(f"--resume: {path} holds the batches of {len(messages)} rollout workers, and this "
-                                  f"run has rollout.workers={len(self.workers)}: resume with as many")  # fmt: skip
-            return [decode(*message, worker=f"{path}", device=self.device) for message in messages]
-
-        self.last = read(saved["last"])
-        self.queue.extend(read(messages) for messages in saved["queue"])
-        self.probes = {v: probe if isinstance(probe, list) else [probe] for v, probe in saved["probes"].items()}
+        self.last, queue, self.probes = read_in_flight(path, workers=len(self.workers), device=self.device)
+        self.queue.extend(queue)
 
     def _check_push(self, step: int, shipments: list[Shipment]) -> None:
         """Each worker's log-probs of a version's probe against the trainer's (``StaleWeightsError`` past the guard's
@@ -365,7 +464,9 @@ def _serve(cfg: TrainConfig, signals: StopSignals) -> int:
     stream.seek(data_position)
     version = receive()
     # a resumed run's last trained shipment and those in flight (RemoteRollouts.start): what this worker had shipped
-    back = [recv_shipment(TRAINER, group=link, device=device, timeout=timeout, peer=trainer) for _ in range(n_back)]
+    limits = shipment_limits(cfg, model, prompt_budget)
+    back = [recv_shipment(TRAINER, group=link, limits=limits, device=device, timeout=timeout, peer=trainer)
+            for _ in range(n_back)]  # fmt: skip
     verifier = VerifierPool(cfg.verify_workers, cfg.verify_timeout)
     think_end_id, mode_mix = think_end_token_id(tokenizer), ModeMix.of(cfg)
     # the workers share each draw's prompts as the colocated ranks do, over their own world (roles.join)

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from .peer import link, send_to, trainer_name
+from .peer import link, send_to, trainer_name, watchdog
 from .weights import Layout, Slot, bucket_buffer, bucket_views, recv_bucket, recv_header
 
 BACKEND = "fasttnt-gloo"  # the name vLLM's WeightTransferConfig(backend=...) selects this engine by
@@ -191,6 +191,13 @@ def _nccl_engine_class():
             buffer = bucket_buffer(bucket, self.nccl.device)
             self.nccl.broadcast(buffer, src=0)
             return bucket_views(bucket, buffer)
+
+        def update_weights(self, update_info: dict[str, Any]) -> None:
+            # the broadcasts, and the synchronisation that ends the base class's update, wait on the trainer with no
+            # timeout of their own
+            with watchdog(peer=trainer_name(self.trainer), what=f"weight version {self.incoming}'s broadcasts",
+                          timeout=self.timeout, abort=self.nccl.destroy):  # fmt: skip
+                super().update_weights(update_info)
 
         def shutdown(self) -> None:
             super().shutdown()

@@ -16,6 +16,7 @@ A receiver without the trainer's model (vLLM's, whose parameters are fused and r
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import zlib
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import distributed
-from .peer import PipelineError, isend, rank_in, recv_from, trainer_name, wait_for, worker_name
+from .peer import PipelineError, isend, rank_in, recv_from, trainer_name, wait_for, watchdog, worker_name
 
 MAGIC = 0x7F7A_7477_0001  # "fasttnt weights", format 1
 ALIGN = 8
@@ -103,7 +104,7 @@ def send_weights(
     (``peer.wait_for``). ``nccl`` (on ``src``: vLLM's ``PyNcclCommunicator``, the sender its rank 0, the receivers
     the others): the header goes over ``group`` as always, each receiver says it took it (a push of another model
     is refused there, before any bucket moves), and the buckets are broadcast device to device, synchronously
-    (``vllm_transfer``'s nccl engine)."""
+    (``vllm_transfer``'s nccl engine), within ``timeout`` seconds or the process ends (``peer.watchdog``)."""
     sending = rank_in(group) == src
     sent = []
     what = f"weight version {version} to be taken"
@@ -126,15 +127,20 @@ def send_weights(
                 recv_from(torch.empty(1, dtype=torch.int64), dst, peer=worker_name(dst),
                           what=f"its word that weight version {version} is welcome", timeout=timeout,
                           group=group)  # fmt: skip
-    for bucket in layer_buckets(model, bucket_bytes):
-        params = [p for _, p in bucket]
-        with distributed.gathered(params):
-            if sending and nccl is not None:
-                nccl.broadcast(_packed(params, nccl.device), src=0)
-            elif sending:
-                send(_packed(params))  # a copy: the model may change while a background send is in flight
-    if sending and nccl is not None and nccl.device.type == "cuda":
-        torch.cuda.current_stream(nccl.device).synchronize()  # every bucket delivered before the weights change
+    broadcasting = sending and nccl is not None
+    receivers = ", ".join(worker_name(dst) for dst in dsts)
+    bounded = watchdog(peer=receivers, what=f"weight version {version}'s broadcasts", timeout=timeout,
+                       abort=nccl.destroy) if broadcasting else contextlib.nullcontext()  # fmt: skip
+    with bounded:
+        for bucket in layer_buckets(model, bucket_bytes):
+            params = [p for _, p in bucket]
+            with distributed.gathered(params):
+                if broadcasting:
+                    nccl.broadcast(_packed(params, nccl.device), src=0)
+                elif sending:
+                    send(_packed(params))  # a copy: the model may change while a background send is in flight
+        if broadcasting and nccl.device.type == "cuda":
+            torch.cuda.current_stream(nccl.device).synchronize()  # every bucket delivered before the weights change
     return sent
 
 

@@ -4,13 +4,15 @@ of the weights it was sampled with, over torch.distributed's point-to-point ``se
 A message is two sends: a header (int64: a magic number, the step, the weight version, the draws, the data position,
 the probe's version, whether the worker was asked to stop, the number of fields, then each field's dtype code and
 element count, ``MESSAGE_FIELDS`` in order) and one uint8 payload holding every present field's bytes back to back,
-each padded to 8 bytes so that every field can be viewed in place as its dtype. The receiver checks the header and
-the fields' shapes against each other before it builds the batch: a malformed message is a ``WorkerError`` that
-names the worker, never a batch trained on.
+each padded to 8 bytes so that every field can be viewed in place as its dtype. The receiver checks the header's
+sizes against what a shipment of the run may hold (``Limits``) before it allocates the payload, then the fields'
+shapes against each other, the token ids against the vocabulary and the rewards for being finite before it builds the
+batch: a malformed message is a ``WorkerError`` that names the worker and the field, never a batch trained on.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -63,10 +65,27 @@ DTYPE_CODES = {torch.int64: 1, torch.float32: 2, torch.bool: 3, torch.int8: 4, t
 HEADER_INTS = 8  # before the fields' codes and counts
 HEADER_LEN = HEADER_INTS + 2 * len(MESSAGE_FIELDS)
 ALIGN = 8
+# the fields of one element per token of a row (prompt_tokens: of its prompt; probe_logp: of the probe's responses)
+PER_TOKEN = frozenset({"prompt_tokens", "response_ids", "rollout_logp", "probe_logp"})
+FIXED_SIZE = {"counts": 3, "times": len(TIMED)}
+# a token decodes to its vocabulary entry's bytes, a byte that is not UTF-8 to U+FFFD (3 bytes): the longest entry of
+# Qwen's vocabulary is 128 bytes (384 at worst decoded), so 1 KiB per response token bounds text_bytes with room
+MAX_TOKEN_BYTES = 1024
 
 
 class WorkerError(PipelineError):
     """A rollout worker sent what cannot be trained on (a malformed batch)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a shipment of a run may hold (``remote.shipment_limits``). Each field's element count in the header is
+    held against these before the payload is allocated (``most_elements``): a garbled count is refused, never
+    allocated; the token ids are held against ``vocab`` once the payload is in."""
+
+    rows: int  # responses: a worker's prompts per draw x rollout.group_size x the draws a step may take
+    row_tokens: int  # tokens of a row's prompt, and of its response: the longest prompt + rollout.max_new_tokens
+    vocab: int  # token ids lie in [0, vocab): the model's embedding rows
 
 
 @dataclass
@@ -124,16 +143,21 @@ def to_fields(scored: ScoredBatch) -> dict[str, torch.Tensor | None]:
     return out
 
 
-def from_fields(fields: dict[str, torch.Tensor | None], *, worker: str, device: torch.device | str = "cpu"):
+def from_fields(
+    fields: dict[str, torch.Tensor | None], *, worker: str, vocab: int | None, device: torch.device | str = "cpu"
+):
     """The ``ScoredBatch`` of ``fields`` (``to_fields``' inverse) on ``device``, after checking that the fields agree
-    with each other (``WorkerError`` naming ``worker`` otherwise)."""
+    with each other, that every token id lies in [0, ``vocab``) (None: a batch checked when it arrived, read back
+    unchanged from a checkpoint) and that the rewards are finite (``WorkerError`` naming ``worker`` otherwise)."""
     missing = [name for name, _ in FIELDS if fields.get(name) is None and name not in OPTIONAL]
     if missing:
         raise WorkerError(f"{worker}: malformed batch: fields {missing} missing")
-    cu = fields["cu_seqlens"]
+    cu, counts = fields["cu_seqlens"], fields["counts"]
     s = cu.numel() - 1
-    group_size, timeouts, crashes = (int(x) for x in fields["counts"].tolist())
-    _check(s >= 0 and fields["counts"].numel() == 3, worker, "cu_seqlens is empty or counts is not 3 numbers")
+    _check(s >= 0, worker, "cu_seqlens is empty")
+    _check(counts.numel() == FIXED_SIZE["counts"], worker, f"counts holds {counts.numel()} numbers, not "
+           f"{FIXED_SIZE['counts']} (group size, verifier timeouts, verifier crashes)")  # fmt: skip
+    group_size, timeouts, crashes = (int(x) for x in counts.tolist())
     _check(group_size >= 1 and s % group_size == 0, worker, f"{s} responses are not groups of {group_size}")
     bounds = cu.tolist()
     n = fields["response_ids"].numel()
@@ -152,6 +176,13 @@ def from_fields(fields: dict[str, torch.Tensor | None], *, worker: str, device: 
            "prompt_lengths do not add up to prompt_tokens")  # fmt: skip
     _check(sum(text_lengths) == fields["text_bytes"].numel() and min(text_lengths, default=0) >= 0, worker,
            "text_lengths do not add up to text_bytes")  # fmt: skip
+    if vocab is not None:  # an id outside the vocabulary would index past the embedding (a device-side assert on CUDA)
+        _check_ids(fields["prompt_tokens"], [0, *itertools.accumulate(prompt_lengths)], "prompt_tokens", vocab, worker)
+        _check_ids(fields["response_ids"], bounds, "response_ids", vocab, worker)
+    # a NaN or infinite reward would turn every advantage of its group, and so the whole loss, into NaN
+    row = _first(~torch.isfinite(fields["rewards"]))
+    if row is not None:
+        raise _malformed(worker, f"rewards holds {fields['rewards'][row].item()} (row {row}), not a finite number")
     tokens, raw = fields["prompt_tokens"].tolist(), bytes(fields["text_bytes"].numpy())
     prompts, texts, p, t = [], [], 0, 0
     for pl, tl in zip(prompt_lengths, text_lengths, strict=True):
@@ -176,7 +207,27 @@ def from_fields(fields: dict[str, torch.Tensor | None], *, worker: str, device: 
 
 def _check(ok: bool, worker: str, what: str) -> None:
     if not ok:
-        raise WorkerError(f"{worker}: malformed batch: {what}")
+        raise _malformed(worker, what)
+
+
+def _malformed(worker: str, what: str) -> WorkerError:
+    return WorkerError(f"{worker}: malformed batch: {what}")
+
+
+def _first(mask: torch.Tensor) -> int | None:
+    """The index of ``mask``'s first True, None where there is none."""
+    hits = mask.nonzero()
+    return int(hits[0]) if hits.numel() else None
+
+
+def _check_ids(ids: torch.Tensor, bounds: list[int], name: str, vocab: int, worker: str) -> None:
+    """Every id of ``ids`` (rows between ``bounds``) in [0, ``vocab``), else a ``WorkerError`` naming the first row
+    holding one outside."""
+    at = _first((ids < 0) | (ids >= vocab))
+    if at is not None:
+        row = bisect.bisect_right(bounds, at) - 1
+        raise _malformed(worker, f"{name} holds token id {ids[at].item()} (row {row}), outside the vocabulary "
+                                 f"[0, {vocab})")  # fmt: skip
 
 
 def encode(shipment: Shipment) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,14 +251,29 @@ def encode(shipment: Shipment) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(header, dtype=torch.int64), payload
 
 
-def payload_layout(header: torch.Tensor, *, worker: str) -> tuple[list[tuple], int]:
+def most_elements(limits: Limits, response_tokens: int) -> dict[str, int]:
+    """The most elements each field of a shipment within ``limits`` holds, its response_ids holding
+    ``response_tokens``: one per response (or fewer: per group) but for the bounds of the responses (one more), the
+    per-token fields (``PER_TOKEN``: at most ``row_tokens`` a row), the text (``MAX_TOKEN_BYTES`` a response token)
+    and the fields of a fixed size."""
+    most = dict.fromkeys((name for name, _ in MESSAGE_FIELDS), limits.rows)
+    most["cu_seqlens"] = limits.rows + 1
+    most.update(dict.fromkeys(PER_TOKEN, limits.rows * limits.row_tokens))
+    most["text_bytes"] = min(response_tokens, most["response_ids"]) * MAX_TOKEN_BYTES
+    return {**most, **FIXED_SIZE}
+
+
+def payload_layout(header: torch.Tensor, *, worker: str, limits: Limits | None) -> tuple[list[tuple], int]:
     """Where each field lies in the payload a header announces: ``(name, dtype or None, offset, count)`` per field,
-    and the payload's size in bytes (``WorkerError`` where the header is not one of ``encode``'s)."""
+    and the payload's size in bytes (``WorkerError`` where the header is not one of ``encode``'s, or announces more
+    than ``limits`` allow: checked before the payload is allocated; None: a checkpoint's batch, in memory already)."""
     magic, *_, n_fields = header[:HEADER_INTS].tolist()
     if header.numel() != HEADER_LEN or magic != MAGIC or n_fields != len(MESSAGE_FIELDS):
         raise WorkerError(f"{worker}: malformed batch: not a fasttnt shipment of this version (magic {magic:#x})")
     spec = header[HEADER_INTS:].tolist()
     codes = {code: dtype for dtype, code in DTYPE_CODES.items()}
+    names = [name for name, _ in MESSAGE_FIELDS]
+    most = {} if limits is None else most_elements(limits, spec[2 * names.index("response_ids") + 1])
     layout, size = [], 0
     for (name, dtype), code, numel in zip(MESSAGE_FIELDS, spec[0::2], spec[1::2], strict=True):
         if code == 0:
@@ -215,22 +281,35 @@ def payload_layout(header: torch.Tensor, *, worker: str) -> tuple[list[tuple], i
             continue
         if codes.get(code) != dtype or numel < 0:
             raise WorkerError(f"{worker}: malformed batch: field {name} has dtype code {code}, count {numel}")
+        if limits is not None and numel > most[name]:
+            raise WorkerError(f"{worker}: malformed batch: field {name} announces {numel} elements, more than the "
+                              f"{most[name]} a shipment of this run holds (at most {limits.rows} responses of "
+                              f"{limits.row_tokens} tokens)")  # fmt: skip
         nbytes = numel * dtype.itemsize
         layout.append((name, dtype, size, numel))
         size += nbytes + (-nbytes % ALIGN)
     return layout, size
 
 
-def decode(header: torch.Tensor, payload: torch.Tensor, *, worker: str, device: torch.device | str = "cpu") -> Shipment:
-    """``encode``'s inverse, checked (``WorkerError`` naming ``worker``: malformed), on ``device``."""
-    layout, size = payload_layout(header, worker=worker)
+def decode(
+    header: torch.Tensor,
+    payload: torch.Tensor,
+    *,
+    worker: str,
+    limits: Limits | None,
+    device: torch.device | str = "cpu",
+) -> Shipment:
+    """``encode``'s inverse, checked (``WorkerError`` naming ``worker``: malformed), on ``device``. ``limits``: what
+    the shipment may hold; None for a batch read back from a checkpoint, which was checked when it arrived (and whose
+    checksum says it is unchanged: ``remote.read_in_flight``)."""
+    layout, size = payload_layout(header, worker=worker, limits=limits)
     if payload.numel() != size:
         raise WorkerError(f"{worker}: malformed batch: a payload of {payload.numel()} bytes where {size} are due")
     _, step, version, draws, data_position, probe_version, stop, _ = header[:HEADER_INTS].tolist()
     fields = {}
     for name, dtype, at, numel in layout:
         fields[name] = None if dtype is None else payload[at : at + numel * dtype.itemsize].view(dtype).clone()
-    scored = from_fields(fields, worker=worker, device=device)
+    scored = from_fields(fields, worker=worker, vocab=None if limits is None else limits.vocab, device=device)
     groups = scored.batch.lengths.numel() // scored.batch.group_size
     varied, times = fields.get("varied"), fields.get("times")
     if varied is None or varied.numel() != groups or times is None or times.numel() != len(TIMED) or draws < 1:
@@ -261,15 +340,21 @@ def send_shipment(
 
 
 def recv_shipment(
-    src: int, group=None, *, device: torch.device | str = "cpu", timeout: float | None = None, peer: str | None = None
+    src: int,
+    group=None,
+    *,
+    limits: Limits,
+    device: torch.device | str = "cpu",
+    timeout: float | None = None,
+    peer: str | None = None,
 ) -> Shipment:
-    """The shipment rank ``src`` sends (``send_shipment``), checked (``WorkerError``: malformed) and on ``device``;
-    each part within ``timeout`` seconds (``peer.wait_for``); ``peer`` names rank ``src`` in errors (by default a
-    rollout worker, which batches come from)."""
+    """The shipment rank ``src`` sends (``send_shipment``), checked against ``limits`` and itself (``WorkerError``:
+    malformed) and on ``device``; each part within ``timeout`` seconds (``peer.wait_for``); ``peer`` names rank
+    ``src`` in errors (by default a rollout worker, which batches come from)."""
     worker = peer or worker_name(src)
     header = torch.empty(HEADER_LEN, dtype=torch.int64)
     recv_from(header, src, peer=worker, what="batch", timeout=timeout, group=group)
-    _, size = payload_layout(header, worker=worker)
+    _, size = payload_layout(header, worker=worker, limits=limits)  # before anything the header sizes is allocated
     payload = torch.empty(size, dtype=torch.uint8)
     recv_from(payload, src, peer=worker, what="batch", timeout=timeout, group=group)
-    return decode(header, payload, worker=worker, device=device)
+    return decode(header, payload, worker=worker, limits=limits, device=device)

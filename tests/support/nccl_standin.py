@@ -29,6 +29,11 @@ class GlooAsNccl:
         self.group.broadcast([tensor], options).wait()
         self.broadcasts += 1
 
+    def destroy(self) -> None:
+        """vLLM's abort of the communicator (ncclCommAbort); here the gloo group's."""
+        print("GlooAsNccl: aborted", file=sys.stderr, flush=True)
+        self.group.abort()
+
 
 def stand_in() -> None:
     """NCCL's group, stood in by ``GlooAsNccl`` on the CPU, in this process."""
