@@ -39,12 +39,11 @@ from pathlib import Path
 import torch
 
 import fasttnt.trainer as trainer_module
-from fasttnt.actor import UpdateInputs
 from fasttnt.config import load_config
 from fasttnt.data import PromptMode
 from fasttnt.engines.batch import FORCED_CODES
 from fasttnt.modes import first_token_index, think_end_probe
-from fasttnt.policy import plan_micro_batches, response_logprobs
+from fasttnt.policy import UpdateInputs, plan_micro_batches, response_logprobs
 from fasttnt.trainer import Trainer
 from fasttnt.variants import variant_overrides
 

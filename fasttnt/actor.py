@@ -10,7 +10,7 @@ collective.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -22,7 +22,7 @@ from .config import TrainConfig
 from .engines.batch import RolloutBatch
 from .policy import (
     MicroBatch,
-    MicroBatchLossInputs,
+    UpdateInputs,
     bf16_context,
     micro_batch_loss,
     no_grad_logprobs,
@@ -39,47 +39,6 @@ class NoGradLogprobs(NamedTuple):
     old_logp: torch.Tensor | None  # (N,) the policy's before the update (the old policy, pi_old)
     ref_logp: torch.Tensor | None  # (N,) the reference model's (the KL term)
     think_end_logp: torch.Tensor | None  # (G,) mode-mixed: log pi_old(</think> | x) at each group's first position
-
-
-SEQUENCE_INPUTS = ("advantages", "first_advantages")  # UpdateInputs' fields of one entry per sequence
-TOKEN_INPUTS = ("old_logp", "ref_logp", "is_weights")  # and per token
-
-
-@dataclass(frozen=True)
-class UpdateInputs:
-    """What the update needs of a step: the batch and its tensors, named as the loss kernel names them
-    (``PolicyLossInputs``), each cut with the batch (``SEQUENCE_INPUTS``, ``TOKEN_INPUTS``); None where not used."""
-
-    batch: RolloutBatch
-    advantages: torch.Tensor  # (S,) every token's, but the first's where first_advantages is given
-    first_advantages: torch.Tensor | None = None  # (S,) the first (mode) tokens' own (fasttnt.advantages)
-    old_logp: torch.Tensor | None = None  # (N,) pi_old's ("half": log 0.5 at the forced first tokens); None: on-policy
-    ref_logp: torch.Tensor | None = None  # (N,) the reference model's (the KL term)
-    is_weights: torch.Tensor | None = None  # (N,) per-token weights of the policy-gradient term (fasttnt.modes)
-
-    def group_slice(self, first: int, last: int) -> UpdateInputs:
-        """Prompts ``first .. last - 1`` (``RolloutBatch.group_slice``) and their tensors."""
-        k, bounds = self.batch.group_size, self.batch.bounds
-        return self._cut(self.batch.group_slice(first, last), slice(first * k, last * k),
-                         slice(bounds[first * k], bounds[last * k]))  # fmt: skip
-
-    def select(self, keep: list[int]) -> UpdateInputs:
-        """Sequences ``keep`` (ascending; ``RolloutBatch.select``) and their tensors."""
-        kept, tokens = self.batch.select(keep)
-        return self._cut(kept, torch.tensor(keep, dtype=torch.long, device=self.advantages.device), tokens)
-
-    def _cut(self, batch: RolloutBatch, sequences, tokens) -> UpdateInputs:
-        cut = {name: t[sequences] for name in SEQUENCE_INPUTS if (t := getattr(self, name)) is not None}
-        cut |= {name: t[tokens] for name in TOKEN_INPUTS if (t := getattr(self, name)) is not None}
-        return replace(self, batch=batch, **cut)
-
-    def micro_batch(self, mb: MicroBatch, **totals) -> MicroBatchLossInputs:
-        """``linear_policy_loss``'s inputs for micro-batch ``mb`` of this batch; ``totals``: the normalisers and
-        settings of ``MicroBatchLossInputs``."""
-        lo, hi = self.batch.bounds[mb.first], self.batch.bounds[mb.last]
-        cut = {name: t[mb.first : mb.last] for name in SEQUENCE_INPUTS if (t := getattr(self, name)) is not None}
-        cut |= {name: t[lo:hi] for name in TOKEN_INPUTS if (t := getattr(self, name)) is not None}
-        return MicroBatchLossInputs(cu_seqlens=self.batch.cu_seqlens[mb.first : mb.last + 1] - lo, **cut, **totals)
 
 
 class Actor:

@@ -141,8 +141,8 @@ def _train(args) -> int:
     from .data import DataError
     from .guard import StaleWeightsError
     from .pipeline.peer import PipelineError, worker_name
-    from .pipeline.remote import serve
     from .pipeline.roles import is_worker_rank
+    from .pipeline.worker import serve
     from .plots import summary_table
     from .preemption import EXIT_PREEMPTED, Preempted
     from .rollouts import VerificationError
@@ -221,7 +221,7 @@ def _train(args) -> int:
                     file=sys.stderr,
                 )
             # a rollout worker is mid-batch, not at the shutdown's barrier: the launcher ends it when this rank exits
-            if distributed.launched_distributed() and trainer.remote is None:
+            if distributed.launched_distributed() and trainer.parts.pipeline is None:
                 distributed.shutdown()
             return EXIT_PREEMPTED
         if trainer.parts.is_main:

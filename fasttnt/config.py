@@ -6,7 +6,6 @@ CLI turns it into one line and exit code 2 before anything heavy starts.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -15,14 +14,14 @@ from typing import Literal
 
 import yaml
 
-from fasttnt_kernels import ROLLOUT_CORRECTIONS, PolicyLossConfig, SettingError, check_reward_limits
+from fasttnt_kernels import ROLLOUT_CORRECTIONS, PolicyLossConfig, SettingError
 
 from .data import DATASETS, MARKER_SETS, names_a_path
 from .embedded.synthetic import check_level_weights
 from .embedded.tiny import TinyModelConfig, WarmupConfig
 from .modes import HALF_SPLIT, UNFADED
-from .rewards import REWARD_SCHEMES, RewardConfig
-from .typed_yaml import ConfigError, apply_overrides, build, read_yaml_mapping
+from .rewards import RewardConfig
+from .typed_yaml import ConfigError, apply_overrides, build, read_yaml_mapping, requirement
 
 __all__ = [  # with the loader's error and YAML reader, which every caller of the config uses
     "SAFE_ON_RESUME", "ConfigError", "DataConfig", "DistributedConfig", "LossConfig", "ModelConfig", "OptimConfig",
@@ -44,6 +43,13 @@ class ModelConfig:
     liger_kernels: bool = True  # Liger's RMSNorm/SwiGLU/RoPE on CUDA when liger-kernel is installed
     trust_remote_code: bool = False
 
+    def validate(self) -> None:
+        need = requirement("model")
+        need(bool(self.name.strip()), "name", "must name a model: tiny, a hub id or a local folder")
+        need(
+            not names_a_path(self.name) or Path(self.name).expanduser().is_dir(), "name", f"{self.name} is not a folder"
+        )
+
 
 @dataclass(frozen=True)
 class DataConfig:
@@ -61,6 +67,20 @@ class DataConfig:
     # longer prompts are dropped from the training set; None: what the model's positions leave after the responses
     # (its max_position_embeddings - rollout.max_new_tokens). More than that is a config error
     max_prompt_tokens: int | None = None
+
+    def validate(self) -> None:
+        need = requirement("data")
+        cap = self.max_prompt_tokens
+        need(cap is None or cap >= 1, "max_prompt_tokens", "must be >= 1 (or null: the model's limit)")
+        need(bool(self.levels) and all(1 <= x <= 9 for x in self.levels), "levels", "digits in 1..9")
+        need(_level_weights_fit(self.levels, self.level_weights), "level_weights", f"one weight >= 0 per level of "
+             f"data.levels {list(self.levels)}, not all 0 (or null)")  # fmt: skip
+        need(self.hack_markers == "auto" or self.hack_markers in MARKER_SETS, "hack_markers",
+             f"choose one of {list(MARKER_SETS)}")  # fmt: skip
+        train = self.train
+        looks_local = train.endswith((".jsonl", ".json", ".parquet")) or train.startswith(("/", "./", "~"))
+        need(train == "synthetic" or train in DATASETS or not looks_local or Path(train).expanduser().is_file(),
+             "train", f"{train} does not exist")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -122,6 +142,38 @@ class RolloutConfig:
         return tuple(
             math.floor(share * self.group_size + 0.5) for share in (self.forced_non_thinking, self.forced_thinking)
         )
+
+    def validate(self) -> None:
+        need = requirement("rollout")
+        need(self.prompts_per_step >= 1, "prompts_per_step", "must be >= 1")
+        need(self.group_size >= 1, "group_size", "must be >= 1")
+        need(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
+        need(self.max_draws >= 1, "max_draws", "must be >= 1")
+        need(self.workers >= 0, "workers", "must be >= 0")
+        need(self.max_staleness >= 0, "max_staleness", "must be >= 0")
+        need(self.worker_timeout > 0, "worker_timeout", "must be > 0 seconds")
+        need(self.max_staleness == 0 or self.workers > 0, "max_staleness",
+             f"{self.max_staleness} overlaps generation with training on rollout workers of their own: with "
+             "rollout.workers=0 every rank generates between its updates, so nothing can overlap (set "
+             "rollout.workers)")  # fmt: skip
+        need(self.weight_transfer == "gloo" or (self.workers > 0 and self.engine == "vllm" and self.max_staleness <= 1),
+             "weight_transfer", "nccl moves the weights to vLLM rollout workers (rollout.workers >= 1, "
+             "rollout.engine=vllm) at rollout.max_staleness <= 1, where each push is taken as it is sent")  # fmt: skip
+        shares = {"forced_non_thinking": self.forced_non_thinking, "forced_thinking": self.forced_thinking}
+        for key, share in shares.items():
+            need(0 <= share <= 1, key, "must be a share of the group in [0, 1]")
+        forced = self.forced_rows()
+        for (key, share), rows in zip(shares.items(), forced, strict=True):
+            need(share == 0 or rows > 0, key,
+                 f"{share} of rollout.group_size={self.group_size} rounds to no row ({0.5 / self.group_size:g} "
+                 "forces one)")  # fmt: skip
+        need(sum(forced) <= self.group_size, "forced_non_thinking + rollout.forced_thinking",
+             f"force {forced[0]} + {forced[1]} rows (each rounded to the nearest row, halves up), more than "
+             f"rollout.group_size={self.group_size}")  # fmt: skip
+        need(self.temperature > 0, "temperature", "must be > 0")
+        need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        need(0 < self.gpu_memory_utilization < 1, "gpu_memory_utilization", "must be in (0, 1)")
+        need(self.max_logp_diff is None or self.max_logp_diff > 0, "max_logp_diff", "must be > 0 (or null: off)")
 
 
 @dataclass(frozen=True)
@@ -185,6 +237,21 @@ class LossConfig:
     # to the gradient (entropy_coef and KL off); the normalisers still count them, so the gradient is the same
     skip_zero_advantage: bool = True
 
+    def validate(self) -> None:
+        need = requirement("loss")
+        need(self.mini_batches >= 1, "mini_batches", "must be >= 1")
+        need(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
+        try:  # the kernel's own checks of the fields of its PolicyLossConfig (this class's comment)
+            PolicyLossConfig.of(self)
+        except SettingError as err:
+            need(False, err.key, err.why)
+        need(self.rollout_correction_cap >= 1, "rollout_correction_cap", "must be >= 1 (1 means on-policy)")
+        floor = self.mode_token_floor
+        need(floor == "auto" or 0 <= floor < 1, "mode_token_floor", "must be auto or a probability in [0, 1)")
+        need(self.mode_advantage not in UNFADED or floor in ("auto", 0), "mode_token_floor",
+             f"must be auto or 0 with loss.mode_advantage={self.mode_advantage}, which has no settled-choice "
+             "fade")  # fmt: skip
+
 
 @dataclass(frozen=True)
 class OptimConfig:
@@ -196,6 +263,13 @@ class OptimConfig:
     schedule: Literal["constant", "cosine", "linear"] = "constant"
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0
+
+    def validate(self) -> None:
+        need = requirement("optim")
+        need(self.lr > 0, "lr", "must be > 0")
+        need(self.grad_clip > 0, "grad_clip", "must be > 0")
+        need(self.eps > 0, "eps", "must be > 0")
+        need(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
 
     def lr_at(self, step: int, steps: int) -> float:
         """The learning rate of step ``step`` (from 0) of a ``steps``-step run: a linear warm-up (never 0: the first
@@ -235,6 +309,9 @@ class LoggingConfig:
     group: str | None = None
     tags: tuple[str, ...] = ()
     entity: str | None = None  # None: wandb's default entity of the logged-in user
+
+    def validate(self) -> None:
+        requirement("logging")(bool(self.project.strip()), "project", "must name a W&B project")
 
 
 @dataclass(frozen=True)
@@ -316,21 +393,9 @@ def with_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Combinations that cannot run, each named by its key."""
-
-    def need(ok: bool, key: str, why: str) -> None:
-        if not ok:
-            raise ConfigError(f"{key}: {why}")
-
-    @contextlib.contextmanager
-    def named_by_key(section: str):
-        """The kernel's own checks of the settings it receives, the one at fault named by its key in ``section``."""
-        try:
-            yield
-        except SettingError as err:
-            raise ConfigError(f"{section}.{err.key}: {err.why}") from None
-
-    r, loss, o = cfg.rollout, cfg.loss, cfg.optim
+    """Every section's own fields (each section's ``validate``, beside them), then the settings that only make sense
+    together across sections; each error a ``ConfigError`` named by its key."""
+    need = requirement()
     need(cfg.steps >= 1, "steps", "must be >= 1")
     need(cfg.save_every >= 1, "save_every", "must be >= 1")
     need(cfg.save_every_minutes is None or cfg.save_every_minutes > 0, "save_every_minutes", "must be > 0")
@@ -339,142 +404,51 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.verify_timeout > 0, "verify_timeout", "must be > 0 seconds")
     need(cfg.verify_workers >= 1, "verify_workers", "must be >= 1")
     need(0 <= cfg.verify_max_crash_share <= 1, "verify_max_crash_share", "must be in [0, 1]")
-    need(r.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1")
-    need(r.group_size >= 1, "rollout.group_size", "must be >= 1")
-    need(
-        not (r.group_size == 1 and loss.adv_scale == "std"),
-        "rollout.group_size",
-        "1 sample per prompt has no group std to scale by; use loss.adv_scale=none or group_size >= 2",
-    )
-    need(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
-    need(r.max_draws >= 1, "rollout.max_draws", "must be >= 1")
-    need(r.workers >= 0, "rollout.workers", "must be >= 0")
-    need(r.max_staleness >= 0, "rollout.max_staleness", "must be >= 0")
-    need(r.worker_timeout > 0, "rollout.worker_timeout", "must be > 0 seconds")
-    need(r.max_staleness == 0 or r.workers > 0, "rollout.max_staleness",
-         f"{r.max_staleness} overlaps generation with training on rollout workers of their own: with rollout.workers=0 "
-         "every rank generates between its updates, so nothing can overlap (set rollout.workers)")  # fmt: skip
-    need(r.weight_transfer == "gloo" or (r.workers > 0 and r.engine == "vllm" and r.max_staleness <= 1),
-         "rollout.weight_transfer", "nccl moves the weights to vLLM rollout workers (rollout.workers >= 1, "
-         "rollout.engine=vllm) at rollout.max_staleness <= 1, where each push is taken as it is sent")  # fmt: skip
-    shares = {"forced_non_thinking": r.forced_non_thinking, "forced_thinking": r.forced_thinking}
-    for key, share in shares.items():
-        need(0 <= share <= 1, f"rollout.{key}", "must be a share of the group in [0, 1]")
+    for section in (cfg.model, cfg.data, cfg.rollout, cfg.reward, cfg.loss, cfg.optim, cfg.logging):
+        section.validate()
+    # the warm-up's mix (its section lives with the tiny model, fasttnt.embedded.tiny)
+    requirement("warmup")(_level_weights_fit(cfg.warmup.levels, cfg.warmup.level_weights), "level_weights",
+                          f"one weight >= 0 per level of warmup.levels {list(cfg.warmup.levels)}, not all 0 (or "
+                          "null)")  # fmt: skip
+    _validate_across(cfg, need)
+
+
+def _validate_across(cfg: TrainConfig, need) -> None:
+    """The rules that tie one section's keys to another's."""
+    r, loss = cfg.rollout, cfg.loss
     forced = r.forced_rows()
-    for (key, share), rows in zip(shares.items(), forced, strict=True):
-        need(
-            share == 0 or rows > 0,
-            f"rollout.{key}",
-            f"{share} of rollout.group_size={r.group_size} rounds to no row ({0.5 / r.group_size:g} forces one)",
-        )
-    need(
-        sum(forced) <= r.group_size,
-        "rollout.forced_non_thinking + rollout.forced_thinking",
-        f"force {forced[0]} + {forced[1]} rows (each rounded to the nearest row, halves up), more than "
-        f"rollout.group_size={r.group_size}",
-    )
-    need(
-        0 <= cfg.reward.overlong_buffer <= r.max_new_tokens,
-        "reward.overlong_buffer",
-        f"must be in [0, rollout.max_new_tokens={r.max_new_tokens}] tokens",
-    )
-    need(cfg.reward.overlong_penalty >= 0, "reward.overlong_penalty", "must be >= 0")
-    margin = cfg.reward.direct_margin
-    need(margin is None or math.isfinite(margin), "reward.direct_margin", "must be a finite number (or null: off)")
-    need(
-        margin is None
-        or (cfg.reward.direct_correct, cfg.reward.direct_wrong)
-        == (RewardConfig.direct_correct, RewardConfig.direct_wrong),
-        "reward.direct_margin",
-        "replaces reward.direct_correct and reward.direct_wrong (thinking's reward + the margin); leave those unset, "
-        "or set reward.direct_margin=null to use them",
-    )
-    need(
-        margin is None or cfg.reward.scheme != "binary",
-        "reward.direct_margin",
-        "has no effect under reward.scheme=binary (1/0 for every response, no table); set reward.direct_margin=null",
-    )
-    need(0 <= cfg.reward.balance_gamma <= 1, "reward.balance_gamma", "must be a share in [0, 1]")
-    need(cfg.reward.balance_lambda > 0, "reward.balance_lambda", "must be > 0")
-    need(r.temperature > 0, "rollout.temperature", "must be > 0")
-    need(0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
-    need(0 < r.gpu_memory_utilization < 1, "rollout.gpu_memory_utilization", "must be in (0, 1)")
-    need(r.max_logp_diff is None or r.max_logp_diff > 0, "rollout.max_logp_diff", "must be > 0 (or null: off)")
-    prompt_cap = cfg.data.max_prompt_tokens
-    need(prompt_cap is None or prompt_cap >= 1, "data.max_prompt_tokens", "must be >= 1 (or null: the model's limit)")
-    need(loss.mini_batches >= 1, "loss.mini_batches", "must be >= 1")
-    need(
-        r.prompts_per_step % loss.mini_batches == 0,
-        "loss.mini_batches",
-        f"{loss.mini_batches} mini-batches do not divide rollout.prompts_per_step={r.prompts_per_step}",
-    )
-    need(loss.ppo_epochs >= 1, "loss.ppo_epochs", "must be >= 1")
-    with named_by_key("loss"):  # the fields of the kernel's PolicyLossConfig (LossConfig's comment)
-        PolicyLossConfig.of(loss)
-    need(loss.rollout_correction_cap >= 1, "loss.rollout_correction_cap", "must be >= 1 (1 means on-policy)")
+    need(not (r.group_size == 1 and loss.adv_scale == "std"), "rollout.group_size",
+         "1 sample per prompt has no group std to scale by; use loss.adv_scale=none or group_size >= 2")  # fmt: skip
+    need(0 <= cfg.reward.overlong_buffer <= r.max_new_tokens, "reward.overlong_buffer",
+         f"must be in [0, rollout.max_new_tokens={r.max_new_tokens}] tokens")  # fmt: skip
+    need(r.prompts_per_step % loss.mini_batches == 0, "loss.mini_batches",
+         f"{loss.mini_batches} mini-batches do not divide rollout.prompts_per_step={r.prompts_per_step}")  # fmt: skip
     # VESPO folds every per-token weight into its sequence's weight (TRL's vespo): a sequence-level correction's
     # weight would count once per token (TRL refuses those modes too), and the mode token's own weights (its fade,
     # the mixture's pi_old / mu) would reweigh the whole response instead of its first token
-    need(
-        loss.policy_loss != "vespo" or not rollout_correction(cfg).startswith("sequence"),
-        "loss.policy_loss",
-        f"vespo takes token-level rollout corrections only, not loss.rollout_correction={rollout_correction(cfg)}",
-    )
-    need(
-        loss.policy_loss != "vespo" or sum(forced) == 0,
-        "loss.policy_loss",
-        "vespo folds per-token weights into each sequence's weight, and mode-mixed rollouts (rollout.forced_"
-        "non_thinking, rollout.forced_thinking) weigh the first token alone: not supported together",
-    )
-    floor = loss.mode_token_floor
-    need(floor == "auto" or 0 <= floor < 1, "loss.mode_token_floor", "must be auto or a probability in [0, 1)")
+    need(loss.policy_loss != "vespo" or not rollout_correction(cfg).startswith("sequence"), "loss.policy_loss",
+         "vespo takes token-level rollout corrections only, not "
+         f"loss.rollout_correction={rollout_correction(cfg)}")  # fmt: skip
+    need(loss.policy_loss != "vespo" or sum(forced) == 0, "loss.policy_loss",
+         "vespo folds per-token weights into each sequence's weight, and mode-mixed rollouts (rollout.forced_"
+         "non_thinking, rollout.forced_thinking) weigh the first token alone: not supported together")  # fmt: skip
     _validate_choice(loss, forced, need)
-    need(
-        loss.mode_token_logp != "half" or forced[1] == 0,
-        "loss.mode_token_logp",
-        "half with rollout.forced_thinking > 0: log 0.5 as the old log-prob of a sampled thinking token makes its "
-        f"ratio 2 pi(y1), past the clip whenever pi(y1) > (1 + loss.clip_high) / 2 = {(1 + loss.clip_high) / 2:.2f}, "
-        "so it can only be pushed down; use mixture or policy",
-    )
-    need(
-        loss.mode_token_logp != "mixture" or r.top_p == 1,
-        "loss.mode_token_logp",
-        f"mixture assumes free samples drawn from the whole distribution; rollout.top_p={r.top_p} cuts it (use 1)",
-    )
-    need(o.lr > 0, "optim.lr", "must be > 0")
-    need(o.grad_clip > 0, "optim.grad_clip", "must be > 0")
-    need(o.eps > 0, "optim.eps", "must be > 0")
-    need(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
-    reward = cfg.reward
-    need(reward.scheme in REWARD_SCHEMES, "reward.scheme", f"unknown; choose one of {REWARD_SCHEMES.names()}")
-    with named_by_key("reward"):  # omega, fallback_limit, uniform_limit
-        check_reward_limits(
-            reward.scheme, omega=reward.omega, fallback_limit=reward.fallback_limit, uniform_limit=reward.uniform_limit
-        )
-    need(bool(cfg.data.levels) and all(1 <= x <= 9 for x in cfg.data.levels), "data.levels", "digits in 1..9")
-    for section, levels, weights in (("data", cfg.data.levels, cfg.data.level_weights),
-                                     ("warmup", cfg.warmup.levels, cfg.warmup.level_weights)):  # fmt: skip
-        try:
-            check_level_weights(levels, weights)
-        except ValueError:
-            need(False, f"{section}.level_weights", f"one weight >= 0 per level of {section}.levels {list(levels)}, "
-                 "not all 0 (or null)")  # fmt: skip
-    need(
-        cfg.data.hack_markers == "auto" or cfg.data.hack_markers in MARKER_SETS,
-        "data.hack_markers",
-        f"choose one of {list(MARKER_SETS)}",
-    )
-    train = cfg.data.train
-    looks_local = train.endswith((".jsonl", ".json", ".parquet")) or train.startswith(("/", "./", "~"))
-    need(
-        train == "synthetic" or train in DATASETS or not looks_local or Path(train).expanduser().is_file(),
-        "data.train",
-        f"{train} does not exist",
-    )
-    need(bool(cfg.logging.project.strip()), "logging.project", "must name a W&B project")
-    need(bool(cfg.model.name.strip()), "model.name", "must name a model: tiny, a hub id or a local folder")
-    name = cfg.model.name
-    need(not names_a_path(name) or Path(name).expanduser().is_dir(), "model.name", f"{name} is not a folder")
+    need(loss.mode_token_logp != "half" or forced[1] == 0, "loss.mode_token_logp",
+         "half with rollout.forced_thinking > 0: log 0.5 as the old log-prob of a sampled thinking token makes its "
+         f"ratio 2 pi(y1), past the clip whenever pi(y1) > (1 + loss.clip_high) / 2 = {(1 + loss.clip_high) / 2:.2f}, "
+         "so it can only be pushed down; use mixture or policy")  # fmt: skip
+    need(loss.mode_token_logp != "mixture" or r.top_p == 1, "loss.mode_token_logp",
+         "mixture assumes free samples drawn from the whole distribution; "
+         f"rollout.top_p={r.top_p} cuts it (use 1)")  # fmt: skip
+
+
+def _level_weights_fit(levels: tuple[int, ...], weights: tuple[float, ...] | None) -> bool:
+    """Whether ``weights`` are a mix of ``levels`` (``synthetic.check_level_weights``)."""
+    try:
+        check_level_weights(levels, weights)
+    except ValueError:
+        return False
+    return True
 
 
 def _validate_choice(loss: LossConfig, forced: tuple[int, int], need) -> None:
@@ -492,11 +466,6 @@ def _validate_choice(loss: LossConfig, forced: tuple[int, int], need) -> None:
         "loss.mode_advantage",
         f"{choice} splits each group in two halves that must both hold each forced mode: force 0 or at least 2 "
         f"rows of each (rollout.forced_non_thinking and rollout.forced_thinking give {forced[0]} and {forced[1]})",
-    )
-    need(
-        choice not in UNFADED or loss.mode_token_floor in ("auto", 0),
-        "loss.mode_token_floor",
-        f"must be auto or 0 with loss.mode_advantage={choice}, which has no settled-choice fade",
     )
 
 

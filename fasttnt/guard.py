@@ -42,6 +42,17 @@ def stale_weights(diff: float, limit: float) -> bool:
     return not diff <= limit
 
 
+def mean_logp_diff(a: torch.Tensor, b: torch.Tensor, *, keep: torch.Tensor | None = None, dist=None) -> float:
+    """The mean |a - b| per token of two sets of log-probs of the same tokens (in float64), over the tokens ``keep``
+    marks (None: all) and over all ranks (``dist``; None: this process's): the one number the stale-weight guard, the
+    push check and a vLLM worker's engine check each hold against ``rollout.max_logp_diff``. sync: one read."""
+    diff = (a.double() - b.to(a.device).double()).abs()
+    if keep is not None:
+        diff = diff[keep]
+    total = distributed.sum_over_ranks(dist, torch.stack([diff.sum(), diff.new_tensor(float(diff.numel()))]))
+    return float(total[0] / total[1].clamp(min=1.0))
+
+
 class StaleWeightGuard:
     def __init__(
         self, cfg: TrainConfig, *, separate_weights: bool, bf16: bool, dist, floor: float | None = None
@@ -68,11 +79,8 @@ class StaleWeightGuard:
         return self.active and batch.rollout_logp is not None
 
     def engine_logp_diff(self, batch: RolloutBatch, old_logp: torch.Tensor) -> float:
-        """The mean |old - rollout| log-prob per sampled token, over all ranks (the guard's number). sync: one
-        read."""
-        diff = (old_logp.float() - batch.rollout_logp).abs().sum()
-        total = distributed.sum_over_ranks(self.dist, torch.stack([diff, diff.new_tensor(float(old_logp.numel()))]))
-        return float(total[0] / total[1].clamp(min=1.0))
+        """The mean |old - rollout| log-prob per sampled token, over all ranks (``mean_logp_diff``)."""
+        return mean_logp_diff(old_logp, batch.rollout_logp, dist=self.dist)
 
     def check(self, step: int, batch: RolloutBatch, old_logp: torch.Tensor | None) -> None:
         """Stop (``StaleWeightsError``) before training on samples that the engine drew from weights other than the

@@ -81,15 +81,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 
 from .data import Prompt, PromptMode
 from .engines.batch import FORCED_CODES, RolloutBatch
-
-if TYPE_CHECKING:
-    from .actor import UpdateInputs
+from .policy import UpdateInputs
 
 FADE_POWER = 4
 """Below the floor, the mode token's term is scaled by (p / floor) ** FADE_POWER: 1.8% one nat below, 6e-6 three

@@ -14,17 +14,19 @@ afterwards, and AutoThink's mode balance (``mode_balance``) applied last: ``comp
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
 import torch
 
-from fasttnt_kernels import RewardValues, TntRewards, tnt_rewards
+from fasttnt_kernels import RewardValues, SettingError, TntRewards, check_reward_limits, tnt_rewards
 
 from . import distributed
 from .engines.batch import RolloutBatch
 from .modes import forced_rows
 from .registry import Registry
+from .typed_yaml import requirement
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,28 @@ class RewardConfig:
     mode_balance: bool = False
     balance_gamma: float = 0.5
     balance_lambda: float = 2.0
+
+    def validate(self) -> None:
+        """This section's own fields (``config.validate`` checks them against the others)."""
+        need = requirement("reward")
+        need(self.scheme in REWARD_SCHEMES, "scheme", f"unknown; choose one of {REWARD_SCHEMES.names()}")
+        need(self.overlong_penalty >= 0, "overlong_penalty", "must be >= 0")
+        margin = self.direct_margin
+        need(margin is None or math.isfinite(margin), "direct_margin", "must be a finite number (or null: off)")
+        need(margin is None or (self.direct_correct, self.direct_wrong) == (RewardValues.direct_correct,
+                                                                           RewardValues.direct_wrong),
+             "direct_margin", "replaces reward.direct_correct and reward.direct_wrong (thinking's reward + the "
+             "margin); leave those unset, or set reward.direct_margin=null to use them")  # fmt: skip
+        need(margin is None or self.scheme != "binary", "direct_margin",
+             "has no effect under reward.scheme=binary (1/0 for every response, no table); set "
+             "reward.direct_margin=null")  # fmt: skip
+        need(0 <= self.balance_gamma <= 1, "balance_gamma", "must be a share in [0, 1]")
+        need(self.balance_lambda > 0, "balance_lambda", "must be > 0")
+        try:  # the kernel's own checks of omega, fallback_limit and uniform_limit
+            check_reward_limits(self.scheme, omega=self.omega, fallback_limit=self.fallback_limit,
+                                uniform_limit=self.uniform_limit)  # fmt: skip
+        except SettingError as err:
+            need(False, err.key, err.why)
 
     @property
     def values(self) -> RewardValues:

@@ -7,7 +7,7 @@ process that only generates can run it too.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,15 +26,27 @@ class VerificationError(RuntimeError):
     """A step's rewards cannot be trusted: too many answers could not be verified."""
 
 
+@dataclass(frozen=True)
+class Provenance:
+    """Where a step's rollouts come from, as the trainer logs and checkpoints them: this process's draws, or a rollout
+    worker's shipment (``fasttnt.pipeline.remote``)."""
+
+    data_position: int  # problems of the training stream consumed once the step's draws were made
+    generate_seconds: float  # the seconds the responses took to generate (the worker's, where a worker generated)
+    stop: bool = False  # a rollout worker was asked to stop (a signal to it alone): the trainers stop too
+    logged: dict[str, float] = field(default_factory=dict)  # the source's own numbers in the step's row
+
+
 @dataclass
 class StepRollouts:
-    """What a step drew and what it trains on."""
+    """What a step drew and what it trains on, and where it comes from."""
 
     drawn: ScoredBatch  # every response of the step's draws: what its metrics describe
     trained: ScoredBatch  # the groups the update runs on (all of ``drawn`` without dynamic sampling)
     varied: list[bool]  # per drawn group, whether its rewards differ
     filled: int  # equal-reward groups that filled the batch (dynamic sampling at rollout.max_draws)
     draws: int
+    provenance: Provenance
 
 
 class Rollouts:
@@ -71,7 +83,12 @@ class Rollouts:
         if r.dynamic_sampling:
             groups, filled = choose_groups(varied, self.prompts_per_rank)
             trained = select_groups(drawn, groups)
-        return StepRollouts(drawn, trained, varied, filled, len(draws))
+        provenance = Provenance(data_position=self.stream.position, generate_seconds=clock.times["time_generate"])
+        return StepRollouts(drawn, trained, varied, filled, len(draws), provenance)
+
+    def in_flight(self, step: int) -> None:
+        """Nothing is in flight between steps of rollouts made here (``RemoteRollouts.in_flight``'s counterpart)."""
+        del step
 
     def draw(self, step: int, draw: int, clock) -> ScoredBatch:
         """Draw ``draw`` of a step: the next prompts_per_step prompts, this rank's share generated (seeded per
@@ -114,3 +131,19 @@ class Rollouts:
         """Whether this rank, or any other, has fewer than its share of groups with differing rewards (every rank
         then draws again, so the ranks stay in step)."""
         return any(distributed.any_over_ranks(self.dist, varied < self.prompts_per_rank))
+
+
+class EngineSync:
+    """The colocated engine kept in step with the trained weights: ``sync`` after each update (the hf engine samples
+    from the model itself; vLLM reloads them, gathering ZeRO-3's shards bucket by bucket); the pipeline's counterpart
+    is ``fasttnt.pipeline.push.WeightPush``."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def sync(self, model, step: int) -> None:
+        del step  # the engine holds one version: the latest
+        self.engine.sync_weights(model)
+
+    def wait(self) -> None:
+        """Nothing runs in the background."""

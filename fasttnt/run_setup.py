@@ -130,7 +130,7 @@ def device_type_of(cfg: TrainConfig) -> str:
 def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: bool = False) -> RunParts:
     device_type = device_type_of(cfg)
     pipeline = None
-    if cfg.rollout.workers:  # the workers generate (fasttnt.pipeline.remote.serve): the trainers, a world of their own
+    if cfg.rollout.workers:  # the workers generate (fasttnt.pipeline.worker.serve): the trainers, a world of their own
         if not distributed.launched_distributed():
             n = cfg.rollout.workers + 1
             raise ConfigError(

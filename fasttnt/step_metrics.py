@@ -5,6 +5,8 @@ read the verifier's and the task's markers): the actor imports these names alone
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 ROLLOUT_METRICS = ("rollout_logp_diff", "rollout_is_mean", "rollout_is_clipped_frac")
@@ -16,3 +18,16 @@ TOKEN_METRICS = ("entropy", "clip_frac", "kl", "kl_ref", *ROLLOUT_METRICS)
 def add_into(total: dict[str, torch.Tensor], part: dict[str, torch.Tensor]) -> None:
     for name, value in part.items():
         total[name] = total[name] + value if name in total else value
+
+
+class PhaseClock:
+    """Seconds per phase (``time_<phase>``); a phase that runs once per draw adds up over the draws."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.times[f"time_{phase}"] = self.times.get(f"time_{phase}", 0.0) + now - self._last
+        self._last = now

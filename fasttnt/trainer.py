@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import checkpoint, distributed, run_setup
-from .actor import Actor, UpdateInputs
+from .actor import Actor
 from .advantages import step_advantages
 from .checkpoint import TrainerState
 from .config import TrainConfig, rollout_correction
@@ -40,29 +40,16 @@ from .metrics import (
     to_floats,
 )
 from .modes import ModeMix, forced_rows
-from .pipeline.remote import RemoteRollouts
-from .pipeline.staleness import staleness
+from .pipeline import remote
 from .plots import plot_curves
+from .policy import UpdateInputs
 from .preemption import Preempted, StopSignals
-from .rollouts import Rollouts
+from .rollouts import EngineSync, Rollouts
 from .runlog import RunLog
 from .scoring import ScoredBatch
-from .step_metrics import TOKEN_METRICS
+from .step_metrics import TOKEN_METRICS, PhaseClock
 from .verify import VerifierPool
 from .wandb_log import WandbRun
-
-
-class PhaseClock:
-    """Seconds per phase (``time_<phase>``); a phase that runs once per draw adds up over the draws."""
-
-    def __init__(self) -> None:
-        self.times: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def lap(self, phase: str) -> None:
-        now = time.perf_counter()
-        self.times[f"time_{phase}"] = self.times.get(f"time_{phase}", 0.0) + now - self._last
-        self._last = now
 
 
 class Trainer:
@@ -88,12 +75,14 @@ class Trainer:
         self.mode_mix = ModeMix.of(cfg)  # mode-mixed: the modes of each group's rows and the mode tokens' terms
         self.mode_floor = parts.state.mode_token_floor_logp  # loss.mode_token_floor=auto: measured at step 1
         self.verifier = VerifierPool(cfg.verify_workers, cfg.verify_timeout)
-        self.remote = None  # rollout.workers > 0: the rollouts come from a worker of their own (fasttnt.pipeline)
+        # where each step's rollouts come from (``rollouts``: made here, or shipped by rollout workers of their own,
+        # rollout.workers > 0) and how the weights that make them follow the update (``weights``)
         if parts.pipeline is not None:
-            self.remote = self.rollouts = RemoteRollouts(cfg, parts.pipeline, parts.device, parts.resumed_from)
-            self.remote.start(parts.model, self.state.step, self.state.data_position)
+            self.rollouts, self.weights = remote.connect(cfg, parts, self.state, self._probe_logprobs)
         else:
             self.rollouts = Rollouts.of(cfg, parts, self.mode_mix, self.verifier)
+            self.weights = EngineSync(parts.engine)
+        self.stop_asked = False  # a rollout worker was asked to stop (Provenance.stop)
         self._warned_cap = False
         self._checked_floor = False  # a fixed loss.mode_token_floor against the first step's pi_old(</think>)
 
@@ -139,28 +128,18 @@ class Trainer:
 
         # weight sync (the vllm engine gathers ZeRO-3 shards bucket by bucket itself; a worker's push runs in the
         # background, at k >= 1 with the trainer's log-probs of a probe that the worker's are checked against)
-        if self.remote is not None:
-            self.remote.push(self.parts.model, step, self._probe_logprobs)
-        else:
-            self.parts.engine.sync_weights(self.parts.model)
+        self.weights.sync(self.parts.model, step)
         clock.lap("sync")
 
-        # log
-        # the seconds the responses took to generate: the worker's, where a worker generated them
-        generate_seconds = self.remote.shipped.times["time_generate"] if self.remote else clock.times["time_generate"]
+        # log (what the rollouts' source adds: a worker's data position, weight version and seconds)
+        made = rolled.provenance
         values = self._record(step=step, lr=lr, drawn=drawn, trained=trained, update=update, n_draws=rolled.draws,
                               varied=rolled.varied, filled=rolled.filled, times=clock.times,
-                              generate_seconds=generate_seconds,
+                              generate_seconds=made.generate_seconds,
                               think_end_logp=logp.think_end_logp, below_floor=below_floor)  # fmt: skip
-        position = self.parts.stream.position
-        if self.remote is not None:  # the workers': what they drew, and with which weights
-            shipped = self.remote.shipped
-            position = shipped.data_position
-            values.update(weight_version=shipped.version, staleness=staleness(step, shipped.version),
-                          **{f"worker_{name}": seconds for name, seconds in shipped.times.items()})  # fmt: skip
-            if self.remote.logp_diff is not None:  # a push checked this step (k >= 1)
-                values["worker_logp_diff"] = self.remote.logp_diff
-        self.state = TrainerState(step=step, data_position=position, world=self.parts.world,
+        values.update(made.logged)
+        self.stop_asked = made.stop
+        self.state = TrainerState(step=step, data_position=made.data_position, world=self.parts.world,
                                   logp_diff_floor=self.guard.floor, mode_token_floor_logp=self.mode_floor)  # fmt: skip
         return values
 
@@ -277,7 +256,7 @@ class Trainer:
                     timed = minutes is not None and time.monotonic() - last_save >= 60 * minutes
                     # every rank stops and saves at the same step: one collective a step; a rollout worker asked
                     # to stop says so with its batch
-                    asked = signals.requested is not None or (self.remote is not None and self.remote.stop_requested)
+                    asked = signals.requested is not None or self.stop_asked
                     stop, timed = distributed.any_over_ranks(self.parts.dist, asked, timed)
                     if step % cfg.save_every == 0 or step == cfg.steps or timed or stop:
                         self._save()
@@ -289,8 +268,7 @@ class Trainer:
         finally:
             log.close_file()
             self.verifier.close()
-        if self.remote is not None:  # the last push taken (not after a stop: the worker is not taking it then)
-            self.remote.wait()
+        self.weights.wait()  # the last push taken (not after a stop: a worker is not taking it then)
         checkpoint.export_final(self.out, self.parts.model, self.out / "tokenizer", rank=self.parts.rank)
         if self.parts.is_main and log.history:
             plot_curves(log.history, self.out / "curves.png")
@@ -301,7 +279,7 @@ class Trainer:
 
     def _save(self) -> None:
         # with rollout workers at k >= 1, the batches in flight are kept with the weights (RemoteRollouts.in_flight)
-        in_flight = self.remote.in_flight(self.state.step) if self.remote is not None else None
+        in_flight = self.rollouts.in_flight(self.state.step)
         checkpoint.save(self.out / "checkpoints", self.cfg, self.state, self.parts.model, self.actor.optimizer,
                         self.parts.ds_engine, rank=self.parts.rank, tokenizer=self.out / "tokenizer",
                         extra=in_flight)  # fmt: skip

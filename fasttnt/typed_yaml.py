@@ -17,6 +17,21 @@ class ConfigError(ValueError):
     """A config that cannot run, naming the key at fault."""
 
 
+Need = typing.Callable[[bool, str, str], None]
+
+
+def requirement(section: str = "") -> Need:
+    """``need(ok, key, why)``: a ``ConfigError`` naming ``section.key`` (``key`` alone for the top level) where ``ok``
+    is false; each config section validates its own fields with one."""
+    prefix = f"{section}." if section else ""
+
+    def need(ok: bool, key: str, why: str) -> None:
+        if not ok:
+            raise ConfigError(f"{prefix}{key}: {why}")
+
+    return need
+
+
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp)).replace("typing.", "")
 

@@ -11,11 +11,11 @@ from support import varied
 from support.small import run_overrides, short_run, train
 
 from fasttnt import host_memory
-from fasttnt.actor import Actor, UpdateInputs
+from fasttnt.actor import Actor
 from fasttnt.config import load_config
 from fasttnt.data import build_prompt
 from fasttnt.embedded.synthetic import held_out
-from fasttnt.policy import _RowsIntoGrad, plan_micro_batches, tied_rows_into_grad
+from fasttnt.policy import UpdateInputs, _RowsIntoGrad, plan_micro_batches, tied_rows_into_grad
 from fasttnt.trainer import Trainer
 from fasttnt_kernels import linear_policy_loss
 

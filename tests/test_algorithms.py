@@ -132,7 +132,7 @@ def test_every_per_row_field_of_a_batch_and_of_the_updates_inputs_is_carried():
     # index, so a cut that took the wrong rows shows too
     from dataclasses import fields
 
-    from fasttnt.actor import SEQUENCE_INPUTS, TOKEN_INPUTS, UpdateInputs
+    from fasttnt.policy import SEQUENCE_INPUTS, TOKEN_INPUTS, UpdateInputs
 
     declared = {f.name: f.metadata.get("per") for f in fields(RolloutBatch)}
     assert {n for n, per in declared.items() if per is None} == {"cu_seqlens", "group_size"}

@@ -16,12 +16,12 @@ import math
 import pytest
 import torch
 
-from fasttnt.actor import UpdateInputs
 from fasttnt.advantages import step_advantages
 from fasttnt.config import load_config
 from fasttnt.data import PromptMode
 from fasttnt.engines.batch import FORCED_CODES, RolloutBatch
 from fasttnt.modes import CHOICE_POWER, CHOICE_SCALE, EVIDENCE_FLOOR, EVIDENCE_SCALE, ModeMix
+from fasttnt.policy import UpdateInputs
 from fasttnt.rewards import compute_rewards
 from fasttnt_kernels import PolicyLossConfig, _common, clipped_policy_loss
 

@@ -16,7 +16,7 @@ from support import varied
 from support.small import TINY, deterministic, metric_rows, run_overrides
 
 import fasttnt.trainer as trainer_module
-from fasttnt.actor import Actor, UpdateInputs
+from fasttnt.actor import Actor
 from fasttnt.advantages import step_advantages
 from fasttnt.checkpoint import list_checkpoints, read_trainer_state
 from fasttnt.config import ConfigError, load_config
@@ -27,7 +27,9 @@ from fasttnt.embedded.tiny import TinyModelConfig, build_tiny_model
 from fasttnt.engines import EngineSettings, RolloutBatch, pack_sequences
 from fasttnt.engines.hf import HFEngine
 from fasttnt.modes import ModeMix
-from fasttnt.trainer import PhaseClock, Trainer
+from fasttnt.policy import UpdateInputs
+from fasttnt.step_metrics import PhaseClock
+from fasttnt.trainer import Trainer
 from fasttnt_kernels import clipped_policy_loss, tnt_rewards
 
 TOK = build_char_tokenizer()

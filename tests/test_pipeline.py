@@ -149,6 +149,7 @@ def test_the_workers_shipments_join_in_worker_order():
 def test_the_batches_in_flight_read_back_per_worker_and_a_checkpoint_of_other_workers_is_refused(tmp_path):
     from fasttnt.checkpoint import ResumeError
     from fasttnt.config import load_config
+    from fasttnt.pipeline.push import WeightPush
     from fasttnt.pipeline.remote import RemoteRollouts
     from fasttnt.pipeline.roles import Pipeline, PipelineRanks
 
@@ -157,17 +158,19 @@ def test_the_batches_in_flight_read_back_per_worker_and_a_checkpoint_of_other_wo
         torch.save(saved, tmp_path / IN_FLIGHT)
         cfg = load_config(None, [f"rollout.workers={workers}", "rollout.max_staleness=1", "rollout.prompts_per_step=4"])
         pipeline = Pipeline(PipelineRanks(1 + workers, workers), 0, None, ("127.0.0.1", 0), 1.0)
-        return RemoteRollouts(cfg, pipeline, torch.device("cpu"), tmp_path)
+        push = WeightPush(cfg, pipeline, torch.device("cpu"))
+        return RemoteRollouts(cfg, pipeline, torch.device("cpu"), tmp_path, push)
 
     two = in_flight_file([shipment(SEED, 3), shipment(SEED + 1, 3)], [[shipment(SEED + 2, 4), shipment(SEED + 3, 4)]],
                          {3: [torch.zeros(5), torch.ones(5)]})  # fmt: skip
     got = trainer(2, two)
-    assert [s.step for s in got.last] == [3, 3] and [[s.step for s in q] for q in got.queue] == [[4, 4]]
+    assert [s.step for s in got.push.last] == [3, 3] and [[s.step for s in q] for q in got.queue] == [[4, 4]]
     assert_same_batch(got.queue[0][1].scored, scored_batch(SEED + 3))
-    assert [p.tolist() for p in got.probes[3]] == [[0.0] * 5, [1.0] * 5]
+    assert [p.tolist() for p in got.push.probes[3]] == [[0.0] * 5, [1.0] * 5]
     one = in_flight_file([shipment(SEED, 3)], [[shipment(SEED + 2, 4)]], {3: [torch.ones(5)]})
     got = trainer(1, one)
-    assert [s.step for s in got.last] == [3] and [len(q) for q in got.queue] == [1] and len(got.probes[3]) == 1
+    assert [s.step for s in got.push.last] == [3] and [len(q) for q in got.queue] == [1]
+    assert len(got.push.probes[3]) == 1
     with pytest.raises(ResumeError, match=r"the batches of 2 rollout workers, and this run has rollout.workers=1"):
         trainer(1, two)
 
@@ -175,16 +178,19 @@ def test_the_batches_in_flight_read_back_per_worker_and_a_checkpoint_of_other_wo
 def test_the_trainers_share_a_step_as_the_colocated_ranks_share_its_prompts():
     from fasttnt.dynamic_sampling import choose_groups, concat_draws, select_groups
     from fasttnt.pipeline.remote import trainer_share
+    from fasttnt.rollouts import Provenance
 
+    made = Provenance(data_position=8, generate_seconds=1.5)  # where the step came from: each share carries it
     drawn = scored_batch(SEED, groups=8)  # two draws of 4 prompts, as a worker ships them
     assert (drawn.judged.timeouts, drawn.judged.crashes) == (2, 1), "precondition: the verifier's counts to keep"
     # one trainer trains on the whole step, as it did alone
-    whole = trainer_share(drawn, [True] * 8, list(range(8)), 0, 2, rank=0, trainers=1)
+    whole = trainer_share(drawn, [True] * 8, list(range(8)), 0, 2, made, rank=0, trainers=1)
     assert whole.drawn is drawn and whole.trained is drawn and (whole.filled, whole.draws) == (0, 2)
+    assert whole.provenance is made
     # without dynamic sampling trainer r trains on (and logs) the r-th half of the groups: the prompts the colocated
     # rank r draws; the halves, joined, are the step, the verifier's counts once
     varied = [False, True, False, True, False, False, True, False]
-    halves = [trainer_share(drawn, varied, list(range(8)), 0, 2, rank=r, trainers=2) for r in (0, 1)]
+    halves = [trainer_share(drawn, varied, list(range(8)), 0, 2, made, rank=r, trainers=2) for r in (0, 1)]
     assert [h.trained is h.drawn for h in halves] == [True, True]
     assert_same_batch(concat_draws([h.drawn for h in halves]), drawn)
     assert [h.varied for h in halves] == [varied[:4], varied[4:]] and [h.filled for h in halves] == [0, 0]
@@ -193,7 +199,7 @@ def test_the_trainers_share_a_step_as_the_colocated_ranks_share_its_prompts():
     # then halved; the fill is trainer 0's, and the logged draws stay halved as above
     groups, filled = choose_groups(varied, 4)
     assert (groups, filled) == ([0, 1, 3, 6], 1), "precondition: a fill among the chosen groups"
-    halves = [trainer_share(drawn, varied, groups, filled, 2, rank=r, trainers=2) for r in (0, 1)]
+    halves = [trainer_share(drawn, varied, groups, filled, 2, made, rank=r, trainers=2) for r in (0, 1)]
     for half, mine in zip(halves, ([0, 1], [3, 6]), strict=True):
         assert_same_batch(half.trained, select_groups(drawn, mine))
     assert [h.filled for h in halves] == [1, 0] and [h.varied for h in halves] == [varied[:4], varied[4:]]

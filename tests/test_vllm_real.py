@@ -37,7 +37,7 @@ from fasttnt.engines import EngineSettings, build_engine  # noqa: E402
 from fasttnt.engines.vllm import VLLMEngine  # noqa: E402
 from fasttnt.evaluate import EvalSettings, run_eval  # noqa: E402
 from fasttnt.pipeline.peer import link  # noqa: E402
-from fasttnt.pipeline.vllm_transfer import BACKEND, NCCL_BACKEND  # noqa: E402
+from fasttnt.pipeline.vllm_transfer import BACKEND, NCCL_BACKEND, register  # noqa: E402
 from fasttnt.pipeline.weights import WeightPushError, layout, send_weights  # noqa: E402
 
 # vLLM's CPU attention takes head sizes 32, 64, ... (vllm/v1/attention/backends/cpu_attn.py): width 64 over 2 heads,
@@ -331,6 +331,7 @@ def test_weights_arrive_through_vllms_weight_transfer_calls(tmp_path, monkeypatc
     prompts = [build_prompt(tok, problem) for problem in (p.problem for p in held_out(1)[:2])]
     port, errors = free_port(), []
     nccl = {"nccl_port": free_port(), "nccl_rank": 1, "nccl_world": 2} if backend == NCCL_BACKEND else {}
+    register()  # the worker's own step before it builds its engine (fasttnt.pipeline.worker)
     engine = _engine(str(path), seed=0, weight_transfer=backend)
     try:
         before = engine.generate(prompts, 4, seed=3)

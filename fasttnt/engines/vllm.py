@@ -108,12 +108,9 @@ class VLLMEngine:
             from .vllm_first_token import ForbidFirstToken
 
             options["logits_processors"] = [ForbidFirstToken]
-        if settings.weight_transfer:
+        if settings.weight_transfer:  # a backend its caller registered (fasttnt.pipeline.vllm_transfer.register)
             from vllm.config import WeightTransferConfig
 
-            from ..pipeline.vllm_transfer import register
-
-            register()
             options["weight_transfer_config"] = WeightTransferConfig(backend=settings.weight_transfer)
         _pin_v1_model_runner()
         self.llm = vllm.LLM(

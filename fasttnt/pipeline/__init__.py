@@ -1,3 +1,4 @@
-"""Generation apart from training: rollout workers that ship scored batches to the trainers (``wire``), the bound on
-how stale a batch's weights may be (``staleness``), and the trainers' weights pushed to the workers in buckets
-(``weights``)."""
+"""Generation apart from training: rollout workers (``worker``) that ship scored batches (``wire``) to the trainers
+(``remote``), over point-to-point messages whose every wait is bounded (``peer``), in the roles a launch is split into
+(``roles``); the bound on how stale a batch's weights may be (``staleness``); and the trainers' weights pushed to the
+workers in buckets (``weights``), into a vLLM engine through its weight-transfer calls (``vllm_transfer``)."""

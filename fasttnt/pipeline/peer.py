@@ -22,6 +22,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+ALIGN = 8  # bytes: each tensor in a message starts at a multiple of it, so that it can be viewed in place as its dtype
+
+
+def padding(nbytes: int) -> int:
+    """The bytes that follow ``nbytes`` of a tensor in a message, up to the next multiple of ``ALIGN``."""
+    return -nbytes % ALIGN
+
 
 class PipelineError(RuntimeError):
     """A run with rollout workers cannot go on: a peer is gone, sent what cannot be used, or is too far behind."""

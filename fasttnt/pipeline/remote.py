@@ -1,6 +1,6 @@
-"""The two ends of a run whose rollouts come from workers of their own (``rollout.workers``; the roles and the link
-between them: ``fasttnt.pipeline.roles``): the trainers' side (``RemoteRollouts``: each step's shipment received and
-checked, the weights pushed back after the update) and the worker's loop (``serve``).
+"""The trainers' side of a run whose rollouts come from workers of their own (``rollout.workers``; the roles and the
+link between them: ``fasttnt.pipeline.roles``; the worker's loop: ``fasttnt.pipeline.worker``): ``RemoteRollouts``,
+each step's shipment received and checked, the weights pushed back after the update.
 
 The protocol, one worker or more and one trainer or more (each role in a world of its own): at the start trainer 0
 (``TRAINER``) sends the step and data position it starts from, and the weights (version = that step; under ZeRO-3
@@ -22,8 +22,6 @@ they differ: a push that did not arrive, or was garbled, stops it at any k.
 from __future__ import annotations
 
 import hashlib
-import os
-import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import replace
@@ -31,20 +29,16 @@ from pathlib import Path
 
 import torch
 
-from .. import distributed
 from ..checkpoint import ResumeError, load_tensors
 from ..config import TrainConfig
 from ..dynamic_sampling import choose_groups, concat_draws, select_groups
-from ..engines.batch import RolloutBatch
-from ..guard import StaleWeightsError, stale_weights
-from ..preemption import EXIT_PREEMPTED, StopSignals
-from ..rollouts import StepRollouts
+from ..rollouts import Provenance, StepRollouts
+from ..run_setup import prompt_budget_of
 from ..scoring import ScoredBatch
-from .peer import PeerLostError, recv_from, send_to, trainer_name, worker_name
-from .roles import TRAINER, Pipeline, join
-from .staleness import check_fresh, oldest_version
-from .vllm_transfer import BACKEND, NCCL_BACKEND
-from .weights import layout, recv_weights, send_weights
+from .peer import send_to, worker_name
+from .push import WeightPush
+from .roles import TRAINER, Pipeline
+from .staleness import check_fresh, staleness
 from .wire import Limits, Shipment, WorkerError, decode, encode, recv_shipment, send_shipment
 
 IN_FLIGHT = "in_flight.pt"  # a checkpoint's file at rollout.max_staleness >= 1 (RemoteRollouts.in_flight)
@@ -56,13 +50,8 @@ IN_FLIGHT_FORMAT = 2
 NO_BUDGET_PROMPT_TOKENS = 1 << 20
 
 
-def probe_rows(batch: RolloutBatch) -> RolloutBatch:
-    """The rows whose log-probs check a push: the batch's first group."""
-    return batch.group_slice(0, 1)
-
-
-def trainer_share(drawn: ScoredBatch, varied: list[bool], groups: list[int], filled: int, draws: int, *, rank: int,
-                  trainers: int) -> StepRollouts:  # fmt: skip
+def trainer_share(drawn: ScoredBatch, varied: list[bool], groups: list[int], filled: int, draws: int,
+                  provenance: Provenance, *, rank: int, trainers: int) -> StepRollouts:  # fmt: skip
     """Trainer ``rank``'s part of a step's rollouts among ``trainers``, as the colocated ranks share a step: the
     ``rank``-th of ``trainers`` equal runs of the groups trained on (``groups``, ascending: all of ``drawn``'s without
     dynamic sampling, so that each trainer has the prompts the colocated rank of its number draws), and, for the
@@ -70,7 +59,7 @@ def trainer_share(drawn: ScoredBatch, varied: list[bool], groups: list[int], fil
     verifier's counts, of whole draws, stay with trainer 0. One trainer: the whole step."""
     if trainers == 1:
         trained = drawn if len(groups) == len(varied) else select_groups(drawn, groups)
-        return StepRollouts(drawn, trained, varied, filled, draws)
+        return StepRollouts(drawn, trained, varied, filled, draws, provenance)
     per_drawn, per_trained = len(varied) // trainers, len(groups) // trainers
     mine = list(range(rank * per_drawn, (rank + 1) * per_drawn))
     share = select_groups(drawn, mine)
@@ -80,7 +69,7 @@ def trainer_share(drawn: ScoredBatch, varied: list[bool], groups: list[int], fil
     trained = share if chosen == mine else select_groups(drawn, chosen)
     # where there are fills, every varied group was chosen (dynamic_sampling.choose_groups): the others are the fills
     fills = sum(not varied[g] for g in chosen) if filled else 0
-    return StepRollouts(share, trained, [varied[g] for g in mine], fills, draws)
+    return StepRollouts(share, trained, [varied[g] for g in mine], fills, draws, provenance)
 
 
 def whole_step(shipments: list[Shipment]) -> Shipment:
@@ -195,41 +184,24 @@ def read_in_flight(path: Path, *, workers: int, device: torch.device | str = "cp
     return last, queue, probes
 
 
-def checks_pushes(cfg: TrainConfig) -> bool:
-    """Whether each weight push is checked by a probe's log-probs on both sides (module docstring): at k >= 1, with
-    the stale-weight guard on."""
-    return cfg.rollout.max_staleness > 0 and cfg.rollout.max_logp_diff is not None
-
-
 class RemoteRollouts:
-    """A trainer's side: ``step`` is ``Rollouts.step``'s, from the workers' shipments. Every trainer receives each
-    worker's shipment whole (its metrics, probes and checkpoints are the same on each) and trains on its share of the
-    step (``trainer_share``); trainer 0 speaks for them where one voice is enough (the starting point)."""
+    """A trainer's side: ``step`` is ``Rollouts.step``'s, from the workers' shipments, with their provenance. Every
+    trainer receives each worker's shipment whole (its metrics, probes and checkpoints are the same on each) and trains
+    on its share of the step (``trainer_share``); trainer 0 speaks for them where one voice is enough (the starting
+    point). The weights go back through ``push`` (``WeightPush``), which takes each step's shipments as they arrive
+    (a deferred push released, a push check held)."""
 
-    def __init__(self, cfg: TrainConfig, pipeline: Pipeline, device: torch.device, resumed_from: Path | None) -> None:
+    def __init__(self, cfg: TrainConfig, pipeline: Pipeline, device: torch.device, resumed_from: Path | None,
+                 push: WeightPush) -> None:  # fmt: skip
         """``resumed_from``: the checkpoint a resumed run continues, whose batches in flight (``IN_FLIGHT``) this
         trains on first."""
-        self.cfg, self.pipeline, self.ranks, self.device = cfg, pipeline, pipeline.ranks, device
+        self.cfg, self.pipeline, self.device, self.push = cfg, pipeline, device, push
         self.link = pipeline.link
         self.rank, self.trainers = pipeline.rank, len(pipeline.ranks.trainers)  # the trainers' ranks come first
         self.workers = list(pipeline.ranks.worker_ranks)
-        self.push_link = None  # the weights': the pipeline's link, or the vLLM workers' own (made at start)
-        self.nccl = None  # rollout.weight_transfer=nccl, on trainer 0: vLLM's PyNcclCommunicator to the workers
-        self.model: torch.nn.Module | None = None
-        self.limits: Limits | None = None  # what a shipment may hold, once the model is known (start)
-        self.deferred: int | None = None  # nccl at k = 1: the version pushed once the next batch is in (push)
-        self.bucket_bytes = cfg.rollout.weight_sync_bucket_bytes
         self.timeout = cfg.rollout.worker_timeout
-        self.pending: list = []  # the sends of the pushes still in flight
-        self.last: list[Shipment] = []  # the shipments of the step trained last, one per worker
-        self.shipped: Shipment | None = None  # the same, as one (``whole_step``): what the trainer logs
+        self.limits: Limits | None = None  # what a shipment may hold, once the model is known (start)
         self.queue: deque[list[Shipment]] = deque()  # shipments received ahead of their step (in_flight)
-        self.logp_diff: float | None = None  # the last push check's mean |difference| per token (the worst worker's)
-        self.stop_requested = False  # a worker was asked to stop (a signal to it alone): the trainers stop too
-        # k >= 1: each push checked by its probes (module docstring): version -> per worker, the trainer's log-probs of
-        # that worker's probe
-        self.probes: dict[int, list[torch.Tensor]] = {}
-        self.check_pushes = checks_pushes(cfg)
         if resumed_from is not None and cfg.rollout.max_staleness > 0:
             self._restore(resumed_from / IN_FLIGHT)
 
@@ -237,65 +209,33 @@ class RemoteRollouts:
         """The workers' starting point: the step they generate from and their data position there, the weights, and
         a resumed run's shipments (the last trained and those in flight, whose first groups each worker's push
         checks read: each worker gets its own)."""
-        from ..run_setup import prompt_budget_of
-
         first = step + len(self.queue)  # the workers generate step first + 1 on
         position = self.queue[-1][0].data_position if self.queue else data_position
-        back = [self.last, *self.queue] if self.last else []
-        self.push_link = self.link
-        if self.cfg.rollout.engine == "vllm":
-            # a vLLM worker takes the weights through its transfer engine, on a link of its own (roles.weights_link)
-            # that it joins once its engine is built, which it says on this link first: a worker that dies building
-            # it is seen at once here, where a link's rendezvous would wait out the timeout
-            for worker in self.workers:
-                recv_from(torch.empty(1, dtype=torch.int64), worker, peer=worker_name(worker),
-                          what="its vLLM engine", timeout=self.timeout, group=self.link)  # fmt: skip
-            nccl_port = self._nccl_port() if self.cfg.rollout.weight_transfer == "nccl" else None
-            self.push_link = self.pipeline.weights_link()
-            if nccl_port is not None:  # the workers' engines join it once on the weights link (vllm_transfer)
-                from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
-
-                self.nccl = stateless_init_process_group(self.pipeline.address[0], nccl_port, 0,
-                                                         1 + len(self.workers), self.device)  # fmt: skip
-        self.model = model
+        back = [self.push.last, *self.queue] if self.push.last else []
+        self.push.connect(model)
         self.limits = shipment_limits(self.cfg, model, prompt_budget_of(self.cfg))
         if self.rank == TRAINER:
             for worker in self.workers:
                 send_to(torch.tensor([first, position, len(back)], dtype=torch.int64), worker,
                         peer=worker_name(worker), what="the run's starting point to be taken", timeout=self.timeout,
                         group=self.link)  # fmt: skip
-        send_weights(model, step, dsts=self.workers, src=TRAINER, bucket_bytes=self.bucket_bytes,
-                     timeout=self.timeout, group=self.push_link, nccl=self.nccl)  # fmt: skip
+        self.push.first(step)
         if self.rank == TRAINER:
             for shipments in back:
                 for worker, shipment in zip(self.workers, shipments, strict=True):
                     send_shipment(shipment, [worker], group=self.link, timeout=self.timeout, peer=worker_name(worker))
 
-    def _nccl_port(self) -> int | None:
-        """Trainer 0: the port of the NCCL group's store on its host (the group: it, rank 0, and the workers), sent
-        to the workers before they build their transfer engines; the other trainers: None (not in the group)."""
-        if self.rank != TRAINER:
-            return None
-        port = distributed.free_port()
-        for worker in self.workers:
-            send_to(torch.tensor([port], dtype=torch.int64), worker, peer=worker_name(worker),
-                    what="the NCCL group's port to be taken", timeout=self.timeout, group=self.link)  # fmt: skip
-        return port
-
     def step(self, step: int, clock) -> StepRollouts:
         """Step ``step``'s rollouts as the workers shipped them (``clock`` laps ``wait``), checked against the step
         and the staleness bound; the groups trained on chosen as the colocated loop chooses them (each worker's
-        quota from its own draws, as each colocated rank's), this trainer's share (``trainer_share``)."""
+        quota from its own draws, as each colocated rank's), this trainer's share (``trainer_share``), and where they
+        come from (``Provenance``: the workers' data position, weight version and seconds)."""
         shipments = self.queue.popleft() if self.queue else self._receive(step)
         clock.lap("wait")
-        if self.deferred is not None:  # the workers took this batch's predecessor's version: now they take the next
-            self._send(self.deferred)
-            self.deferred = None
+        if self.push.release():  # the workers took this batch's predecessor's version: now they take the next
             clock.lap("sync")  # the push's seconds where the trainer logs its pushes (time_sync)
-        self.last, self.shipped, self.logp_diff = shipments, whole_step(shipments), None
-        self.stop_requested |= self.shipped.stop
-        if any(s.probe_version >= 0 for s in shipments):
-            self._check_push(step, shipments)
+        logp_diff = self.push.took(step, shipments)
+        whole = whole_step(shipments)
         groups, filled, offset = [], 0, 0  # the groups trained on, in the joined batch's numbering
         for shipment in shipments:
             mine, fills = list(range(len(shipment.varied))), 0
@@ -304,8 +244,13 @@ class RemoteRollouts:
             groups += [offset + g for g in mine]
             filled += fills
             offset += len(shipment.varied)
-        whole = self.shipped
-        return trainer_share(whole.scored, whole.varied, groups, filled, whole.draws, rank=self.rank,
+        logged = {"weight_version": whole.version, "staleness": staleness(step, whole.version),
+                  **{f"worker_{name}": seconds for name, seconds in whole.times.items()}}  # fmt: skip
+        if logp_diff is not None:  # a push checked this step (k >= 1)
+            logged["worker_logp_diff"] = logp_diff
+        provenance = Provenance(data_position=whole.data_position, generate_seconds=whole.times["time_generate"],
+                                stop=whole.stop, logged=logged)  # fmt: skip
+        return trainer_share(whole.scored, whole.varied, groups, filled, whole.draws, provenance, rank=self.rank,
                              trainers=self.trainers)  # fmt: skip
 
     def _receive(self, step: int) -> list[Shipment]:
@@ -331,230 +276,21 @@ class RemoteRollouts:
             return None
         while len(self.queue) < k and step + len(self.queue) < self.cfg.steps:
             self.queue.append(self._receive(step + len(self.queue) + 1))
-        return {IN_FLIGHT: in_flight_file(self.last, self.queue, self.probes)}
+        return {IN_FLIGHT: in_flight_file(self.push.last, self.queue, self.push.probes)}
 
     def _restore(self, path: Path) -> None:
         """``in_flight``'s file, read back (written by a run with as many workers: the config check said so)."""
         if not path.is_file():
             raise ResumeError(f"--resume: {path} is missing: a checkpoint at rollout.max_staleness >= 1 keeps the "
                               "batches in flight there")  # fmt: skip
-        self.last, queue, self.probes = read_in_flight(path, workers=len(self.workers), device=self.device)
+        self.push.last, queue, self.push.probes = read_in_flight(path, workers=len(self.workers), device=self.device)
         self.queue.extend(queue)
 
-    def _check_push(self, step: int, shipments: list[Shipment]) -> None:
-        """Each worker's log-probs of a version's probe against the trainer's (``StaleWeightsError`` past the guard's
-        limit)."""
-        v, limit = max(s.probe_version for s in shipments), self.cfg.rollout.max_logp_diff
-        names = [worker_name(worker) for worker in self.workers]
-        for name, shipment in zip(names, shipments, strict=True):  # every worker took the version, and checked it
-            if shipment.probe_version != v:
-                raise WorkerError(f"{name} checked weight version {shipment.probe_version} where another worker "
-                                  f"checked version {v}")  # fmt: skip
-        if not self.check_pushes or v not in self.probes:
-            raise WorkerError(f"{names[0]} checked weight version {v}, which was not pushed with a probe")
-        diffs = []
-        for name, shipment, mine in zip(names, shipments, self.probes.pop(v), strict=True):
-            theirs = shipment.probe_logp
-            if theirs.numel() != mine.numel():
-                raise WorkerError(f"{name}: malformed batch: {theirs.numel()} probe log-probs, not {mine.numel()}")
-            # both sides run the trainer's own forward (fasttnt.policy.response_logprobs) on the same rows and weights
-            diffs.append(float((mine.double() - theirs.to(mine.device).double()).abs().mean()))
-            if stale_weights(diffs[-1], limit):
-                raise StaleWeightsError(
-                    f"step {step}: {name}'s log-probs of a probe under weight version {v} differ from the trainer's "
-                    f"by {diffs[-1]:.3g} per token, past rollout.max_logp_diff={limit}: the push did not arrive "
-                    "whole; not training on its batches"
-                )
-        self.logp_diff = max(diffs)
 
-    def push(self, model: torch.nn.Module, step: int, logprobs) -> None:
-        """Version ``step`` (the weights after step ``step``'s update) to the workers, if a later step needs it, in
-        the background; every trainer calls it (ZeRO-3's gathers, and the probe's forward, are collective). Earlier
-        pushes may still be in flight: at k >= 2 the worker takes a version only when a step it generates needs it,
-        k - 1 steps after it was pushed, and until then it is sending batches that the trainers take after this push,
-        so waiting here for the previous push would deadlock (each push in flight holds a copy of the weights on the
-        host). At k >= 1 ``logprobs(rows)`` gives the trainer's log-probs of ``rows`` under it, for each worker's
-        probe (``probe_rows`` of its shipment of step ``step``) that the worker's will be checked against."""
-        self.pending = [work for work in self.pending if not work.done()]
-        if step <= self.cfg.steps - 1 - self.cfg.rollout.max_staleness:
-            if self.check_pushes:
-                self.probes[step] = [logprobs(probe_rows(shipment.scored.batch)) for shipment in self.last]
-            if self.cfg.rollout.weight_transfer == "nccl" and self.cfg.rollout.max_staleness == 1:
-                # NCCL has no timeout: broadcast only once the workers are taking it, after they shipped the next
-                # batch, which is when a worker one step off takes this version (step)
-                self.deferred = step
-            else:
-                self._send(step)
-
-    def _send(self, version: int) -> None:
-        """Version ``version`` to the workers: in the background over gloo, at once over NCCL (``send_weights``)."""
-        self.pending += send_weights(self.model, version, dsts=self.workers, src=TRAINER, group=self.push_link,
-                                     bucket_bytes=self.bucket_bytes, wait=False, timeout=self.timeout,
-                                     nccl=self.nccl)  # fmt: skip
-
-    def wait(self) -> None:
-        for work in self.pending:
-            work.wait()
-        self.pending = []
-
-
-def serve(cfg: TrainConfig, out: Path, *, resume: bool) -> int:
-    """A rollout worker's process: build what a rollout needs, then generate each step's batch with weights no more
-    than ``rollout.max_staleness`` versions old and ship it to the trainer, until the run's last step."""
-    del out, resume  # the trainer owns the run's files and says where it starts
-    # SIGTERM or SIGINT (a launcher passes them to every rank; a scheduler may send one to this rank alone): the
-    # worker keeps shipping, and says so with its next batch, while the trainer finishes its step, saves and exits
-    with StopSignals() as signals:
-        return _serve(cfg, signals)
-
-
-def _serve(cfg: TrainConfig, signals: StopSignals) -> int:
-    from .. import run_setup
-    from ..data import dataset_style, think_end_token_id
-    from ..engines import build_engine
-    from ..modes import ModeMix, behaviour_logprobs
-    from ..policy import PolicyHead
-    from ..rollouts import Rollouts
-    from ..stream import ProblemStream
-    from ..trainer import PhaseClock
-    from ..verify import VerifierPool
-
-    device_type = run_setup.device_type_of(cfg)
-    pipeline = join(cfg, device_type)
-    device = distributed.local_device(device_type)
-    pipeline.barrier("the trainer's model")  # the trainer loads it first (the tiny model's warm-up fills the cache)
-    link = pipeline.link
-    model, tokenizer, model_path = run_setup.load_policy(cfg, device)
-    model.to(device).eval()
-    prompt_budget = run_setup.prompt_budget_of(cfg)
-    settings = run_setup.engine_settings(cfg, model_path, device, prompt_budget)
-    bucket_bytes = cfg.rollout.weight_sync_bucket_bytes
-    trainer, timeout = trainer_name(TRAINER), cfg.rollout.worker_timeout
-    if cfg.rollout.engine == "vllm":  # the pushes through vLLM's weight-transfer calls (pipeline.vllm_transfer)
-        # no sleep mode: the worker's device holds no trainer to give its memory to
-        nccl = cfg.rollout.weight_transfer == "nccl"
-        backend = NCCL_BACKEND if nccl else BACKEND
-        settings = replace(settings, weight_transfer=backend, sleep_between_rollouts=False)
-        engine = build_engine("vllm", model, tokenizer, settings)
-        for rank in pipeline.ranks.trainers:
-            send_to(torch.ones(1, dtype=torch.int64), rank, peer=trainer_name(rank),
-                    what="the engine's news to be taken", timeout=timeout, group=link)  # fmt: skip
-        init = pipeline.weights_init(layout(model, bucket_bytes))
-        if nccl:  # the NCCL group's store: on trainer 0's host, its port chosen there
-            port = torch.empty(1, dtype=torch.int64)
-            recv_from(port, TRAINER, peer=trainer, what="the NCCL group's port", timeout=timeout, group=link)
-            workers = pipeline.ranks.worker_ranks
-            init.update(nccl_port=int(port), nccl_rank=1 + workers.index(pipeline.rank), nccl_world=1 + len(workers))
-        # the Hugging Face copy takes every push too where something reads it: the push checks and the behaviour
-        # log-probs run on it (at k >= 1), and vLLM's log-probs are held against it (_check_engine)
-        copy = cfg.rollout.max_staleness > 0 and (checks_pushes(cfg) or ModeMix.of(cfg) is not None)
-        engine.join_trainer(init, also_into=model if copy else None)
-        receive = engine.receive_weights
-    else:
-        engine = build_engine(cfg.rollout.engine, model, tokenizer, settings)
-
-        def receive() -> int:
-            return recv_weights(model, src=TRAINER, bucket_bytes=bucket_bytes, timeout=timeout, group=link)
-
-    stream = ProblemStream(cfg)
-    run_setup.drop_long_prompts(stream, cfg, tokenizer, prompt_budget)
-    start = torch.empty(3, dtype=torch.int64)
-    recv_from(start, TRAINER, peer=trainer, what="the run's starting point", timeout=timeout, group=link)
-    first, data_position, n_back = start.tolist()
-    stream.seek(data_position)
-    version = receive()
-    # a resumed run's last trained shipment and those in flight (RemoteRollouts.start): what this worker had shipped
-    limits = shipment_limits(cfg, model, prompt_budget)
-    back = [recv_shipment(TRAINER, group=link, limits=limits, device=device, timeout=timeout, peer=trainer)
-            for _ in range(n_back)]  # fmt: skip
-    verifier = VerifierPool(cfg.verify_workers, cfg.verify_timeout)
-    think_end_id, mode_mix = think_end_token_id(tokenizer), ModeMix.of(cfg)
-    # the workers share each draw's prompts as the colocated ranks do, over their own world (roles.join)
-    workers = pipeline.ranks.worker_ranks
-    me = distributed.DistContext(workers.index(pipeline.rank), len(workers), int(os.environ.get("LOCAL_RANK", "0")),
-                                 device) if len(workers) > 1 else None  # fmt: skip
-    rollouts = Rollouts(
-        cfg, engine=engine, stream=stream, tokenizer=tokenizer,
-        prompt=lambda p: run_setup.training_prompt(cfg, tokenizer, p), think_end_id=think_end_id,
-        markers=dataset_style(cfg.data.train, markers=cfg.data.hack_markers).markers, mode_mix=mode_mix,
-        verifier=verifier, dist=me, rank=me.rank if me else 0,
-        prompts_per_rank=cfg.rollout.prompts_per_step // len(workers),
-    )  # fmt: skip
-    check_pushes = checks_pushes(cfg)
-    # mode-mixed at k >= 1: the mixture and the fade read the sampling weights' log-probs (modes.behaviour_logprobs)
-    behaviour = cfg.rollout.max_staleness > 0 and mode_mix is not None
-    # the trainer's own packed forward, for the probes and the behaviour log-probs
-    head = PolicyHead(model) if check_pushes or behaviour else None
-    # a vLLM worker at k >= 1: the push check holds its Hugging Face copy against the trainer, and this holds vLLM's
-    # log-probs of its samples against the copy's (both took the same push), so that vLLM's load is checked too
-    engine_check = check_pushes and cfg.rollout.engine == "vllm" and cfg.rollout.top_p == 1.0
-    # step -> its batch, until the version its update makes is checked
-    shipped: dict[int, RolloutBatch] = {s.step: s.scored.batch for s in back} if check_pushes else {}
-    probe_version, probe_logp = -1, None
-    if version in shipped:  # resumed at k >= 1: the checkpoint's weights are a version taken like any push
-        probe_version, probe_logp = version, _probe_logprobs(cfg, head, probe_rows(shipped.pop(version)))
-    idle = 0.0  # seconds waiting since the last batch was generated: for weights, and for the trainer to take it
-    try:
-        for step in range(first + 1, cfg.steps + 1):
-            while version < oldest_version(step, cfg.rollout.max_staleness):
-                waited = time.perf_counter()
-                version = receive()
-                idle += time.perf_counter() - waited
-                if check_pushes:  # the push check (module docstring): this version's log-probs of its probe
-                    probe_version, probe_logp = version, _probe_logprobs(cfg, head, probe_rows(shipped.pop(version)))
-            clock = PhaseClock()
-            rolled = rollouts.step(step, clock)
-            if engine_check:
-                _check_engine(cfg, head, rolled.drawn.batch, version, skip_first=mode_mix is not None)
-            if behaviour:  # part of the batch's generation: under the weights that sampled it
-                behaviour_logprobs(rolled.drawn.batch, think_end_id, lambda rows: _probe_logprobs(cfg, head, rows))
-                clock.lap("generate")
-            shipment = Shipment(rolled.drawn, step, version, rolled.varied, rolled.draws, stream.position,
-                                {**clock.times, "time_idle": idle}, probe_version, probe_logp,
-                                stop=signals.requested is not None)  # fmt: skip
-            waited = time.perf_counter()
-            send_shipment(shipment, pipeline.ranks.trainers, group=link, timeout=timeout)
-            idle = time.perf_counter() - waited
-            probe_version, probe_logp = -1, None
-            if check_pushes:
-                shipped[step] = rolled.drawn.batch
-    except PeerLostError:
-        if signals.requested is None:
-            raise
-        return EXIT_PREEMPTED  # asked to stop: the trainer did, after its checkpoint
-    finally:
-        verifier.close()
-        engine.close()
-    distributed.shutdown()  # its own world
-    return 0
-
-
-def _check_engine(cfg: TrainConfig, head: torch.nn.Module, batch: RolloutBatch, version: int, *, skip_first: bool
-                  ) -> None:  # fmt: skip
-    """A vLLM worker's log-probs of its samples (the batch's first group) against its Hugging Face copy's under the
-    same weight version, by the guard's rule (``StaleWeightsError`` past ``rollout.max_logp_diff``). ``skip_first``
-    (mode-mixed rollouts): each response's first token is left out, as the guard leaves it out (pre-filled, or drawn
-    from the renormalised distribution)."""
-    rows = probe_rows(batch)
-    copy = _probe_logprobs(cfg, head, rows).double()
-    keep = torch.ones_like(copy, dtype=torch.bool)
-    if skip_first:
-        keep[rows.cu_seqlens[:-1].to(keep.device)] = False
-    diff = float((copy - rows.rollout_logp.to(copy.device).double())[keep].abs().mean())
-    limit = cfg.rollout.max_logp_diff
-    if stale_weights(diff, limit):
-        raise StaleWeightsError(
-            f"vLLM's log-probs of its samples differ from its Hugging Face copy's under weight version {version} by "
-            f"{diff:.3g} per token, past rollout.max_logp_diff={limit}: vLLM did not load the push whole"
-        )
-
-
-def _probe_logprobs(cfg: TrainConfig, head: torch.nn.Module, probe: RolloutBatch) -> torch.Tensor:
-    """The log-probs (n,) of ``probe``'s response tokens under ``head`` (the worker model's ``PolicyHead``), through
-    the pass the trainer's ``Actor.logprobs`` runs (``no_grad_logprobs``), so that equal weights give equal numbers."""
-    from ..policy import no_grad_logprobs, plan_micro_batches
-    from ..run_setup import bf16_autocast
-
-    device = next(head.parameters()).device
-    plan = plan_micro_batches(probe, cfg.micro_batch_tokens)
-    return no_grad_logprobs(head, probe, plan, temperature=cfg.rollout.temperature, bf16=bf16_autocast(cfg, device))
+def connect(cfg: TrainConfig, parts, state, probe_logprobs) -> tuple[RemoteRollouts, WeightPush]:
+    """A trainer's rollouts from the workers and its pushes to them, started from ``state`` (``parts``: the built
+    run, ``fasttnt.run_setup.RunParts``; ``probe_logprobs``: ``WeightPush``'s)."""
+    push = WeightPush(cfg, parts.pipeline, parts.device, probe_logprobs)
+    rollouts = RemoteRollouts(cfg, parts.pipeline, parts.device, parts.resumed_from, push)
+    rollouts.start(parts.model, state.step, state.data_position)
+    return rollouts, push

@@ -20,7 +20,7 @@ reach it through ``collective_rpc``:
 * finish: the reload's end; the push's version is the engine's ``version``.
 
 A rollout worker also keeps its Hugging Face copy of the model (``also_into``): the push checks and the behaviour
-log-probs of mode-mixed rollouts run the trainer's own forward on it (``fasttnt.pipeline.remote``).
+log-probs of mode-mixed rollouts run the trainer's own forward on it (``fasttnt.pipeline.worker``).
 
 On CUDA, ``fasttnt-nccl`` (``rollout.weight_transfer=nccl``) moves the same buckets device to device: the header
 and the worker's word that it took it still cross the gloo link, then the trainer (rank 0 of an NCCL group of it and
@@ -28,7 +28,7 @@ every worker, ``NcclInitInfo``) broadcasts each bucket. The group is vLLM's own 
 ``StatelessProcessGroup`` rendezvous (``nccl_common.stateless_init_process_group``, as vLLM's nccl engine builds it),
 with the worker's rank given here rather than derived from vLLM's parallel config, which knows nothing of the other
 workers. An NCCL broadcast has no timeout, so the trainer starts one only once every worker said it is receiving,
-and only at k <= 1, where a push is taken as it is sent (``remote.RemoteRollouts.push``). **It has not run on a GPU**:
+and only at k <= 1, where a push is taken as it is sent (``push.WeightPush.sync``). **It has not run on a GPU**:
 the tests run its calls, their order and its refusals on the CPU with the NCCL group stood in by gloo.
 """
 

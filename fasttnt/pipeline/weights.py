@@ -26,10 +26,19 @@ from dataclasses import dataclass
 import torch
 
 from .. import distributed
-from .peer import PipelineError, isend, rank_in, recv_from, trainer_name, wait_for, watchdog, worker_name
+from .peer import (
+    PipelineError,
+    isend,
+    padding,
+    rank_in,
+    recv_from,
+    trainer_name,
+    wait_for,
+    watchdog,
+    worker_name,
+)
 
 MAGIC = 0x7F7A_7477_0001  # "fasttnt weights", format 1
-ALIGN = 8
 LAYER = re.compile(r"(.*\.layers\.\d+)\.")  # a decoder layer's parameter names: its prefix
 
 
@@ -202,7 +211,7 @@ def recv_bucket(
 
 def bucket_buffer(bucket: list[Slot], device: torch.device | str) -> torch.Tensor:
     """An empty message (uint8) of ``bucket``'s size on ``device``: each parameter's bytes padded to ``ALIGN``."""
-    return torch.empty(sum(s.nbytes + (-s.nbytes % ALIGN) for s in bucket), dtype=torch.uint8, device=device)
+    return torch.empty(sum(s.nbytes + padding(s.nbytes) for s in bucket), dtype=torch.uint8, device=device)
 
 
 def bucket_views(bucket: list[Slot], buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -210,7 +219,7 @@ def bucket_views(bucket: list[Slot], buffer: torch.Tensor) -> list[tuple[str, to
     named, at = [], 0
     for slot in bucket:
         named.append((slot.name, buffer[at : at + slot.nbytes].view(slot.dtype).view(slot.shape)))
-        at += slot.nbytes + (-slot.nbytes % ALIGN)
+        at += slot.nbytes + padding(slot.nbytes)
     return named
 
 
@@ -219,5 +228,5 @@ def _packed(params: list[torch.Tensor], device: torch.device | str = "cpu") -> t
     parts = []
     for param in params:
         raw = param.detach().to(device).contiguous().reshape(-1).view(torch.uint8)
-        parts += [raw, torch.zeros(-raw.numel() % ALIGN, dtype=torch.uint8, device=device)]
+        parts += [raw, torch.zeros(padding(raw.numel()), dtype=torch.uint8, device=device)]
     return torch.cat(parts)

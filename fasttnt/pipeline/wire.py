@@ -23,7 +23,7 @@ from fasttnt_kernels import TntRewards
 
 from ..engines.batch import RolloutBatch
 from ..scoring import Judged, ScoredBatch
-from .peer import PipelineError, isend, recv_from, trainer_name, wait_for, worker_name
+from .peer import PipelineError, isend, padding, recv_from, trainer_name, wait_for, worker_name
 
 MAGIC = 0x7F7A_7471_0004  # "fasttnt", wire format 4
 # (name, dtype) of every field, in message order; a field may be absent (code 0) where the batch has none
@@ -64,7 +64,6 @@ DTYPE_CODES = {torch.int64: 1, torch.float32: 2, torch.bool: 3, torch.int8: 4, t
                torch.float64: 7}  # fmt: skip
 HEADER_INTS = 8  # before the fields' codes and counts
 HEADER_LEN = HEADER_INTS + 2 * len(MESSAGE_FIELDS)
-ALIGN = 8
 # the fields of one element per token of a row (prompt_tokens: of its prompt; probe_logp: of the probe's responses)
 PER_TOKEN = frozenset({"prompt_tokens", "response_ids", "rollout_logp", "probe_logp"})
 FIXED_SIZE = {"counts": 3, "times": len(TIMED)}
@@ -246,7 +245,7 @@ def encode(shipment: Shipment) -> tuple[torch.Tensor, torch.Tensor]:
         header += [0, 0] if t is None else [DTYPE_CODES[dtype], t.numel()]
         if t is not None:
             raw = t.view(torch.uint8)
-            parts += [raw, torch.zeros(-raw.numel() % ALIGN, dtype=torch.uint8)]
+            parts += [raw, torch.zeros(padding(raw.numel()), dtype=torch.uint8)]
     payload = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
     return torch.tensor(header, dtype=torch.int64), payload
 
@@ -287,7 +286,7 @@ def payload_layout(header: torch.Tensor, *, worker: str, limits: Limits | None) 
                               f"{limits.row_tokens} tokens)")  # fmt: skip
         nbytes = numel * dtype.itemsize
         layout.append((name, dtype, size, numel))
-        size += nbytes + (-nbytes % ALIGN)
+        size += nbytes + padding(nbytes)
     return layout, size
 
 

@@ -532,3 +532,24 @@ def test_first_token_advantages(triton_path, lengths, dual_clip):
     # precondition: the first tokens' advantages changed the loss (by >= S * min slope / N, far above 1e-4)
     plain, _, _ = _run(logp, old, adv, cu, **kw)
     assert plain - loss > 1e-4
+
+
+def test_vespo_on_the_torch_path_by_hand(monkeypatch):
+    # the same hand-worked weights on the autograd path (vespo_weights, token_terms_reference) that CPU tensors take
+    # without the Triton interpreter: the by-hand checks above, run with the backend forced to torch
+    monkeypatch.setenv(_common.BACKEND_ENV, "torch")
+    test_vespo_by_hand(None)
+    test_a_vespo_weight_past_float32_is_zero(None)
+
+
+@pytest.mark.parametrize("path", ["triton", "torch"])
+def test_vespo_clamps_each_tokens_log_ratio_before_the_sum(monkeypatch, path):
+    # log-ratios 25 and -24: clamped to +-20 per token they sum to log w = 0 (phi = 1, the plain policy gradient);
+    # summed first they would be 1 (phi = e^(3 + 2 - 3e) = 0.043). Token-mean over 2 tokens, A = 1: dloss/dlogp_t =
+    # -phi A / 2
+    monkeypatch.setenv(_common.BACKEND_ENV, path)
+    logp = torch.full((2,), -1.0, device=DEVICE)
+    old = logp - torch.tensor([25.0, -24.0], device=DEVICE)
+    adv, cu = torch.tensor([1.0], device=DEVICE), torch.tensor([0, 2], device=DEVICE)
+    _, _, grad = _run(logp, old, adv, cu, policy_loss="vespo")
+    torch.testing.assert_close(grad.double().cpu(), torch.full((2,), -0.5, dtype=torch.float64), rtol=1e-6, atol=1e-9)

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import varied
 
-import fasttnt.pipeline.remote as remote
+import fasttnt.pipeline.push as push_module
+import fasttnt.pipeline.worker as worker
 from fasttnt.distributed import launch_rank
 
 STEP = 2
@@ -35,7 +36,7 @@ FAULTS = ("worker-dies", "worker-hangs", "trainer-dies", "trainer-pauses", "trai
 def main() -> int:
     fault = os.environ["FAULT"]
     assert fault in FAULTS, fault
-    ship, push = remote.send_shipment, remote.RemoteRollouts.push
+    ship, push = worker.send_shipment, push_module.WeightPush.sync
     only = os.environ.get("FAULT_RANK")
     if only is not None and launch_rank() != only:
         fault = "none"  # another process is at fault
@@ -59,7 +60,7 @@ def main() -> int:
             time.sleep(3600)
         push(self, model, step, *args)
 
-    remote.send_shipment, remote.RemoteRollouts.push = faulty_ship, faulty_push
+    worker.send_shipment, push_module.WeightPush.sync = faulty_ship, faulty_push
     varied.register()
     from fasttnt.cli import main as cli_main
 

@@ -9,13 +9,13 @@ import sys
 import torch
 import varied
 
-import fasttnt.pipeline.remote as remote
+import fasttnt.pipeline.worker as worker
 
 LOST = 2
 
 
 def main() -> int:
-    real = remote.recv_weights
+    real = worker.recv_weights
 
     def lossy(model, **kwargs) -> int:
         before = [p.detach().clone() for p in model.parameters()]
@@ -26,7 +26,7 @@ def main() -> int:
                     param.copy_(old)
         return version
 
-    remote.recv_weights = lossy
+    worker.recv_weights = lossy
     varied.register()
     from fasttnt.cli import main as cli_main
 
