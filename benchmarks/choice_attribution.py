@@ -42,7 +42,7 @@ import fasttnt.trainer as trainer_module
 from fasttnt.config import load_config
 from fasttnt.data import PromptMode
 from fasttnt.engines.batch import FORCED_CODES
-from fasttnt.modes import first_token_index, think_end_probe
+from fasttnt.modes import first_token_index, think_end_rows
 from fasttnt.policy import UpdateInputs, plan_micro_batches, response_logprobs
 from fasttnt.trainer import Trainer
 from fasttnt.variants import variant_overrides
@@ -74,7 +74,7 @@ class Attribution:
         return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
 
     def probe_logp(self, batch, *, grad: bool = False) -> torch.Tensor:
-        probe = think_end_probe(batch, self.trainer.parts.think_end_id)
+        probe = think_end_rows(batch, self.trainer.parts.think_end_id)
         plan = plan_micro_batches(probe, self.trainer.cfg.micro_batch_tokens)
         with torch.set_grad_enabled(grad):
             return response_logprobs(self.actor.head, probe, plan, temperature=self.temperature)[0]

@@ -23,9 +23,9 @@ from .engines.batch import RolloutBatch
 from .policy import (
     MicroBatch,
     UpdateInputs,
+    batch_logprobs,
     bf16_context,
     micro_batch_loss,
-    no_grad_logprobs,
     plan_micro_batches,
     run_dummy,
 )
@@ -57,21 +57,21 @@ class Actor:
     # -- log-probs without gradients ----------------------------------------------------------------------------
 
     def old_and_ref_logprobs(
-        self, batch: RolloutBatch, probe: RolloutBatch | None = None, *, guarded: bool = False
+        self, batch: RolloutBatch, think_end_rows: RolloutBatch | None = None, *, guarded: bool = False
     ) -> NoGradLogprobs:
         """The old log-probs (N,), needed once the policy moves within the step (a second mini-batch or epoch), to
         importance-weight against the engine's (the weights are needed before the fused loss forms its gradient;
         TRL computes them likewise for its vLLM correction, grpo_trainer.py, trl 1.16), where the stale-weight guard
-        checks the batch (``guarded``: ``StaleWeightGuard.checks``), or for a mode-mixed batch, whose ``probe`` rows
-        (``ModeMix.probe``) get the old policy's log-probs too (``fasttnt.modes``); the reference model's log-probs
-        when the KL term is on. None where not needed."""
+        checks the batch (``guarded``: ``StaleWeightGuard.checks``), or for a mode-mixed batch, whose
+        ``think_end_rows`` (``ModeMix.think_end_rows``) get the old policy's log-probs too (``fasttnt.modes``); the
+        reference model's log-probs when the KL term is on. None where not needed."""
         loss_cfg = self.cfg.loss
         old_logp = ref_logp = think_end_logp = None
         compared = self.correction != "none" and batch.rollout_logp is not None
-        if loss_cfg.ppo_epochs > 1 or loss_cfg.mini_batches > 1 or compared or guarded or probe is not None:
+        if loss_cfg.ppo_epochs > 1 or loss_cfg.mini_batches > 1 or compared or guarded or think_end_rows is not None:
             old_logp = self.logprobs(self.policy, batch, zero3_collectives=self.zero3)
-        if probe is not None:
-            think_end_logp = self.logprobs(self.policy, probe, zero3_collectives=self.zero3)
+        if think_end_rows is not None:
+            think_end_logp = self.logprobs(self.policy, think_end_rows, zero3_collectives=self.zero3)
         if self.ref_model is not None:  # a plain module on every rank: no collectives
             ref_logp = self.logprobs(self.ref_model, batch, zero3_collectives=False)
         return NoGradLogprobs(old_logp=old_logp, ref_logp=ref_logp, think_end_logp=think_end_logp)
@@ -80,10 +80,9 @@ class Actor:
         """Log-probs (N,) of the batch under ``model`` (the policy, ``policy``, or the reference model), without
         gradients, in micro-batches of ``micro_batch_tokens``. ``zero3_collectives``: the forwards gather
         parameters collectively, so every rank runs as many (the ones with fewer pad with dummy forwards)."""
-        plan = plan_micro_batches(batch, self.cfg.micro_batch_tokens)
-        pad_to = distributed.max_over_ranks(self.dist, len(plan)) if zero3_collectives else 0
-        return no_grad_logprobs(model, batch, plan, temperature=self.cfg.rollout.temperature, bf16=self.autocast_on,
-                                pad_to=pad_to)  # fmt: skip
+        return batch_logprobs(model, batch, micro_batch_tokens=self.cfg.micro_batch_tokens,
+                              temperature=self.cfg.rollout.temperature, bf16=self.autocast_on, dist=self.dist,
+                              zero3_collectives=zero3_collectives)  # fmt: skip
 
     # -- the update ---------------------------------------------------------------------------------------------
 

@@ -11,7 +11,9 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .embedded.synthetic import STEP_PATTERN
+# the one import of this package that runs back up (the embedded task's warm-up builds its prompts here): each task
+# says what marks a hack in its responses, and the embedded one is a task like any set this module loads
+from .embedded import synthetic
 from .metrics import MATH_MARKERS, HackMarkers
 from .registry import Registry
 from .verify.answers import THINK_END
@@ -199,9 +201,7 @@ SYNTHETIC = "synthetic"
 name it."""
 
 
-SYNTHETIC_MARKERS = HackMarkers(patterns=(STEP_PATTERN.pattern,))
-"""The embedded task's hack: a written-out carry step of its thinking (``STEP_PATTERN``) after ``</think>``."""
-MARKER_SETS = {"math": MATH_MARKERS, "synthetic": SYNTHETIC_MARKERS}
+MARKER_SETS = {"math": MATH_MARKERS, "synthetic": synthetic.HACK_MARKERS}
 """``data.hack_markers``' choices: each task's markers of thinking, by name."""
 
 

@@ -72,8 +72,8 @@ The TNT limit, rewards, advantages and hack flags treat forced and free response
 response is a non-thinking response.
 
 A mode-mixed run's trainer asks its ``ModeMix`` at three points: ``rollout`` (each row's prompt in its mode for the
-engine, which only sees per-row prompts, and the rows' codes on the batch), ``probe`` (the rows whose old log-probs
-are each group's log pi_old(</think> | x)) and, after the old log-probs and the advantages
+engine, which only sees per-row prompts, and the rows' codes on the batch), ``think_end_rows`` (the rows whose old
+log-probs are each group's log pi_old(</think> | x)) and, after the old log-probs and the advantages
 (``fasttnt.advantages``), ``mode_token_terms`` (the first tokens' behaviour log-probs or weights, the fade).
 """
 
@@ -150,10 +150,10 @@ class ModeMix:
 
     # -- point 2: the old log-probs ------------------------------------------------------------------------------
 
-    def probe(self, batch: RolloutBatch, think_end_id: int) -> RolloutBatch | None:
+    def think_end_rows(self, batch: RolloutBatch, think_end_id: int) -> RolloutBatch | None:
         """The rows whose log-probs under the old policy are each group's log pi_old(</think> | x)
-        (``think_end_probe``)."""
-        return think_end_probe(batch, think_end_id)
+        (``think_end_rows``)."""
+        return think_end_rows(batch, think_end_id)
 
     def measures_floor(self, kept: float | None) -> bool:
         """Whether this step measures the fade's floor: under ``auto`` while the trainer's state keeps none
@@ -198,7 +198,7 @@ class ModeMix:
         (``half``, ``policy``) or as the importance weight pi_old / mu (``mixture``) in ``is_weights``, and the
         settled-choice fade a(p) on the ``</think>`` of every non-thinking row (``non_thinking`` (S,)) given the log
         of the fade's floor (``floor_logp``; None: no fade); and the groups below the floor (G,) bool, or None.
-        ``think_end_logp`` (G,): each group's log pi_old(</think> | x) (``probe``). A batch that older weights
+        ``think_end_logp`` (G,): each group's log pi_old(</think> | x) (``think_end_rows``). A batch that older weights
         sampled (a rollout worker's at ``rollout.max_staleness`` >= 1) carries their log-probs
         (``behaviour_logprobs``): the mixture and the fade read the sampling policy's, the ratio stays pi / pi_old
         (the decoupled objective). The first tokens' rollout log-probs become their old ones, so the engine's
@@ -420,12 +420,12 @@ def behaviour_logprobs(batch: RolloutBatch, think_end_id: int, logprobs) -> Roll
     its group's log pi(</think> | x) on each of the group's rows. A rollout worker adds them at
     ``rollout.max_staleness`` >= 1, where those weights are older than the trainer's."""
     batch.behaviour_first_logp = logprobs(first_token_rows(batch)).float()  # (S,)
-    ends = logprobs(think_end_probe(batch, think_end_id)).float()  # (G,)
+    ends = logprobs(think_end_rows(batch, think_end_id)).float()  # (G,)
     batch.behaviour_think_end_logp = ends.repeat_interleave(batch.group_size)  # (S,)
     return batch
 
 
-def think_end_probe(batch: RolloutBatch, think_end_id: int) -> RolloutBatch:
+def think_end_rows(batch: RolloutBatch, think_end_id: int) -> RolloutBatch:
     """One row per group: the group's prompt and the one-token response ``</think>``, whose log-prob under a model
     is log pi(</think> | x) at the first position."""
     k = batch.group_size

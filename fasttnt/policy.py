@@ -20,6 +20,7 @@ import torch
 
 from fasttnt_kernels import PolicyLossConfig, PolicyLossInputs, linear_policy_loss, linear_token_logprobs
 
+from . import distributed
 from .attention import Packing, packed_forward, takes_mask_mapping, use_packed_attention
 from .engines.batch import RolloutBatch
 
@@ -274,6 +275,17 @@ def no_grad_logprobs(model, batch: RolloutBatch, plan: list[MicroBatch], *, temp
     old and reference log-probs, and of a rollout worker's push check."""
     with torch.no_grad(), bf16_context(batch.response_ids.device, bf16):
         return response_logprobs(model, batch, plan, temperature=temperature, pad_to=pad_to)[0]
+
+
+def batch_logprobs(model, batch: RolloutBatch, *, micro_batch_tokens: int, temperature: float, bf16: bool, dist=None,
+                   zero3_collectives: bool = False) -> torch.Tensor:  # fmt: skip
+    """Log-probs (N,) of ``batch``'s response tokens under ``model`` without gradients, in micro-batches of
+    ``micro_batch_tokens``: the one pass of the old and reference log-probs (``Actor.logprobs``) and of a push check's
+    probe on either side, so that equal weights give equal numbers. ``zero3_collectives``: the forwards gather
+    parameters collectively, so every rank of ``dist`` runs as many (the ones with fewer pad with dummy forwards)."""
+    plan = plan_micro_batches(batch, micro_batch_tokens)
+    pad_to = distributed.max_over_ranks(dist, len(plan)) if zero3_collectives else 0
+    return no_grad_logprobs(model, batch, plan, temperature=temperature, bf16=bf16, pad_to=pad_to)
 
 
 def response_logprobs(

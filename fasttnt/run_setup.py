@@ -32,7 +32,6 @@ from .data import Problem, PromptMode, build_prompt, dataset_style, loading_mode
 from .embedded.tiny import warmed_up_model
 from .engines import EngineSettings, RolloutEngine, build_engine
 from .metrics import HackMarkers
-from .pipeline.roles import Pipeline, join
 from .policy import PolicyHead, tied_rows_into_grad
 from .runlog import truncate_metrics
 from .stream import ProblemStream
@@ -61,7 +60,7 @@ class RunParts:
     markers: HackMarkers
     # rollout.workers > 0: the world's roles (this process is one of the training ranks; dist is their own world, None
     # where it trains alone)
-    pipeline: Pipeline | None = None
+    pipeline: object | None = None  # fasttnt.pipeline.roles.Pipeline
     resumed_from: Path | None = None  # the checkpoint a resumed run continues
 
     @property
@@ -127,17 +126,12 @@ def device_type_of(cfg: TrainConfig) -> str:
     return "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
 
 
-def build(cfg: TrainConfig, out: Path, *, resume: bool = False, new_config_ok: bool = False) -> RunParts:
+def build(cfg: TrainConfig, out: Path, *, pipeline=None, resume: bool = False, new_config_ok: bool = False
+          ) -> RunParts:  # fmt: skip
+    """The run in ``out``: its ranks, model, optimizer, engine, data and state. ``pipeline``: the trainers' side of a
+    run with rollout workers (``fasttnt.pipeline.roles.trainers_world``, which the caller joins first: the workers
+    generate, fasttnt.pipeline.worker.serve), None without them."""
     device_type = device_type_of(cfg)
-    pipeline = None
-    if cfg.rollout.workers:  # the workers generate (fasttnt.pipeline.worker.serve): the trainers, a world of their own
-        if not distributed.launched_distributed():
-            n = cfg.rollout.workers + 1
-            raise ConfigError(
-                f"rollout.workers={cfg.rollout.workers}: the workers are ranks of their own: launch {n} processes "
-                f"(torchrun --nproc-per-node {n} -m fasttnt.cli train ...)"
-            )
-        pipeline = join(cfg, device_type)  # the trainers' world from here on (fasttnt.pipeline.roles)
     dist = distributed.init(device_type) if distributed.launched_distributed() else None
     world, is_main = (dist.world, dist.rank == 0) if dist else (1, True)
     device = dist.device if dist else distributed.local_device(device_type)

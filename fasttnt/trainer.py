@@ -40,7 +40,7 @@ from .metrics import (
     to_floats,
 )
 from .modes import ModeMix, forced_rows
-from .pipeline import remote
+from .pipeline import remote, roles
 from .plots import plot_curves
 from .policy import UpdateInputs
 from .preemption import Preempted, StopSignals
@@ -64,7 +64,10 @@ class Trainer:
     ) -> None:  # fmt: skip
         """``progress``: show the step bar (off where several runs share one terminal, ``fasttnt compare --jobs``)."""
         self.cfg, self.out, self.progress, self.resumed = cfg, Path(output_dir), progress, resume
-        self.parts = parts = run_setup.build(cfg, self.out, resume=resume, new_config_ok=new_config_ok)
+        # with rollout workers, the trainers' world (fasttnt.pipeline.roles) before anything else connects
+        pipeline = roles.trainers_world(cfg, run_setup.device_type_of(cfg))
+        self.parts = parts = run_setup.build(cfg, self.out, pipeline=pipeline, resume=resume,
+                                             new_config_ok=new_config_ok)  # fmt: skip
         self.state = parts.state  # the trainer's own from here: each step replaces it
         # a worker samples from a copy of the weights: on-policy (k = 0) the one the trainer holds, checked as vLLM's
         separate = parts.engine.separate_weights or (parts.pipeline is not None and cfg.rollout.max_staleness == 0)
@@ -102,8 +105,8 @@ class Trainer:
 
         # old and reference log-probs (and, mode-mixed, of </think> first)
         batch, mix = trained.batch, self.mode_mix
-        probe = mix.probe(batch, self.parts.think_end_id) if mix is not None else None
-        logp = self.actor.old_and_ref_logprobs(batch, probe, guarded=self.guard.checks(batch))
+        think_end_rows = mix.think_end_rows(batch, self.parts.think_end_id) if mix is not None else None
+        logp = self.actor.old_and_ref_logprobs(batch, think_end_rows, guarded=self.guard.checks(batch))
         clock.lap("logprobs")
 
         # advantage (fasttnt.advantages)
@@ -144,7 +147,7 @@ class Trainer:
         return values
 
     def _probe_logprobs(self, probe) -> torch.Tensor:
-        """The policy's log-probs of ``probe`` (the push check of ``fasttnt.pipeline.remote``)."""
+        """The policy's log-probs of ``probe`` (the push check: ``fasttnt.pipeline.push``)."""
         return self.actor.logprobs(self.actor.policy, probe, zero3_collectives=self.actor.zero3)
 
     def _mode_token_terms(

@@ -190,8 +190,8 @@ def test_the_rollout_worker_layouts_hold_in_the_worlds_they_name():
         # the roles' arithmetic, here where vLLM may not be installed (which PipelineRanks.of refuses, naming the key)
         cfg = load_config(ROOT / "configs" / name, ["rollout.engine=hf"])
         ranks = PipelineRanks.of(cfg, world)
-        assert (len(ranks.trainers), len(ranks.worker_ranks)) == (world - workers, workers)
-        assert cfg.rollout.prompts_per_step % (len(ranks.trainers) * cfg.loss.mini_batches) == 0
+        assert (len(ranks.trainer_ranks), len(ranks.worker_ranks)) == (world - workers, workers)
+        assert cfg.rollout.prompts_per_step % (len(ranks.trainer_ranks) * cfg.loss.mini_batches) == 0
     # the 2 + 6 split of one node cannot hold the recipe's batch: refused, naming why
     six = load_config(ROOT / "configs" / layouts[0][0], ["rollout.workers=2", "rollout.engine=hf"])
     with pytest.raises(ConfigError, match=r"leaves 6 trainers, and 6 trainers x loss.mini_batches=4 do not divide"):

@@ -196,7 +196,7 @@ class TestPushCheck:
 
         push = object.__new__(WeightPush)
         push.cfg = SimpleNamespace(rollout=SimpleNamespace(max_logp_diff=limit))
-        push.workers, push.checks, push.probes = list(range(1, len(probes) + 1)), True, {4: probes}
+        push.worker_ranks, push.checks, push.probes = list(range(1, len(probes) + 1)), True, {4: probes}
         return push
 
     @staticmethod
@@ -248,7 +248,7 @@ class TestRoles:
         from fasttnt.pipeline.roles import PipelineRanks
 
         ranks = PipelineRanks(world=5, workers=2)
-        assert list(ranks.trainers) == [0, 1, 2] and list(ranks.worker_ranks) == [3, 4]
+        assert list(ranks.trainer_ranks) == [0, 1, 2] and list(ranks.worker_ranks) == [3, 4]
         assert [ranks.is_worker(r) for r in range(5)] == [False, False, False, True, True]
 
     def test_the_trainers_times_their_mini_batches_must_divide_the_prompts(self):
@@ -256,7 +256,7 @@ class TestRoles:
         from fasttnt.pipeline.roles import PipelineRanks
 
         cfg = load_config(None, ["rollout.prompts_per_step=4", "rollout.workers=1", "loss.mini_batches=4"])
-        assert PipelineRanks.of(cfg, 2).trainers == range(1), "precondition: one trainer takes 4 mini-batches of 1"
+        assert PipelineRanks.of(cfg, 2).trainer_ranks == range(1), "precondition: one trainer takes 4 mini-batches of 1"
         # two trainers divide the 4 prompts, but not into 4 mini-batches each
         with pytest.raises(ConfigError, match=r"2 trainers x loss\.mini_batches=4 do not divide"):
             PipelineRanks.of(cfg, 3)

@@ -486,9 +486,9 @@ def test_the_roles_a_world_cannot_hold_are_refused_naming_the_key():
     from fasttnt.pipeline.roles import PipelineRanks, join
 
     one = load_config(None, ["rollout.workers=1"])
-    assert (PipelineRanks.of(one, 2).trainers, PipelineRanks.of(one, 2).worker_ranks) == (range(1), range(1, 2))
+    assert (PipelineRanks.of(one, 2).trainer_ranks, PipelineRanks.of(one, 2).worker_ranks) == (range(1), range(1, 2))
     two = load_config(None, ["rollout.workers=2", "rollout.prompts_per_step=4"])
-    assert (PipelineRanks.of(two, 6).trainers, PipelineRanks.of(two, 6).worker_ranks) == (range(4), range(4, 6))
+    assert (PipelineRanks.of(two, 6).trainer_ranks, PipelineRanks.of(two, 6).worker_ranks) == (range(4), range(4, 6))
     with pytest.raises(ConfigError, match=r"leaves 3 trainers, and 3 trainers x loss.mini_batches=1 do not divide"):
         PipelineRanks.of(two, 5)
     with pytest.raises(ConfigError, match=r"rollout.workers=1 leaves no training rank in a world of 1"):

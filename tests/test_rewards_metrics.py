@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from fasttnt import scoring
-from fasttnt.data import SYNTHETIC_MARKERS
 from fasttnt.embedded.char_tokenizer import THINK_END, build_char_tokenizer
-from fasttnt.embedded.synthetic import make_problem
+from fasttnt.embedded.synthetic import HACK_MARKERS, make_problem
 from fasttnt.engines import RolloutBatch, pack_sequences
 from fasttnt.metrics import (
     MATH_MARKERS,
@@ -73,7 +72,7 @@ def test_scoring_judges_truncated_responses_wrong_and_flags_the_hack():
     ids = [TOK(t, add_special_tokens=False)["input_ids"] for t in texts]
     batch = RolloutBatch([[]] * 4, *pack_sequences(ids), torch.tensor([True, True, False, False]), 4)
     scores = scoring.score(TOK, batch, ["132"] * 4, eos_ids={TOK.eos_token_id}, reward=RewardConfig(),
-                           think_end_id=END_ID, markers=SYNTHETIC_MARKERS)  # fmt: skip
+                           think_end_id=END_ID, markers=HACK_MARKERS)  # fmt: skip
     assert scores.judged.correct.tolist() == [False, False, True, False]  # right answers, but truncated
     assert scores.rewards.rewards.tolist() == [0.0, -1.0, -2.0, -1.0]  # the hack is over its limit of 22
     assert scores.hacked.tolist() == [False, False, True, False]
@@ -169,7 +168,7 @@ def test_math_hack_markers(text, non_thinking, expected):
 
 def test_synthetic_hack_markers():
     p = make_problem(47, 85, 2)
-    assert hack_flags([p.hacked, p.direct, p.thinking], [True, True, False], SYNTHETIC_MARKERS) == [True, False, False]
+    assert hack_flags([p.hacked, p.direct, p.thinking], [True, True, False], HACK_MARKERS) == [True, False, False]
     with pytest.raises(ValueError, match="at least one"):
         HackMarkers()
 

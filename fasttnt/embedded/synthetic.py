@@ -21,11 +21,14 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from ..metrics import HackMarkers
 from ..verify import THINK_END
 
 TEST_SHARE = 10  # one problem in TEST_SHARE goes to the test split
 STEP_PATTERN = re.compile(r"\d\+\d(?:\+\d)?=\d+:\d+")
 """One written-out column step; its presence after ``</think>`` is the synthetic task's hack marker."""
+HACK_MARKERS = HackMarkers(patterns=(STEP_PATTERN.pattern,))
+"""The task's hack: a written-out column step of its thinking (``STEP_PATTERN``) after ``</think>``."""
 
 
 @dataclass(frozen=True)

@@ -44,10 +44,10 @@ import torch
 
 from .. import distributed
 from ..data import Prompt, think_end_token_id
-from ..pipeline.weights import LAYER, layer_buckets
 from .base import ENGINES, EngineSettings, Requests
 from .batch import RolloutBatch, eos_ids_of
 from .sampler import row_seeds
+from .weight_buckets import LAYER, layer_buckets
 
 VLLM_VERSION = "0.31"  # the release read and tested: reload_weights(weights_iterator=) and the V1 logits processors
 CPU_KV_CACHE_BYTES = 1 << 30  # on a CPU gpu_memory_utilization is a share of the machine's RAM: a fixed cache

@@ -40,7 +40,7 @@ class WeightPush:
                  probe_logprobs: Callable[[RolloutBatch], torch.Tensor] | None = None) -> None:  # fmt: skip
         self.cfg, self.pipeline, self.device, self.probe_logprobs = cfg, pipeline, device, probe_logprobs
         self.link, self.rank = pipeline.link, pipeline.rank
-        self.workers = list(pipeline.ranks.worker_ranks)
+        self.worker_ranks = list(pipeline.ranks.worker_ranks)
         self.bucket_bytes = cfg.rollout.weight_sync_bucket_bytes
         self.timeout = cfg.rollout.worker_timeout
         self.push_link = None  # the weights': the pipeline's link, or the vLLM workers' own (connect)
@@ -61,7 +61,7 @@ class WeightPush:
         self.model, self.push_link = model, self.link
         if self.cfg.rollout.engine != "vllm":
             return
-        for worker in self.workers:
+        for worker in self.worker_ranks:
             recv_from(torch.empty(1, dtype=torch.int64), worker, peer=worker_name(worker), what="its vLLM engine",
                       timeout=self.timeout, group=self.link)  # fmt: skip
         nccl_port = self._nccl_port() if self.cfg.rollout.weight_transfer == "nccl" else None
@@ -69,7 +69,7 @@ class WeightPush:
         if nccl_port is not None:  # the workers' engines join it once on the weights link (vllm_transfer)
             from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
 
-            self.nccl = stateless_init_process_group(self.pipeline.address[0], nccl_port, 0, 1 + len(self.workers),
+            self.nccl = stateless_init_process_group(self.pipeline.address[0], nccl_port, 0, 1 + len(self.worker_ranks),
                                                      self.device)  # fmt: skip
 
     def _nccl_port(self) -> int | None:
@@ -78,14 +78,14 @@ class WeightPush:
         if self.rank != TRAINER:
             return None
         port = distributed.free_port()
-        for worker in self.workers:
+        for worker in self.worker_ranks:
             send_to(torch.tensor([port], dtype=torch.int64), worker, peer=worker_name(worker),
                     what="the NCCL group's port to be taken", timeout=self.timeout, group=self.link)  # fmt: skip
         return port
 
     def first(self, step: int) -> None:
         """The weights the workers start from, as version ``step``, taken before anything else."""
-        send_weights(self.model, step, dsts=self.workers, src=TRAINER, bucket_bytes=self.bucket_bytes,
+        send_weights(self.model, step, dsts=self.worker_ranks, src=TRAINER, bucket_bytes=self.bucket_bytes,
                      timeout=self.timeout, group=self.push_link, nccl=self.nccl)  # fmt: skip
 
     def sync(self, model: torch.nn.Module, step: int) -> None:
@@ -129,7 +129,7 @@ class WeightPush:
         """Each worker's log-probs of a version's probe against the trainer's (``StaleWeightsError`` past the guard's
         limit)."""
         v, limit = max(s.probe_version for s in shipments), self.cfg.rollout.max_logp_diff
-        names = [worker_name(worker) for worker in self.workers]
+        names = [worker_name(worker) for worker in self.worker_ranks]
         for name, shipment in zip(names, shipments, strict=True):  # every worker took the version, and checked it
             if shipment.probe_version != v:
                 raise WorkerError(f"{name} checked weight version {shipment.probe_version} where another worker "
@@ -153,7 +153,7 @@ class WeightPush:
 
     def _send(self, version: int) -> None:
         """Version ``version`` to the workers: in the background over gloo, at once over NCCL (``send_weights``)."""
-        self.pending += send_weights(self.model, version, dsts=self.workers, src=TRAINER, group=self.push_link,
+        self.pending += send_weights(self.model, version, dsts=self.worker_ranks, src=TRAINER, group=self.push_link,
                                      bucket_bytes=self.bucket_bytes, wait=False, timeout=self.timeout,
                                      nccl=self.nccl)  # fmt: skip
 

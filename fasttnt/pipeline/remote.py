@@ -197,8 +197,9 @@ class RemoteRollouts:
         trains on first."""
         self.cfg, self.pipeline, self.device, self.push = cfg, pipeline, device, push
         self.link = pipeline.link
-        self.rank, self.trainers = pipeline.rank, len(pipeline.ranks.trainers)  # the trainers' ranks come first
-        self.workers = list(pipeline.ranks.worker_ranks)
+        self.rank = pipeline.rank  # the trainers' ranks come first
+        self.trainer_count = len(pipeline.ranks.trainer_ranks)
+        self.worker_ranks = list(pipeline.ranks.worker_ranks)
         self.timeout = cfg.rollout.worker_timeout
         self.limits: Limits | None = None  # what a shipment may hold, once the model is known (start)
         self.queue: deque[list[Shipment]] = deque()  # shipments received ahead of their step (in_flight)
@@ -215,14 +216,14 @@ class RemoteRollouts:
         self.push.connect(model)
         self.limits = shipment_limits(self.cfg, model, prompt_budget_of(self.cfg))
         if self.rank == TRAINER:
-            for worker in self.workers:
+            for worker in self.worker_ranks:
                 send_to(torch.tensor([first, position, len(back)], dtype=torch.int64), worker,
                         peer=worker_name(worker), what="the run's starting point to be taken", timeout=self.timeout,
                         group=self.link)  # fmt: skip
         self.push.first(step)
         if self.rank == TRAINER:
             for shipments in back:
-                for worker, shipment in zip(self.workers, shipments, strict=True):
+                for worker, shipment in zip(self.worker_ranks, shipments, strict=True):
                     send_shipment(shipment, [worker], group=self.link, timeout=self.timeout, peer=worker_name(worker))
 
     def step(self, step: int, clock) -> StepRollouts:
@@ -240,7 +241,9 @@ class RemoteRollouts:
         for shipment in shipments:
             mine, fills = list(range(len(shipment.varied))), 0
             if self.cfg.rollout.dynamic_sampling:
-                mine, fills = choose_groups(shipment.varied, self.cfg.rollout.prompts_per_step // len(self.workers))
+                mine, fills = choose_groups(
+                    shipment.varied, self.cfg.rollout.prompts_per_step // len(self.worker_ranks)
+                )
             groups += [offset + g for g in mine]
             filled += fills
             offset += len(shipment.varied)
@@ -251,12 +254,12 @@ class RemoteRollouts:
         provenance = Provenance(data_position=whole.data_position, generate_seconds=whole.times["time_generate"],
                                 stop=whole.stop, logged=logged)  # fmt: skip
         return trainer_share(whole.scored, whole.varied, groups, filled, whole.draws, provenance, rank=self.rank,
-                             trainers=self.trainers)  # fmt: skip
+                             trainers=self.trainer_count)  # fmt: skip
 
     def _receive(self, step: int) -> list[Shipment]:
         """Each worker's next shipment, which must be step ``step``'s, sampled within the staleness bound."""
         shipments = []
-        for worker in self.workers:
+        for worker in self.worker_ranks:
             name = worker_name(worker)
             shipment = recv_shipment(worker, group=self.link, limits=self.limits, device=self.device,
                                      timeout=self.timeout)  # fmt: skip
@@ -283,7 +286,9 @@ class RemoteRollouts:
         if not path.is_file():
             raise ResumeError(f"--resume: {path} is missing: a checkpoint at rollout.max_staleness >= 1 keeps the "
                               "batches in flight there")  # fmt: skip
-        self.push.last, queue, self.push.probes = read_in_flight(path, workers=len(self.workers), device=self.device)
+        self.push.last, queue, self.push.probes = read_in_flight(
+            path, workers=len(self.worker_ranks), device=self.device
+        )
         self.queue.extend(queue)
 
 

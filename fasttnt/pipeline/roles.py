@@ -26,6 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .. import distributed
 from ..config import ConfigError, TrainConfig
 from ..distributed import COLLECTIVE_TIMEOUT, LAUNCH_RANK
 from .peer import link, store_at, wait_for
@@ -72,7 +73,7 @@ class PipelineRanks:
         return cls(world, w)
 
     @property
-    def trainers(self) -> range:
+    def trainer_ranks(self) -> range:
         """The training ranks (the first ``world - workers``)."""
         return range(self.world - self.workers)
 
@@ -123,6 +124,19 @@ class Pipeline:
         wait_for(self.link.barrier(), peer="a rank of the run", what=what, timeout=self.timeout)
 
 
+def trainers_world(cfg: TrainConfig, device_type: str) -> Pipeline | None:
+    """A trainer's side of a run with rollout workers (``rollout.workers`` > 0: the trainers' world from here on,
+    ``join``), None without them; the workers are ranks of their own, so a run that no launcher started is a
+    ``ConfigError``."""
+    if not cfg.rollout.workers:
+        return None
+    if not distributed.launched_distributed():
+        n = cfg.rollout.workers + 1
+        raise ConfigError(f"rollout.workers={cfg.rollout.workers}: the workers are ranks of their own: launch {n} "
+                          f"processes (torchrun --nproc-per-node {n} -m fasttnt.cli train ...)")  # fmt: skip
+    return join(cfg, device_type)
+
+
 def join(cfg: TrainConfig, device_type: str) -> Pipeline:
     """Join the run as the launcher started this process: the link, and the role's own world (module docstring).
     Bad roles are a ``ConfigError`` naming ``rollout.workers``, before anything connects."""
@@ -133,11 +147,11 @@ def join(cfg: TrainConfig, device_type: str) -> Pipeline:
     ranks = PipelineRanks.of(cfg, world)
     address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     timeout = cfg.rollout.worker_timeout
-    pipeline = link(*address, rank, world, name="fasttnt-pipeline", timeout=timeout)
+    group = link(*address, rank, world, name="fasttnt-pipeline", timeout=timeout)
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     worker = ranks.is_worker(rank)
-    role = ranks.worker_ranks if worker else ranks.trainers
+    role = ranks.worker_ranks if worker else ranks.trainer_ranks
     role_rank, role_world = role.index(rank), len(role)
     os.environ.update({LAUNCH_RANK: str(rank), "RANK": str(role_rank), "WORLD_SIZE": str(role_world)})
     if worker:  # the workers' world, which vLLM's external launcher finds made (its env:// would bind the port)
@@ -148,4 +162,4 @@ def join(cfg: TrainConfig, device_type: str) -> Pipeline:
         own = dist.PrefixStore("fasttnt-trainers", store_at(*address, rank, world, timeout=timeout))
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=own, rank=role_rank,
                                 world_size=role_world, timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
-    return Pipeline(ranks, rank, pipeline, address, timeout)
+    return Pipeline(ranks, rank, group, address, timeout)

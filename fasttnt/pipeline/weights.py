@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import distributed
+from ..engines.weight_buckets import layer_buckets
 from .peer import (
     PipelineError,
     isend,
@@ -39,28 +39,10 @@ from .peer import (
 )
 
 MAGIC = 0x7F7A_7477_0001  # "fasttnt weights", format 1
-LAYER = re.compile(r"(.*\.layers\.\d+)\.")  # a decoder layer's parameter names: its prefix
 
 
 class WeightPushError(PipelineError):
     """A weight push that cannot be loaded: another model's parameters, or a broken message."""
-
-
-def layer_buckets(model: torch.nn.Module, bucket_bytes: int):
-    """Named parameters in groups of about ``bucket_bytes`` (at their full, unsharded size) that never split a
-    decoder layer."""
-    bucket, size, current = [], 0, None
-    for name, param in model.named_parameters():
-        match = LAYER.match(name)
-        layer = match.group(1) if match else name
-        if bucket and layer != current and size >= bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, param))
-        size += getattr(param, "ds_numel", param.numel()) * param.element_size()
-        current = layer
-    if bucket:
-        yield bucket
 
 
 @dataclass(frozen=True)

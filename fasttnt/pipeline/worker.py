@@ -21,7 +21,7 @@ from ..engines import build_engine
 from ..engines.batch import RolloutBatch
 from ..guard import StaleWeightsError, mean_logp_diff, stale_weights
 from ..modes import ModeMix, behaviour_logprobs
-from ..policy import PolicyHead, no_grad_logprobs, plan_micro_batches
+from ..policy import PolicyHead, batch_logprobs
 from ..preemption import EXIT_PREEMPTED, StopSignals
 from ..rollouts import Rollouts
 from ..step_metrics import PhaseClock
@@ -66,7 +66,7 @@ def _serve(cfg: TrainConfig, signals: StopSignals) -> int:
         settings = replace(settings, weight_transfer=backend, sleep_between_rollouts=False)
         register()  # the backend, with vLLM's factory in this process (the engine builds it with the model)
         engine = build_engine("vllm", model, tokenizer, settings)
-        for rank in pipeline.ranks.trainers:
+        for rank in pipeline.ranks.trainer_ranks:
             send_to(torch.ones(1, dtype=torch.int64), rank, peer=trainer_name(rank),
                     what="the engine's news to be taken", timeout=timeout, group=link)  # fmt: skip
         init = pipeline.weights_init(layout(model, bucket_bytes))
@@ -119,10 +119,10 @@ def _serve(cfg: TrainConfig, signals: StopSignals) -> int:
     # log-probs of its samples against the copy's (both took the same push), so that vLLM's load is checked too
     engine_check = check_pushes and cfg.rollout.engine == "vllm" and cfg.rollout.top_p == 1.0
     # step -> its batch, until the version its update makes is checked
-    shipped: dict[int, RolloutBatch] = {s.step: s.scored.batch for s in back} if check_pushes else {}
+    unchecked: dict[int, RolloutBatch] = {s.step: s.scored.batch for s in back} if check_pushes else {}
     probe_version, probe_logp = -1, None
-    if version in shipped:  # resumed at k >= 1: the checkpoint's weights are a version taken like any push
-        probe_version, probe_logp = version, _probe_logprobs(cfg, head, probe_rows(shipped.pop(version)))
+    if version in unchecked:  # resumed at k >= 1: the checkpoint's weights are a version taken like any push
+        probe_version, probe_logp = version, _probe_logprobs(cfg, head, probe_rows(unchecked.pop(version)))
     idle = 0.0  # seconds waiting since the last batch was generated: for weights, and for the trainer to take it
     try:
         for step in range(first + 1, cfg.steps + 1):
@@ -131,7 +131,7 @@ def _serve(cfg: TrainConfig, signals: StopSignals) -> int:
                 version = receive()
                 idle += time.perf_counter() - waited
                 if check_pushes:  # the push check (module docstring): this version's log-probs of its probe
-                    probe_version, probe_logp = version, _probe_logprobs(cfg, head, probe_rows(shipped.pop(version)))
+                    probe_version, probe_logp = version, _probe_logprobs(cfg, head, probe_rows(unchecked.pop(version)))
             clock = PhaseClock()
             rolled = rollouts.step(step, clock)
             if engine_check:
@@ -143,11 +143,11 @@ def _serve(cfg: TrainConfig, signals: StopSignals) -> int:
                                 {**clock.times, "time_idle": idle}, probe_version, probe_logp,
                                 stop=signals.requested is not None)  # fmt: skip
             waited = time.perf_counter()
-            send_shipment(shipment, pipeline.ranks.trainers, group=link, timeout=timeout)
+            send_shipment(shipment, pipeline.ranks.trainer_ranks, group=link, timeout=timeout)
             idle = time.perf_counter() - waited
             probe_version, probe_logp = -1, None
             if check_pushes:
-                shipped[step] = rolled.drawn.batch
+                unchecked[step] = rolled.drawn.batch
     except PeerLostError:
         if signals.requested is None:
             raise
@@ -181,9 +181,7 @@ def _check_engine(cfg: TrainConfig, head: torch.nn.Module, batch: RolloutBatch, 
 
 def _probe_logprobs(cfg: TrainConfig, head: torch.nn.Module, probe: RolloutBatch) -> torch.Tensor:
     """The log-probs (n,) of ``probe``'s response tokens under ``head`` (the worker model's ``PolicyHead``), through
-    the pass the trainer's ``Actor.logprobs`` runs (``no_grad_logprobs``), so that equal weights give equal numbers."""
-    device = next(head.parameters()).device
-    plan = plan_micro_batches(probe, cfg.micro_batch_tokens)
-    return no_grad_logprobs(
-        head, probe, plan, temperature=cfg.rollout.temperature, bf16=run_setup.bf16_autocast(cfg, device)
-    )
+    the pass the trainer's ``Actor.logprobs`` runs (``policy.batch_logprobs``): equal weights give equal numbers."""
+    bf16 = run_setup.bf16_autocast(cfg, next(head.parameters()).device)
+    return batch_logprobs(head, probe, micro_batch_tokens=cfg.micro_batch_tokens, temperature=cfg.rollout.temperature,
+                          bf16=bf16)  # fmt: skip
