@@ -295,6 +295,15 @@ def test_the_written_out_step_only_where_it_is_the_models_forward():
     handle = model.model.layers[0].mlp.register_forward_hook(lambda *_: None)  # a hook the step would pass by
     assert not decode_step.supports(model)
     handle.remove()
+    handle = model.model.layers[0].self_attn.register_forward_pre_hook(lambda *_: None)  # and a pre-hook
+    assert not decode_step.supports(model)
+    handle.remove()
+    assert decode_step.supports(model)
+    layers = model.config.num_hidden_layers
+    assert len(model.model.layers) == layers >= 2, "precondition: a layer to leave out"
+    model.config.num_hidden_layers = layers - 1  # transformers' forward runs the first num_hidden_layers alone
+    assert not decode_step.supports(model)
+    model.config.num_hidden_layers = layers
     assert decode_step.supports(model)
     model.config.layer_types = ["full_attention", "sliding_attention"]  # Qwen2's use_sliding_window
     assert not decode_step.supports(model)

@@ -4,6 +4,8 @@ bugs benchmarks/mutants.py plants there fail one of these."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -372,6 +374,34 @@ class TestModeChoice:
 
 
 class TestCompare:
+    def test_each_evaluated_step_reads_its_own_model_and_writes_its_own_folder(self, tmp_path, monkeypatch):
+        # a run trained before (its final/ and stamp in place), evaluated at steps 2 and 4 of 4: step 2 from its
+        # checkpoint, step 4 from final/, each into eval/step-N; run_eval recorded, not run
+        import fasttnt.compare.jobs as jobs
+        from fasttnt.checkpoint import checkpoint_paths
+        from fasttnt.compare.plan import Run, fingerprint
+        from fasttnt.evaluate import EvalSettings
+
+        cfg = load_config(None, ["steps=4"])
+        run = Run("tnt", 0, 0, tmp_path / "run", cfg)
+        for folder in (run.out / "final", checkpoint_paths(run.out / "checkpoints", 2)[0]):
+            folder.mkdir(parents=True)
+            (folder / "config.json").write_text("{}")
+        (run.out / "compare_run.json").write_text(json.dumps({"config_sha256": fingerprint(cfg)}))
+        calls = []
+
+        def recorded(models, benchmarks, settings, out):
+            calls.append((Path(models[0]), Path(out)))
+            return {"results": {models[0]: {"synthetic": {"acc": 50.0 + len(calls), "len": 10.0, "n": 4}}}}
+
+        monkeypatch.setattr(jobs, "run_eval", recorded)
+        monkeypatch.setattr(jobs, "mean_evaluation", lambda evaluations: evaluations[-1])
+        result = jobs.TrainAndEvaluate(run, EvalSettings(), steps=(2, 4))(progress=False)
+        assert len(calls) == 2, "precondition: both steps evaluated"
+        assert calls == [(checkpoint_paths(run.out / "checkpoints", 2)[0], run.out / "eval" / "step-2"),
+                         (run.out / "final", run.out / "eval" / "step-4")]  # fmt: skip
+        assert [result["by_step"][s]["acc"] for s in (2, 4)] == [51.0, 52.0]
+
     def test_flags_are_kept_and_the_token_efficiency_is_that_of_the_means(self):
         from fasttnt.compare.jobs import mean_evaluation
         from fasttnt.metrics import token_efficiency
