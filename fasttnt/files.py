@@ -2,7 +2,9 @@
 
 Each writes the new content under a temporary name, flushes it to disk (``fsync``), and renames it into place (one
 atomic step on POSIX); a folder to drop is renamed out of the names readers look for before it is deleted, so a
-kill in the middle of the deletion leaves a ``.old`` folder that nothing reads as complete (``sweep``).
+kill in the middle of the deletion leaves a ``.old`` folder that nothing reads as complete (``sweep``). A folder
+replaced by another is first moved aside whole (``.replaced``): a kill between the two renames leaves no folder by
+its name until ``restore_replaced`` (which ``sweep`` and a run's start call) puts the previous one back.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import shutil
 from pathlib import Path
 
 OLD = ".old"  # a folder being deleted
+REPLACED = ".replaced"  # a whole folder moved aside by replace_folder until its replacement is in place
 TMP = ".tmp"  # a file or folder being written
 
 
@@ -58,26 +61,41 @@ def remove_folder(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)  # a leftover of a kill during an earlier removal
     os.replace(path, doomed)
     fsync_dir(path.parent)
-    shutil.rmtree(doomed)
+    shutil.rmtree(doomed, ignore_errors=True)  # what a failed deletion leaves, sweep removes
 
 
 def replace_folder(tmp: Path, final: Path) -> None:
     """Make the fully written folder ``tmp`` be ``final``, replacing any ``final`` there. A kill between the two
-    renames leaves ``final.old`` (the previous, whole) and ``tmp`` (the new, whole), never a half of either."""
+    renames leaves ``final.replaced`` (the previous, whole) and ``tmp`` (the new, whole), never a half of either;
+    ``restore_replaced`` puts the previous one back."""
     fsync_tree(tmp)
+    aside = final.with_name(final.name + REPLACED)
+    restore_replaced(final)
     if final.exists():
-        doomed = final.with_name(final.name + OLD)
-        shutil.rmtree(doomed, ignore_errors=True)
-        os.replace(final, doomed)
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
     os.replace(tmp, final)  # the commit point
     fsync_dir(final.parent)
-    shutil.rmtree(final.with_name(final.name + OLD), ignore_errors=True)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def restore_replaced(final: Path) -> None:
+    """``final`` back where a kill between ``replace_folder``'s renames left it aside (whole: it moved in one rename,
+    and its deletion starts only once its replacement is in place)."""
+    aside = final.with_name(final.name + REPLACED)
+    if not final.exists() and aside.is_dir():
+        os.replace(aside, final)
+        fsync_dir(final.parent)
 
 
 def sweep(root: Path, prefix: str) -> None:
-    """Remove what kills left under ``root``: ``<prefix>*.tmp`` (half written) and ``<prefix>*.old`` (half deleted)."""
+    """Undo what kills left under ``root``: a ``<prefix>*`` folder moved aside by ``replace_folder`` put back, then
+    ``<prefix>*.tmp`` (half written), ``<prefix>*.old`` (half deleted) and ``.replaced`` folders already replaced
+    removed."""
     if root.is_dir():
-        for p in [*root.glob(f"{prefix}*{TMP}"), *root.glob(f"{prefix}*{OLD}")]:
+        for aside in root.glob(f"{prefix}*{REPLACED}"):
+            restore_replaced(aside.with_name(aside.name.removesuffix(REPLACED)))
+        for p in [*root.glob(f"{prefix}*{TMP}"), *root.glob(f"{prefix}*{OLD}"), *root.glob(f"{prefix}*{REPLACED}")]:
             if p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)
             else:

@@ -20,6 +20,7 @@ model.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -50,7 +51,7 @@ def mean_logp_diff(a: torch.Tensor, b: torch.Tensor, *, keep: torch.Tensor | Non
     if keep is not None:
         diff = diff[keep]
     total = distributed.sum_over_ranks(dist, torch.stack([diff.sum(), diff.new_tensor(float(diff.numel()))]))
-    return float(total[0] / total[1].clamp(min=1.0))
+    return float(total[0] / total[1]) if total[1] > 0 else math.nan  # nothing compared: no check passes (NaN)
 
 
 class StaleWeightGuard:

@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from . import checkpoint, distributed, host_memory
+from . import checkpoint, distributed, files, host_memory
 from .checkpoint import TrainerState
 from .config import ConfigError, TrainConfig, dump_config
 from .data import Problem, PromptMode, build_prompt, dataset_style, loading_model, think_end_token_id
@@ -158,6 +158,7 @@ def build(cfg: TrainConfig, out: Path, *, pipeline=None, resume: bool = False, n
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
         checkpoint.remove_partial(ckpt_root)
+        files.restore_replaced(out / "final")  # a kill while final/ was being replaced
         if resume and resume_from is None:
             tqdm.write(f"--resume: no checkpoint under {ckpt_root}; starting from step 0")
         dump_config(cfg, out / "config.yaml")

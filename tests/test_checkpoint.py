@@ -240,6 +240,7 @@ def test_a_kill_at_any_point_of_a_checkpoints_commit_leaves_only_whole_checkpoin
 
 def test_a_kill_at_any_point_of_the_final_export_leaves_the_old_model_or_the_new(tmp_path):
     # final/ replaced by final.tmp/: at every kill, final/ is whole (old or new), or missing with both whole beside it
+    # until the next start puts the old one back
     from fasttnt import files
 
     def operation(under_kill):
@@ -249,8 +250,10 @@ def test_a_kill_at_any_point_of_the_final_export_leaves_the_old_model_or_the_new
         under_kill(lambda: files.replace_folder(out / "final.tmp", out / "final"))
         if (out / "final").exists():
             assert _whole(out / "final") in (b"a", b"b")
-        else:
-            assert _whole(out / "final.old") == b"a" and _whole(out / "final.tmp") == b"b"
+        else:  # between the renames: the old one aside, whole, and put back at the next start
+            assert _whole(out / "final.replaced") == b"a" and _whole(out / "final.tmp") == b"b"
+            files.restore_replaced(out / "final")
+            assert _whole(out / "final") == b"a"
 
     assert _each_kill(operation) >= 5
 

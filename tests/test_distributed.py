@@ -462,6 +462,7 @@ def test_a_deepspeed_resume_reads_every_shard_weights_only(world_of_one, tmp_pat
             assert marker.exists()
             marker.unlink()
             with pytest.raises(checkpoint.ResumeError, match=f"{shard}.*refused unread"):
-                checkpoint.load_deepspeed_state(folder, _ds_engine(stage, seed=1))
+                checkpoint.load_deepspeed_state(folder, refusing := _ds_engine(stage, seed=1))
             assert not marker.exists()
+            assert "load" not in vars(refusing.checkpoint_engine)  # DeepSpeed's own load back after a refusal too
             shard.write_bytes(original)

@@ -484,10 +484,11 @@ def test_no_process_outlives_a_trainer_killed_mid_item(tmp_path):
 
 @pytest.mark.skipif(not hasattr(signal, "SIGXCPU"), reason="no CPU limit (RLIMIT_CPU) on this platform")
 def test_the_cpu_limit_ends_an_item_without_the_pools_timeout():
-    # a CPU limit of 1-2 s and a pool's timeout of 60 s: the kernel ends the worker at its CPU limit, the pool counts
-    # the item as a timeout (not a crash, which can stop a run) and judges the next item in a new worker
+    # a CPU limit of 3-4 s (room for the first LaTeX parse on a busy machine) and a pool's timeout of 60 s: the
+    # kernel ends the worker at its CPU limit, the pool counts the item as a timeout (not a crash, which can stop a
+    # run) and judges the next item in a new worker
     with VerifierPool(workers=1, timeout=60.0) as pool:
-        pool.cpu_seconds = 1
+        pool.cpu_seconds = 3
         assert list(verify_batch(["\\boxed{\\sqrt{4}}"], ["2"], pool=pool)) == [True]
         worker = pool._workers[0].process
         assert worker.is_alive()

@@ -66,6 +66,7 @@ def wait_for(work, *, peer: str, what: str, timeout: float | None) -> None:
 
 
 WATCHDOG_EXIT = 3  # the exit status of a process its watchdog stopped
+ABORT_GRACE_S = 10.0  # the longest the watchdog waits for the communicator's abort before the process ends anyway
 
 
 @contextlib.contextmanager
@@ -78,16 +79,20 @@ def watchdog(*, peer: str, what: str, timeout: float | None, abort: Callable[[],
     if timeout is None:
         yield
         return
-    done = threading.Event()
+    done, decided = threading.Event(), threading.Lock()  # the lock: the wait's end and the watchdog's, one of them
 
     def watch() -> None:
         if done.wait(timeout):
             return
-        print(f"fasttnt: {peer} took no part in {what} for {timeout:g} s (rollout.worker_timeout): aborting the NCCL "
-              "communicator and stopping the run", file=sys.stderr, flush=True)  # fmt: skip
-        try:
-            abort()
-        finally:
+        with decided:
+            if done.is_set():  # the wait ended as the timeout passed: it is over, nothing to stop
+                return
+            print(f"fasttnt: {peer} took no part in {what} for {timeout:g} s (rollout.worker_timeout): aborting the "
+                  "NCCL communicator and stopping the run", file=sys.stderr, flush=True)  # fmt: skip
+            # an abort that blocks (a teardown waiting on the stuck kernels) must not keep the process alive
+            aborting = threading.Thread(target=abort, name="fasttnt-nccl-abort", daemon=True)
+            aborting.start()
+            aborting.join(ABORT_GRACE_S)
             sys.stdout.flush()
             os._exit(WATCHDOG_EXIT)
 
@@ -96,7 +101,8 @@ def watchdog(*, peer: str, what: str, timeout: float | None, abort: Callable[[],
     try:
         yield
     finally:
-        done.set()
+        with decided:
+            done.set()
         thread.join()
 
 

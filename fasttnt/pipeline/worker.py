@@ -130,7 +130,8 @@ def _serve(cfg: TrainConfig, signals: StopSignals) -> int:
                 waited = time.perf_counter()
                 version = receive()
                 idle += time.perf_counter() - waited
-                if check_pushes:  # the push check (module docstring): this version's log-probs of its probe
+                # the push check (fasttnt.pipeline.remote's docstring): this version's log-probs of its probe
+                if check_pushes:
                     probe_version, probe_logp = version, _probe_logprobs(cfg, head, probe_rows(unchecked.pop(version)))
             clock = PhaseClock()
             rolled = rollouts.step(step, clock)
