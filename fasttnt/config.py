@@ -17,7 +17,7 @@ import yaml
 from fasttnt_kernels import ROLLOUT_CORRECTIONS, PolicyLossConfig, SettingError
 
 from .data import DATASETS, MARKER_SETS, names_a_path
-from .embedded.synthetic import check_level_weights
+from .embedded.synthetic import level_weights_fit
 from .embedded.tiny import TinyModelConfig, WarmupConfig
 from .modes import HALF_SPLIT, UNFADED
 from .rewards import RewardConfig
@@ -73,7 +73,7 @@ class DataConfig:
         cap = self.max_prompt_tokens
         need(cap is None or cap >= 1, "max_prompt_tokens", "must be >= 1 (or null: the model's limit)")
         need(bool(self.levels) and all(1 <= x <= 9 for x in self.levels), "levels", "digits in 1..9")
-        need(_level_weights_fit(self.levels, self.level_weights), "level_weights", f"one weight >= 0 per level of "
+        need(level_weights_fit(self.levels, self.level_weights), "level_weights", f"one weight >= 0 per level of "
              f"data.levels {list(self.levels)}, not all 0 (or null)")  # fmt: skip
         need(self.hack_markers == "auto" or self.hack_markers in MARKER_SETS, "hack_markers",
              f"choose one of {list(MARKER_SETS)}")  # fmt: skip
@@ -404,12 +404,8 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.verify_timeout > 0, "verify_timeout", "must be > 0 seconds")
     need(cfg.verify_workers >= 1, "verify_workers", "must be >= 1")
     need(0 <= cfg.verify_max_crash_share <= 1, "verify_max_crash_share", "must be in [0, 1]")
-    for section in (cfg.model, cfg.data, cfg.rollout, cfg.reward, cfg.loss, cfg.optim, cfg.logging):
+    for section in (cfg.model, cfg.warmup, cfg.data, cfg.rollout, cfg.reward, cfg.loss, cfg.optim, cfg.logging):
         section.validate()
-    # the warm-up's mix (its section lives with the tiny model, fasttnt.embedded.tiny)
-    requirement("warmup")(_level_weights_fit(cfg.warmup.levels, cfg.warmup.level_weights), "level_weights",
-                          f"one weight >= 0 per level of warmup.levels {list(cfg.warmup.levels)}, not all 0 (or "
-                          "null)")  # fmt: skip
     _validate_across(cfg, need)
 
 
@@ -440,15 +436,6 @@ def _validate_across(cfg: TrainConfig, need) -> None:
     need(loss.mode_token_logp != "mixture" or r.top_p == 1, "loss.mode_token_logp",
          "mixture assumes free samples drawn from the whole distribution; "
          f"rollout.top_p={r.top_p} cuts it (use 1)")  # fmt: skip
-
-
-def _level_weights_fit(levels: tuple[int, ...], weights: tuple[float, ...] | None) -> bool:
-    """Whether ``weights`` are a mix of ``levels`` (``synthetic.check_level_weights``)."""
-    try:
-        check_level_weights(levels, weights)
-    except ValueError:
-        return False
-    return True
 
 
 def _validate_choice(loss: LossConfig, forced: tuple[int, int], need) -> None:

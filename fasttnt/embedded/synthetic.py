@@ -90,6 +90,15 @@ def check_level_weights(levels: tuple[int, ...], weights: tuple[float, ...] | No
         raise ValueError(f"level weights must be one number >= 0 per level {levels}, not all 0; got {weights}")
 
 
+def level_weights_fit(levels: tuple[int, ...], weights: tuple[float, ...] | None) -> bool:
+    """Whether ``weights`` are a mix of ``levels`` (``check_level_weights``' rule)."""
+    try:
+        check_level_weights(levels, weights)
+    except ValueError:
+        return False
+    return True
+
+
 def problems(
     split: str, *, levels: tuple[int, ...] = (1, 2, 3, 4), seed: int = 0, weights: tuple[float, ...] | None = None
 ) -> Iterator[SyntheticProblem]:

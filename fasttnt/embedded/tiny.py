@@ -17,8 +17,9 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from ..data import THINK_END, build_prompt
+from ..typed_yaml import requirement
 from .char_tokenizer import build_char_tokenizer
-from .synthetic import problems
+from .synthetic import level_weights_fit, problems
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,12 @@ class WarmupConfig:
     # do even on 2 + 2, so answering an easy problem directly saves a real share of its tokens
     double_check: bool = False
     seed: int = 0
+
+    def validate(self) -> None:
+        """This section's own fields (``config.validate`` calls it with the others)."""
+        need = requirement("warmup")
+        need(level_weights_fit(self.levels, self.level_weights), "level_weights",
+             f"one weight >= 0 per level of warmup.levels {list(self.levels)}, not all 0 (or null)")  # fmt: skip
 
 
 def build_tiny_model(tokenizer: PreTrainedTokenizerFast, cfg: TinyModelConfig, seed: int = 0) -> Qwen2ForCausalLM:
