@@ -20,8 +20,8 @@ TMP = ".tmp"  # a file or folder being written
 
 def fsync_tree(path: Path) -> None:
     """Every file under ``path`` (or ``path`` itself) on disk, and each folder's entries."""
-    files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
-    for f in files:
+    paths = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+    for f in paths:
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
     if path.is_dir():

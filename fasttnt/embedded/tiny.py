@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from .. import files
 from ..data import THINK_END, build_prompt
 from ..typed_yaml import requirement
 from .char_tokenizer import build_char_tokenizer
@@ -226,6 +227,5 @@ def warmed_up_model(
     (tmp / "warmup.json").write_text(
         json.dumps({"seconds": time.perf_counter() - start, "final_loss": losses[-1], **asdict(warmup_cfg)})
     )
-    shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)
+    files.replace_folder(tmp, path)  # an incomplete entry there (no config.json) is replaced
     return model, tokenizer, path
