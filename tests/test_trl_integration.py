@@ -132,7 +132,50 @@ CASES = [
         importance_sampling_level="sequence",
         is_ratio=True,
     ),
+    # top_entropy_quantile: the policy term on the tokens of highest entropy only; with a sequence-level ratio (GSPO,
+    # SAPO's gate, luspo) the mask times vLLM's ratio folded into each sequence's mean weight; CISPO's and VESPO's a
+    # per-token factor (VESPO's sequence weights do not read it)
+    dict(loss_type="dapo", beta=0.04, top_entropy_quantile=0.2),
+    dict(loss_type="grpo", beta=0.0, top_entropy_quantile=0.55, is_ratio=True, delta=1.5),
+    dict(loss_type="bnpo", beta=0.0, top_entropy_quantile=0.35, on_policy=True),
+    dict(loss_type="dr_grpo", beta=0.04, top_entropy_quantile=0.2),
+    dict(loss_type="grpo", beta=0.04, importance_sampling_level="sequence", top_entropy_quantile=0.4, is_ratio=True),
+    dict(loss_type="luspo", beta=0.0, importance_sampling_level="sequence", top_entropy_quantile=0.7),
+    dict(
+        loss_type="cispo",
+        beta=0.04,
+        epsilon_high=1.1,
+        importance_sampling_level="sequence",
+        is_ratio=True,
+        top_entropy_quantile=0.2,
+    ),
+    dict(loss_type="sapo", beta=0.0, importance_sampling_level="sequence", top_entropy_quantile=0.35, is_ratio=True),
+    dict(loss_type="vespo", beta=0.04, top_entropy_quantile=0.2, is_ratio=True, steps_per_generation=2),
 ]
+
+
+# a float32 entropy of a ~100-word vocabulary is ~log 100 = 4.6, whose float32 spacing is 4.8e-7: the kernels' and
+# TRL's entropies (the same logits, sums in another order) agree to a few of those; 20 of them apart is safe
+ENTROPY_MARGIN = 1e-5
+
+
+def _high_entropy_margin(trainer, inputs, quantile: float) -> tuple[int, int, float]:
+    """TRL's high-entropy mask on ``inputs``: the tokens it keeps, the completion's tokens, and how far the nearest
+    other token's entropy is from the threshold (the kernels' entropies differ from TRL's by float rounding: a
+    token that close could fall on the other side)."""
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    with torch.no_grad():
+        _, entropies, _ = trl.GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, trainer.model, ids, mask, inputs["completion_ids"].size(1), compute_entropy=True
+        )
+    values = entropies[inputs["completion_mask"].bool()].float()
+    threshold = torch.quantile(values, 1.0 - quantile)
+    kept = int(trainer.get_high_entropy_mask(entropies, inputs["completion_mask"], 1.0 - quantile).sum())
+    others = values[values != threshold]
+    return kept, values.numel(), float((others - threshold).abs().min())
+
+
 # the metrics TRL's loss logs beside entropy and kl, by loss type
 _CLIP_METRICS = {"cispo": ["cispo_clip_ratio"], "sapo": [], "vespo": ["vespo/phi_seq_mean"]}
 _SURROGATE_METRICS = ["clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_mean", "clip_ratio/high_max",
@@ -150,6 +193,9 @@ def test_the_loss_and_its_gradients_equal_trls_own(tmp_path, case):
         trainer.current_gradient_accumulation_steps = 2  # set by Trainer.train; 2 exercises the normalisers
         trainer.use_vllm = trainer.vllm_importance_sampling_correction = is_ratio  # the vLLM path, without vLLM
     inputs = _inputs(stock, old=not on_policy, beta=case["beta"], is_ratio=is_ratio)
+    if "top_entropy_quantile" in case:  # the mask keeps some tokens, not all, and none sits at its threshold
+        kept, tokens, margin = _high_entropy_margin(stock, inputs, case["top_entropy_quantile"])
+        assert 0 < kept < tokens and margin > ENTROPY_MARGIN, (kept, tokens, margin)
     want, want_grads = _loss_and_grads(stock, inputs, trl.GRPOTrainer._compute_loss)
     got, got_grads = _loss_and_grads(fast, inputs, FastTNTGRPOTrainer._compute_loss)
     assert torch.isfinite(got) and want.abs() > 0
@@ -227,6 +273,10 @@ REAL_STEP_CASES = [
     dict(loss_type="grpo", importance_sampling_level="sequence"),  # GSPO
     dict(loss_type="vespo"),
     dict(loss_type="cispo", epsilon_high=1.1, importance_sampling_level="sequence"),
+    # the high-entropy mask off-policy (the second step) and on-policy (no old log-probs: one step per generation)
+    dict(loss_type="dapo", top_entropy_quantile=0.2),
+    dict(loss_type="grpo", top_entropy_quantile=0.35, importance_sampling_level="sequence"),
+    dict(loss_type="dapo", top_entropy_quantile=0.2, steps_per_generation=1),
 ]
 
 
@@ -242,8 +292,19 @@ def test_real_grpo_trainer_steps_train_as_stock_trl(tmp_path, case):
         sampled.append(list(completions))
         return _alternating(completions, **kwargs)
 
-    options = dict(max_steps=2, steps_per_generation=2, per_device_train_batch_size=4, **case)
+    options = {"max_steps": 2, "steps_per_generation": 2, "per_device_train_batch_size": 4, **case}
     _, trainers = _trainers(tmp_path, extra_rewards=[alternating_and_recorded], **options)
+    margins = []
+    if "top_entropy_quantile" in case:  # record how far TRL's entropies fall from its thresholds
+
+        def recorded_mask(entropies, mask, threshold):
+            values = entropies[mask.bool()].float()
+            cut = torch.quantile(values, threshold)
+            others = values[values != cut]
+            margins.append(float((others - cut).abs().min()))
+            return trl.GRPOTrainer.get_high_entropy_mask(trainers[0], entropies, mask, threshold)
+
+        trainers[0].get_high_entropy_mask = recorded_mask
     start = {n: p.detach().clone() for n, p in trainers[0].model.named_parameters()}
     set_seed(0)
     trainers[0].train()
@@ -254,6 +315,8 @@ def test_real_grpo_trainer_steps_train_as_stock_trl(tmp_path, case):
     stock, fast = ({n: p.detach() for n, p in t.model.named_parameters()} for t in trainers)
     diff, moved = weights_apart(fast, stock, start)
     assert moved > 0, "stock TRL did not move the weights: the comparison would be vacuous"
+    if "top_entropy_quantile" in case:  # every step masked, no token within float rounding of a threshold
+        assert len(margins) == 2 and min(margins) > ENTROPY_MARGIN, margins
     assert diff <= 1e-4 * moved, f"the weights differ by {diff / moved:.2e} of the distance TRL moved them"
 
 

@@ -40,6 +40,12 @@ optimizer) is TRL's. The semantics are TRL's own ``_compute_loss``'s, option for
     beta          the k3 KL to TRL's reference model, per token, added after the clipped term (with
                   use_bias_correction_kl=False: TRL's default weights it by the ratio, which is refused)
     temperature   the sampling temperature the log-probs are taken at
+    top_entropy_quantile   TRL's mask of the tokens of highest entropy ("Beyond the 80/20 rule", arXiv
+                  2506.01939): the policy term only on tokens whose entropy is at least the (1 - q) quantile of all
+                  processes' tokens of the micro-batch, the normalisers, the KL term and the metrics over every
+                  token, as TRL's. The threshold is needed before the fused loss forms any gradient, so the
+                  entropies come from a no-grad pass of their own (one lm_head matmul more per micro-batch);
+                  fasttnt's ``token_mask`` (with a sequence-level ratio, folded into each sequence's mean weight)
     vLLM's importance-sampling correction (use_vllm with vllm_importance_sampling_correction): TRL's
                   ``importance_sampling_ratio`` as the per-token weight of the clipped term (at the sequence level,
                   except with cispo, each sequence's mean: TRL's gradient goes through the sequence's ratio); with
@@ -55,7 +61,7 @@ Importing this module imports TRL (>= 1.16.0, whose private methods it replaces;
 
 Refused, with the option named: a negative vespo_k_pos or vespo_k_neg (phi = w^k e^(lambda (1 - w)) is then
 unbounded as w falls, which TRL meets by zeroing the infinities its float32 exp makes: a weight that jumps from its
-largest to 0), top_entropy_quantile < 1, off_policy_mask_threshold, use_bias_correction_kl with beta > 0, an entropy
+largest to 0), off_policy_mask_threshold, use_bias_correction_kl with beta > 0, an entropy
 bonus, MoE auxiliary losses, tool masks inside a completion, a lm_head bias, logit scaling or soft-capping,
 multimodal inputs to the loss.
 """
@@ -113,7 +119,6 @@ def check_grpo_config(args) -> None:
     refused = {
         "vespo_k_pos": args.loss_type == "vespo" and option("vespo_k_pos", 0.0) < 0.0,
         "vespo_k_neg": args.loss_type == "vespo" and option("vespo_k_neg", 0.0) < 0.0,
-        "top_entropy_quantile": option("top_entropy_quantile", 1.0) < 1.0,
         "off_policy_mask_threshold": option("off_policy_mask_threshold", None) is not None,
         # TRL's default; it weights the KL term by the ratio (with its gradient), which fasttnt's loss does not
         "use_bias_correction_kl": args.beta != 0.0 and bool(option("use_bias_correction_kl", False)),
@@ -272,18 +277,9 @@ class FastTNTGRPOTrainer(GRPOTrainer):
         valid, targets, cu_seqlens = packed_completions(completion_ids, completion_mask)
         old = inputs.get("old_per_token_logps")
         ref = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
-        is_weights = None
+        is_ratio = None
         if self.use_vllm and self.vllm_importance_sampling_correction:
-            ratio = inputs["importance_sampling_ratio"].expand_as(completion_mask)  # (B, C)
-            if self.importance_sampling_level == "sequence" and self.loss_type not in ("cispo", "vespo"):
-                # TRL differentiates a sequence's ratio through the mean of its log-ratios, so a token's gradient
-                # carries the sequence's mean weight, not its own; its loss counts the weights' sum: both are
-                # fasttnt's GSPO (each token's own gradient) with each weight replaced by its sequence's mean.
-                # CISPO's gradient is through each token's log-prob (its weight a constant): its own weight stays
-                mask = completion_mask.to(ratio.dtype)
-                mean = (ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)  # (B, 1)
-                ratio = mean.expand_as(completion_mask)
-            is_weights = ratio[valid]
+            is_ratio = inputs["importance_sampling_ratio"].expand_as(completion_mask)[valid]  # (N,)
         mode = "train" if self.model.training else "eval"
         loss_kwargs = dict(
             old_logp=None if old is None else old[valid],
@@ -294,7 +290,6 @@ class FastTNTGRPOTrainer(GRPOTrainer):
             ref_logp=None if ref is None else ref[valid],
             kl_coef=self.beta,
             kl_max=None,  # TRL's k3 is uncapped (fasttnt's default caps it at 10, as verl)
-            is_weights=is_weights,
             agg=_AGGREGATION[self.loss_type],
             **self._loss_normalisers(inputs, int(valid.sum()), len(advantages), mode),
         )
@@ -302,12 +297,16 @@ class FastTNTGRPOTrainer(GRPOTrainer):
 
         def loss_fn(model, hidden):
             weight = _lm_head_weight(model)
-            states = hidden[:, P - 1 : -1][valid]  # (N, H): the state before each completion token
-            with maybe_gather_lm_head_ctx(weight):  # gathered under ZeRO-3 while the fused op reads it
-                return linear_policy_loss(states.to(weight.dtype), weight, targets, return_logp=True, **loss_kwargs)
+            states = hidden[:, P - 1 : -1][valid].to(weight.dtype)  # (N, H): the state before each completion token
+            with maybe_gather_lm_head_ctx(weight):  # gathered under ZeRO-3 while the fused ops read it
+                high = self._high_entropy_mask(states, weight, targets) if self.top_entropy_quantile < 1.0 else None
+                is_weights, token_mask = self._token_factors(is_ratio, high, cu_seqlens)
+                out = linear_policy_loss(states, weight, targets, return_logp=True, is_weights=is_weights,
+                                         token_mask=token_mask, **loss_kwargs)  # fmt: skip
+            return *out, is_weights
 
         with self.accelerator.autocast():  # as TRL's own forward for the loss
-            loss, stats, logp = model(
+            loss, stats, logp, is_weights = model(
                 input_ids=torch.cat([prompt_ids, completion_ids], 1),
                 attention_mask=torch.cat([prompt_mask, completion_mask], 1),
                 fasttnt=loss_fn,
@@ -320,6 +319,42 @@ class FastTNTGRPOTrainer(GRPOTrainer):
             phi = vespo_weights(log_w, advantages.float(), config)
         self._log_loss_stats(stats, logp - old_logp, advantages, cu_seqlens, mode, phi)
         return loss
+
+    def _high_entropy_mask(self, states: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """TRL's ``top_entropy_quantile`` mask (N,) float: 1 on the tokens whose entropy is at least the
+        (1 - top_entropy_quantile) quantile of every process's tokens of this micro-batch, as TRL's
+        ``get_high_entropy_mask``. The threshold must be known before the fused loss forms any gradient, so the
+        entropies come from a pass of their own (no gradient: one lm_head matmul more) over the same states."""
+        with torch.no_grad():
+            _, entropy = linear_token_logprobs(
+                states.detach(), weight.detach(), targets, temperature=self.temperature, with_entropy=True
+            )  # (N,) float32
+        # TRL's gather: each process's entropies padded to the longest with a sentinel no entropy (>= 0) can equal
+        sentinel = -1e9
+        gathered = self.accelerator.gather(self.accelerator.pad_across_processes(entropy, dim=0, pad_index=sentinel))
+        gathered = gathered[gathered != sentinel]
+        if gathered.numel() == 0:
+            return torch.zeros_like(entropy)
+        return (entropy >= torch.quantile(gathered, 1.0 - self.top_entropy_quantile)).float()
+
+    def _token_factors(self, is_ratio, high_entropy, cu_seqlens) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """TRL's per-token factors of the policy term, vLLM's importance-sampling ratio and the high-entropy mask
+        (N,) each or None, as fasttnt's ``is_weights`` and ``token_mask``. TRL differentiates a sequence-level
+        ratio (but CISPO's weight and VESPO's, constants) through the mean of the sequence's log-ratios, so each
+        token's gradient carries its sequence's mean factor, not its own, and the loss counts the factors' sum:
+        that is fasttnt's GSPO (each token's own gradient) with every token's factor its sequence's mean. Otherwise
+        the ratio is ``is_weights`` (VESPO's enters each sequence's weight) and the mask ``token_mask``."""
+        if self.importance_sampling_level != "sequence" or self.loss_type in ("cispo", "vespo"):
+            return is_ratio, high_entropy
+        factors = [f for f in (is_ratio, high_entropy) if f is not None]
+        if not factors:
+            return None, None
+        product = factors[0] if len(factors) == 1 else factors[0] * factors[1]  # (N,)
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # (B,)
+        seq = torch.repeat_interleave(torch.arange(len(lengths), device=product.device), lengths,
+                                      output_size=product.numel())  # fmt: skip
+        sums = torch.zeros(len(lengths), dtype=product.dtype, device=product.device).index_add_(0, seq, product)
+        return (sums / lengths.clamp(min=1))[seq], None
 
     def _loss_normalisers(self, inputs, tokens: int, sequences: int, mode: str) -> dict:
         """TRL's normaliser of each loss_type as fasttnt's total_tokens / total_seqs (TRL divides every loss

@@ -138,6 +138,9 @@ class PolicyLossInputs:
     # replace N and S as the normalisers, so that micro-batches (or ranks) add up to the whole batch's loss
     total_tokens: float | None = None
     total_seqs: float | None = None
+    # (N,) float, 0 or 1 as a rule: a per-token factor of the policy-gradient term after every weight, which no
+    # sequence weight reads (VESPO's neither): TRL's high-entropy mask (``top_entropy_quantile``)
+    token_mask: torch.Tensor | None = None
 
     def check(self, N: int, config: PolicyLossConfig) -> dict[str, torch.Tensor]:
         """Check the inputs for N tokens (shapes, dtypes, normalisers); returns the tensors given, by name."""
@@ -152,7 +155,7 @@ class PolicyLossInputs:
         _common.check_dtype("cu_seqlens", self.cu_seqlens, _common.INDEX_DTYPES)
         if self.ref_logp is None and config.kl_coef > 0:
             raise ValueError(f"kl_coef={config.kl_coef} needs ref_logp")
-        for name in ("old_logp", "ref_logp", "is_weights"):
+        for name in ("old_logp", "ref_logp", "is_weights", "token_mask"):
             t = getattr(self, name)
             if t is not None:
                 _common.check_1d(name, t, N)
@@ -180,6 +183,7 @@ class PolicyLossInputs:
             old_logp=const(self.old_logp),
             ref_logp=const(self.ref_logp),
             is_weights=const(self.is_weights),
+            token_mask=const(self.token_mask),
             first_advantages=const(self.first_advantages),
             total_tokens=self.total_tokens,
             total_seqs=self.total_seqs,

@@ -7,6 +7,7 @@ Sequence s owns tokens cu_seqlens[s]:cu_seqlens[s+1] and one advantage A_s (its 
     pg_t = -min(r_t A_s, clip(r_t, 1 - clip_low, 1 + clip_high) A_s)
     pg_t = min(pg_t, -dual_clip A_s)                            when dual_clip is set and A_s < 0
     pg_t = w_t pg_t                                             when is_weights w (N,) are given
+    pg_t = m_t pg_t                                             when a token_mask m (N,) is given
     d_t  = clamp(ref_t - logp_t, -20, 20)
     k_t  = min(exp(d_t) - d_t - 1, kl_max)                      the k3 estimate, capped (kl_max None: not)
     l_t  = pg_t + kl_coef k_t                                   when ref_logp is given
@@ -256,6 +257,7 @@ def clipped_policy_loss_reference(
     total_tokens: float | None = None,
     total_seqs: float | None = None,
     first_advantages: torch.Tensor | None = None,
+    token_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The semantics in plain differentiable PyTorch (float32, or float64 for float64 ``logp``); ``config``'s
     ``entropy_coef`` is not read (the entropy bonus is ``linear_policy_loss``'s)."""
@@ -280,7 +282,7 @@ def clipped_policy_loss_reference(
             is_weights = None  # in the sequence's weight, not each token's term
     loss_t, indicators = token_terms_reference(
         logp, old_logp, a, seq_len, config=config, ref_logp=ref_logp, is_weights=is_weights,
-        seq_log_ratio=seq_log_ratio,
+        seq_log_ratio=seq_log_ratio, token_mask=token_mask,
     )  # fmt: skip
     loss = (loss_t * (w_const + w_per_len / seq_len.to(loss_t.dtype))).sum()
     n = max(N, 1)
@@ -312,12 +314,13 @@ def token_terms_reference(
     ref_logp: torch.Tensor | None = None,
     is_weights: torch.Tensor | None = None,
     seq_log_ratio: torch.Tensor | None = None,
+    token_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per token: the unweighted loss l_t (differentiable w.r.t. ``logp``) and each statistic's summand, for
     tokens given with their sequence's advantage ``a`` (N,) (``per_token_advantages``) and, for GSPO and VESPO,
     their sequence's log-ratio ``seq_log_ratio`` (N,), a constant (VESPO's holds its rollout weights: then
-    ``is_weights`` must be None). ``seq_len`` is unused here but keeps the signature of a chunk's view of the
-    batch."""
+    ``is_weights`` must be None). ``token_mask`` scales the policy-gradient term after every weight. ``seq_len``
+    is unused here but keeps the signature of a chunk's view of the batch."""
     del seq_len
     if config.policy_loss == "vespo" and is_weights is not None:
         raise ValueError("policy_loss='vespo' takes the rollout weights in seq_log_ratio, not as is_weights")
@@ -352,6 +355,8 @@ def token_terms_reference(
         pg = torch.where(a < 0, torch.minimum(pg, -config.dual_clip * a), pg)
     if is_weights is not None:
         pg = is_weights.to(dtype) * pg
+    if token_mask is not None:
+        pg = token_mask.to(dtype) * pg
     loss_t = pg
     kl_ref = torch.zeros_like(pg)
     if ref_logp is not None:
@@ -411,11 +416,13 @@ class TokenTerms:
         ref = x.ref_logp[rows] if x.ref_logp is not None else None
         # VESPO's rollout weights are in its sequences' log-weights
         is_w = x.is_weights[rows] if x.is_weights is not None and self.config.policy_loss != "vespo" else None
-        if self.use_triton:
-            return self._launch(rows.start, logp, old, ref, is_w, grad)
-        return self._autograd(rows, logp, old, ref, is_w, grad)
+        mask = x.token_mask[rows] if x.token_mask is not None else None
+        if self.use_triton:  # one per-token factor: the kernel reads a single weight
+            weight = is_w if mask is None else (mask if is_w is None else is_w * mask)
+            return self._launch(rows.start, logp, old, ref, weight, grad)
+        return self._autograd(rows, logp, old, ref, is_w, mask, grad)
 
-    def _autograd(self, rows: slice, logp, old_logp, ref_logp, is_weights, grad) -> torch.Tensor:
+    def _autograd(self, rows: slice, logp, old_logp, ref_logp, is_weights, token_mask, grad) -> torch.Tensor:
         """The reference's terms of tokens ``rows``, and dloss/dlogp through autograd."""
         seq_len = self.seq_len_t[rows]
         with torch.enable_grad():
@@ -423,7 +430,7 @@ class TokenTerms:
             seq_log_ratio = self.seq_log_ratio_t[rows] if self.seq_log_ratio_t is not None else None
             loss_t, indicators = token_terms_reference(
                 x, old_logp, self.a_t[rows], seq_len, config=self.config, ref_logp=ref_logp, is_weights=is_weights,
-                seq_log_ratio=seq_log_ratio,
+                seq_log_ratio=seq_log_ratio, token_mask=token_mask,
             )  # fmt: skip
             weighted = (loss_t * (self.w_const + self.w_per_len / seq_len.to(loss_t.dtype))).sum()
             if grad is not None:
@@ -521,6 +528,7 @@ def clipped_policy_loss(
     total_tokens: float | None = None,
     total_seqs: float | None = None,
     first_advantages: torch.Tensor | None = None,
+    token_mask: torch.Tensor | None = None,
     **settings: float | str | None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Token-level clipped policy-gradient loss of packed sequences; returns ``(loss, stats)``.
@@ -534,7 +542,9 @@ def clipped_policy_loss(
     ``STAT_NAMES`` to float32 scalars on the device (no host sync). ``total_tokens``/``total_seqs`` replace N/S as
     the normalisers, for a loss split into micro-batches or across ranks whose sum must equal the whole batch's
     mean. ``first_advantages`` (S,) float, optional: the advantage of each sequence's first token in place of its
-    sequence's (``mode_advantages``' mode-token advantage).
+    sequence's (``mode_advantages``' mode-token advantage). ``token_mask`` (N,) float, optional: a per-token factor of
+    the policy-gradient term after ``is_weights``, which no sequence weight reads (VESPO's neither), e.g. TRL's mask
+    of the tokens of highest entropy.
     """
     config = config_of("clipped_policy_loss", config, settings)
     if config.entropy_coef != 0.0:
@@ -553,6 +563,7 @@ def clipped_policy_loss(
         first_advantages=first_advantages,
         total_tokens=total_tokens,
         total_seqs=total_seqs,
+        token_mask=token_mask,
     )
     tensors = inputs.check(logp.shape[0], config)
     tensors["logp"] = logp
@@ -570,6 +581,7 @@ def clipped_policy_loss(
             total_tokens=total_tokens,
             total_seqs=total_seqs,
             first_advantages=first_advantages,
+            token_mask=None if token_mask is None else token_mask.detach(),
         )
         return loss.float(), {k: v.float() for k, v in stats.items()}
 

@@ -67,6 +67,7 @@ def linear_policy_loss_reference(
         total_tokens=x.total_tokens,
         total_seqs=x.total_seqs,
         first_advantages=x.first_advantages,
+        token_mask=x.token_mask,
     )
     n = hidden.shape[0]
     loss = loss - config.entropy_coef * entropy.sum() / max(x.tokens(n), 1e-30)

@@ -49,7 +49,9 @@ def _run(logp, old, adv, cu, **kw):
     return loss.detach(), stats, x.grad
 
 
-def _truth(logp, old, adv, cu, *, ref_logp=None, is_weights=None, total_tokens=None, total_seqs=None, **kw):
+def _truth(
+    logp, old, adv, cu, *, ref_logp=None, is_weights=None, total_tokens=None, total_seqs=None, token_mask=None, **kw
+):
     x = logp.detach().double().requires_grad_()
     loss, stats = clipped_policy_loss_reference(
         x,
@@ -61,6 +63,7 @@ def _truth(logp, old, adv, cu, *, ref_logp=None, is_weights=None, total_tokens=N
         is_weights=None if is_weights is None else is_weights.double(),
         total_tokens=total_tokens,
         total_seqs=total_seqs,
+        token_mask=None if token_mask is None else token_mask.double(),
     )
     loss.backward()
     return loss.detach(), stats, x.grad
@@ -205,6 +208,10 @@ def test_vespo_by_hand(triton_path):
         (phi(-8, 0.5), 0.5, 2),
     ]
     torch.testing.assert_close(grad.double().cpu(), -expected(phis) / 9, rtol=1e-6, atol=1e-9)
+    # a token mask scales each token's term and no sequence's weight: the same phis, tokens 1, 4 and 8 zeroed
+    mask = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 0.0], device=DEVICE)
+    _, _, grad = _run(logp, old, adv, cu, policy_loss="vespo", is_weights=is_w, token_mask=mask)
+    torch.testing.assert_close(grad.double().cpu(), -expected(phis) * mask.double().cpu() / 9, rtol=1e-6, atol=1e-9)
 
 
 @pytest.mark.parametrize("kl_max", [10.0, None])
@@ -272,6 +279,34 @@ def test_importance_weights_match_float64_reference(triton_path, agg):
     # the weights scale the policy-gradient term only: with unit weights the loss is the unweighted one
     unit, _, _ = _run(logp, old, adv, cu, is_weights=torch.ones_like(weights), **kw)
     assert_close(unit, _truth(logp, old, adv, cu, **kw)[0], name="unit weights")
+
+
+@pytest.mark.parametrize("policy_loss", ["vanilla", "gspo", "cispo", "sapo", "vespo", "cispo-sequence"])
+def test_a_token_mask_matches_float64_reference(triton_path, policy_loss):
+    # about half the tokens masked, with importance weights, the KL term and (the surrogate's) dual clip; the mask
+    # scales each token's policy term after its weight: with is_weights (outside VESPO's sequence weights) it is the
+    # weights' product, and the KL term keeps every token
+    policy_loss, _, level = policy_loss.partition("-")
+    lens = [*torch.randint(1, 40, (60,)).tolist(), 0, 1500]
+    logp, old, ref, adv, cu = _packed_batch(lens)
+    if policy_loss == "gspo" or level:
+        old = sequences_off_the_bounds(logp, old, cu, margin=1e-3)
+    weights = torch.rand(logp.shape[0], device=DEVICE) * 2
+    mask = (torch.rand(logp.shape[0], device=DEVICE) < 0.5).float()
+    assert 0 < mask.sum() < mask.numel(), "precondition: the mask keeps some tokens, not all"
+    kw = dict(policy_loss=policy_loss, ratio_level=level or "token", clip_high=0.28, ref_logp=ref, kl_coef=0.05,
+              is_weights=weights, dual_clip=3.0 if policy_loss in ("vanilla", "gspo") else None)  # fmt: skip
+    loss, _, grad = _against_truth(logp, old, adv, cu, token_mask=mask, **kw)
+    unmasked, _, _ = _run(logp, old, adv, cu, **kw)
+    assert not torch.equal(loss, unmasked), "precondition: the mask changes the loss"
+    if policy_loss != "vespo":
+        folded, _, folded_grad = _run(logp, old, adv, cu, **{**kw, "is_weights": weights * mask})
+        assert_close(loss, folded, name="loss, the mask folded into the weights")
+        assert_close(grad, folded_grad, name="grad, the mask folded into the weights")
+    # without the KL term a masked token of a token-level loss has no gradient
+    if not level and policy_loss != "gspo":
+        _, _, grad = _run(logp, old, adv, cu, token_mask=mask, **{**kw, "ref_logp": None, "kl_coef": 0.0})
+        assert grad[mask == 0].abs().max() == 0 and grad[mask == 1].abs().max() > 0
 
 
 def test_importance_weights_by_hand(triton_path):

@@ -95,7 +95,7 @@ def _typed(old, adv, cu, kw):
     keywords left (temperature)."""
     kw = dict(kw)
     config = PolicyLossConfig(**{k: kw.pop(k) for k in _SETTINGS if k in kw})
-    tensors = ("ref_logp", "is_weights", "first_advantages", "total_tokens", "total_seqs")
+    tensors = ("ref_logp", "is_weights", "first_advantages", "total_tokens", "total_seqs", "token_mask")
     inputs = PolicyLossInputs(adv, cu, old_logp=old, **{k: kw.pop(k) for k in tensors if k in kw})
     return inputs, config, kw
 
@@ -130,7 +130,7 @@ def _truth(hidden, weight, ids, old, adv, cu, *, dtype=torch.float64, **kw):
     """The materialised reference, in float64 unless told (float32 under autocast: bf16 logits)."""
     h = hidden.detach().to(dtype).requires_grad_()
     w = weight.detach().to(dtype).requires_grad_()
-    for name in ("ref_logp", "is_weights", "first_advantages"):
+    for name in ("ref_logp", "is_weights", "first_advantages", "token_mask"):
         if kw.get(name) is not None:
             kw[name] = kw[name].to(dtype)
     inputs, config, rest = _typed(None if old is None else old.to(dtype), adv.to(dtype), cu, kw)
@@ -164,6 +164,11 @@ VARIANTS = {
     "sapo-sequence": dict(
         policy_loss="sapo", ratio_level="sequence", agg="seq-mean-token-mean", use_ref=True, kl_coef=0.05
     ),
+    # a 0/1 factor of each token's policy term after every weight (TRL's high-entropy mask): the KL term and the
+    # entropy bonus keep every token, VESPO's sequence weights and GSPO's ratios do not read it
+    "token-mask": dict(use_mask=True, use_is=True, use_ref=True, kl_coef=0.05, entropy_coef=0.02, clip_high=0.28),
+    "vespo-token-mask": dict(policy_loss="vespo", use_is=True, use_mask=True, use_ref=True, kl_coef=0.05),
+    "gspo-token-mask": dict(policy_loss="gspo", agg="seq-mean-token-mean", use_mask=True, dual_clip=3.0),
 }
 
 
@@ -176,6 +181,9 @@ def _args(variant, old, ref, is_w):
         kw["is_weights"] = is_w
     if kw.pop("use_first", False):
         kw["first_advantages"] = torch.randn(len(LENGTHS), device=DEVICE)
+    if kw.pop("use_mask", False):  # about half the tokens kept
+        kw["token_mask"] = (torch.rand(ref.shape[0], device=DEVICE) < 0.5).float()
+        assert 0 < kw["token_mask"].sum() < ref.shape[0], "precondition: the mask keeps some tokens, not all"
     return old, kw
 
 
@@ -208,7 +216,7 @@ def test_equals_the_composition_in_float32(monkeypatch, variant, path):
 @pytest.mark.parametrize(
     "variant",
     ["token-mean", "is-weights+everything", "on-policy", "first-advantages", "cispo", "sapo", "gspo", "vespo",
-     "vespo-on-policy", "cispo-sequence", "sapo-sequence"],
+     "vespo-on-policy", "cispo-sequence", "sapo-sequence", "token-mask", "vespo-token-mask", "gspo-token-mask"],
 )  # fmt: skip
 @pytest.mark.parametrize("path", ["triton", "torch"])
 def test_matches_the_float64_reference(monkeypatch, variant, path):
