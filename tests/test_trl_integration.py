@@ -5,6 +5,9 @@ reward; the reward equals fasttnt's own on the same packed responses."""
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
 
@@ -408,3 +411,20 @@ def test_the_tnt_reward_refuses_a_split_group_and_names_a_missing_column():
         reward(["a"] * 2 + ["b"] * 6, [], ids + ids[:2], answer=["1"] * 8)
     with pytest.raises(KeyError, match=r"column 'answer'.*'solution'"):
         reward(["p"] * 4, [], ids[:4], solution=["1"] * 4)
+
+
+def test_the_high_entropy_threshold_spans_every_process_as_trls(tmp_path):
+    # two ranks in a real gloo group with 37 and 50 tokens: fasttnt's mask equals TRL's get_high_entropy_mask on
+    # each (the same pad-and-gather, the same quantile), and differs from each rank's own quantile's mask
+    from support import small, varied
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": varied.PYTHONPATH}
+    ranks = small.run_ranks("trl_entropy_ranks", env=env, timeout=300)
+    results = []
+    for rank in ranks:
+        assert rank.returncode == 0, rank.stderr[-2000:]
+        results.append(json.loads(rank.stdout.strip().splitlines()[-1]))
+    assert [r["tokens"] for r in results] == [37, 50]
+    assert any(r["local_differs"] for r in results), "precondition: the gathered threshold is not a rank's own"
+    assert all(r["equal"] for r in results), results
+    assert 0 < sum(r["kept"] for r in results) < 87
