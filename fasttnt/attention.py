@@ -158,6 +158,19 @@ def packed_forward():
         _IN_PACKED_FORWARD.reset(token)
 
 
+def packed_hidden_states(base, input_ids, position_ids, packing: Packing) -> torch.Tensor:
+    """The last hidden states (1, T, H) of a transformers base model (``model.model``, routed through
+    ``use_packed_attention``) over one packed row, input_ids and position_ids (1, T). No mask: the packing keeps the
+    sequences apart. Where the model takes a per-layer-type mapping of masks, one of None builds none (transformers
+    would otherwise scan position_ids for packed sequences, a device sync). use_cache=False: a forward with a cache
+    is taken for generation."""
+    masks = {"full_attention": None, "sliding_attention": None} if takes_mask_mapping(type(base)) else None
+    with packed_forward():
+        out = base(input_ids=input_ids, position_ids=position_ids, attention_mask=masks, use_cache=False,
+                   packing=packing)  # fmt: skip
+    return out.last_hidden_state
+
+
 def _packed_mask(*args, fallback_mask, **kwargs):
     return None if _IN_PACKED_FORWARD.get() else fallback_mask(*args, **kwargs)
 

@@ -21,7 +21,7 @@ import torch
 from fasttnt_kernels import PolicyLossConfig, PolicyLossInputs, linear_policy_loss, linear_token_logprobs
 
 from . import distributed
-from .attention import Packing, packed_forward, takes_mask_mapping, use_packed_attention
+from .attention import Packing, packed_hidden_states, use_packed_attention
 from .engines.batch import RolloutBatch
 
 
@@ -133,20 +133,12 @@ class PolicyHead(torch.nn.Module):
     ):
         if self.model.config._attn_implementation != self.attention:
             raise RuntimeError(f"the model's attention was changed to {self.model.config._attn_implementation!r}")
-        # no mask: the packing keeps the sequences apart. Where the model takes a per-layer-type mapping of masks,
-        # one of None builds none (transformers would otherwise scan position_ids for packed sequences, a device
-        # sync). use_cache=False: a forward with a cache is taken for generation
-        base = self.model.model
-        masks = {"full_attention": None, "sliding_attention": None} if takes_mask_mapping(type(base)) else None
-        with packed_forward():
-            out = base(
-                input_ids=input_ids, position_ids=position_ids, attention_mask=masks, use_cache=False, packing=packing
-            )
+        states = packed_hidden_states(self.model.model, input_ids, position_ids, packing)  # (1, T, H)
         # index_select, not hidden[index]: a shared prompt's last position predicts the first token of each of its K
         # responses, so the index repeats, and advanced indexing's backward (index_put_ with accumulate) adds the
         # repeats with atomics on the CPU, in an order that differs from run to run at 2 threads (measured: 1-6e-6
         # apart at 2000-16000 rows of width 128); index_select's backward (index_add_) adds them in index order
-        hidden = out.last_hidden_state[0].index_select(0, hidden_index)  # (n, H)
+        hidden = states[0].index_select(0, hidden_index)  # (n, H)
         weight = self.model.get_output_embeddings().weight  # (V, H)
         hidden = hidden.to(weight.dtype)  # under autocast the states are 16-bit; the op casts per autocast itself
         if loss is not None:  # a MicroBatchLossInputs: (loss, stats, logp)

@@ -6,6 +6,7 @@ gradient."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -205,6 +206,35 @@ def test_the_warm_up_leaves_no_gradients_behind(tmp_path):
         WarmupConfig(steps=2, batch_size=4),
     )
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_warm_up_loss_in_one_packed_forward_is_each_examples_own(tmp_path):
+    # the warm-up's packed loss (every example in one row, attention within each) against each example through the
+    # model alone (its own causal forward), in float64: the token mean of the response tokens' cross-entropy and
+    # its gradients, equal up to float64 rounding (1e-10 of a loss of ~4.6); the batch mixes both modes' lengths
+    from fasttnt.attention import use_packed_attention
+    from fasttnt.embedded.char_tokenizer import build_char_tokenizer
+    from fasttnt.embedded.tiny import WarmupConfig, _examples, _token_mean_loss, build_tiny_model
+
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, TinyModelConfig(**TINY_4_HEADS), seed=5).double()
+    pairs = list(itertools.islice(_examples(tok, WarmupConfig(seed=3)), 12))
+    lengths = {len(r) for _, r in pairs}
+    assert min(lengths) < 15 < max(lengths), "precondition: direct answers and traces in one batch"
+    params = dict(model.named_parameters())
+    use_packed_attention(model)
+    packed = _token_mean_loss(model, pairs)
+    want_grads = torch.autograd.grad(packed, list(params.values()))
+    total, tokens = torch.zeros((), dtype=torch.float64), sum(len(r) for _, r in pairs)
+    for p, r in pairs:  # each alone: the model's own attention, no packing
+        logits = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : -1]  # (len(r), V)
+        total = total + torch.nn.functional.cross_entropy(logits, torch.tensor(r), reduction="sum")
+    alone = total / tokens
+    got_grads = torch.autograd.grad(alone, list(params.values()))
+    assert abs(packed.item() - alone.item()) <= 1e-10 * alone.item()
+    for name, want, got in zip(params, want_grads, got_grads, strict=True):
+        assert got.abs().max() > 0, f"precondition: {name} has a gradient"
+        torch.testing.assert_close(want, got, rtol=1e-9, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_the_warm_up_cache_key_follows_the_code(tmp_path):
