@@ -59,16 +59,16 @@ class Actor:
     def old_and_ref_logprobs(
         self, batch: RolloutBatch, think_end_rows: RolloutBatch | None = None, *, guarded: bool = False
     ) -> NoGradLogprobs:
-        """The old log-probs (N,), needed once the policy moves within the step (a second mini-batch or epoch), to
-        importance-weight against the engine's (the weights are needed before the fused loss forms its gradient;
-        TRL computes them likewise for its vLLM correction, grpo_trainer.py, trl 1.16), where the stale-weight guard
-        checks the batch (``guarded``: ``StaleWeightGuard.checks``), or for a mode-mixed batch, whose
-        ``think_end_rows`` (``ModeMix.think_end_rows``) get the old policy's log-probs too (``fasttnt.modes``); the
-        reference model's log-probs when the KL term is on. None where not needed."""
+        """The old log-probs (N,), needed once the policy moves within the step (a second mini-batch or epoch: the
+        rollout correction's weights are then those of the policy at the step's start, TRL's vLLM correction in
+        grpo_trainer.py, trl 1.16, likewise), where the stale-weight guard checks the batch (``guarded``:
+        ``StaleWeightGuard.checks``), or for a mode-mixed batch, whose ``think_end_rows`` (``ModeMix.think_end_rows``)
+        get the old policy's log-probs too (``fasttnt.modes``); the reference model's log-probs when the KL term is
+        on. None where not needed: at one mini-batch and one epoch the update's own pass is the old policy's, and
+        the fused loss forms the rollout correction from it (``corrects_in_the_pass``)."""
         loss_cfg = self.cfg.loss
         old_logp = ref_logp = think_end_logp = None
-        compared = self.correction != "none" and batch.rollout_logp is not None
-        if loss_cfg.ppo_epochs > 1 or loss_cfg.mini_batches > 1 or compared or guarded or think_end_rows is not None:
+        if loss_cfg.ppo_epochs > 1 or loss_cfg.mini_batches > 1 or guarded or think_end_rows is not None:
             old_logp = self.logprobs(self.policy, batch, zero3_collectives=self.zero3)
         if think_end_rows is not None:
             think_end_logp = self.logprobs(self.policy, think_end_rows, zero3_collectives=self.zero3)
@@ -122,8 +122,6 @@ class Actor:
         # the rollout correction over the whole mini-batch when the old log-probs are known; else (on-policy, no
         # correction) its diagnostics come from each micro-batch's log-probs, of the sequences trained on
         rollout_tokens = None  # tokens the diagnostics cover: all of them here, else those trained on
-        if part.rollout_logp is not None and old_logp is None and self.correction != "none":
-            raise ValueError("the rollout correction needs the old log-probs (old_and_ref_logprobs computes them)")
         if part.rollout_logp is not None and old_logp is not None:
             weights, correction = rollout_correction_weights(
                 old_logp,
@@ -208,7 +206,13 @@ class Actor:
         in its forward), and its named sums (the rollout diagnostics only when on-policy)."""
         part = inputs.batch
         lo, hi = part.bounds[mb.first], part.bounds[mb.last]
-        loss_inputs = inputs.micro_batch(mb, total_tokens=n_tokens, total_seqs=n_seqs, settings=self.settings)
+        in_pass = self.corrects_in_the_pass(inputs)
+        correction = {}
+        if in_pass:  # the engine's log-probs against the update's own (the old policy's at one mini-batch and epoch)
+            correction = {"rollout_logp": part.rollout_logp[lo:hi], "rollout_correction": self.correction,
+                          "rollout_correction_cap": self.cfg.loss.rollout_correction_cap}  # fmt: skip
+        loss_inputs = inputs.micro_batch(mb, total_tokens=n_tokens, total_seqs=n_seqs, settings=self.settings,
+                                         **correction)  # fmt: skip
         with self.autocast():
             loss, stats, logp = micro_batch_loss(
                 self.policy, part, mb, temperature=self.cfg.rollout.temperature, loss=loss_inputs
@@ -223,14 +227,20 @@ class Actor:
         zero = torch.zeros((), device=loss.device)
         rollout = dict.fromkeys(ROLLOUT_METRICS, zero)
         if part.rollout_logp is not None and inputs.old_logp is None:  # on-policy: the mismatch against these
-            _, correction = rollout_correction_weights(
-                logp, part.rollout_logp[lo:hi], loss_inputs.cu_seqlens, mode="none",
+            _, diagnostics = rollout_correction_weights(
+                logp, part.rollout_logp[lo:hi], loss_inputs.cu_seqlens, mode=self.correction if in_pass else "none",
                 cap=self.cfg.loss.rollout_correction_cap,
             )  # fmt: skip
-            rollout = {name: correction[name] * n for name in ROLLOUT_METRICS}
+            rollout = {name: diagnostics[name] * n for name in ROLLOUT_METRICS}
         # the logged loss is the policy loss alone, without the entropy bonus the fused op adds
         policy_loss = loss.detach() + self.settings.entropy_coef * stats["entropy"] * n / max(n_tokens, 1.0)
         return loss, {"loss": policy_loss, **sums, **rollout}
+
+    def corrects_in_the_pass(self, inputs: UpdateInputs) -> bool:
+        """Whether the fused loss forms the rollout correction's weights itself, from the engine's log-probs and the
+        update's own (detached): where no old log-probs were computed (one mini-batch, one epoch, nothing else
+        needing them), the update's first pass is the old policy's."""
+        return self.correction != "none" and inputs.batch.rollout_logp is not None and inputs.old_logp is None
 
     # -- where the forwards run ---------------------------------------------------------------------------------
 

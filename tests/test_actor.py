@@ -43,13 +43,15 @@ def test_one_update_lowers_the_loss_on_its_batch(tmp_path):
     trainer.verifier.close()
 
 
+@pytest.mark.parametrize("separate_pass", [True, False])
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
-def test_micro_batched_update_equals_the_one_forward_update(tmp_path, agg):
+def test_micro_batched_update_equals_the_one_forward_update(tmp_path, agg, separate_pass):
     # the same mini-batch through one forward and through micro-batches of <= 40 tokens (several per mini-batch,
     # some holding one sequence): loss, gradient norm and the weights after the step agree. AdamW's first step moves
     # a weight by lr g / (|g| + eps): at eps = 1e-8 a gradient element that cancels to ~1e-9 turns the summation
     # order's rounding into a visible step (seeds 2 and 3 moved one weight by 1e-4 relative); at eps = 1 the step is
-    # ~lr g, linear in the gradient, so the weights compare the gradients themselves
+    # ~lr g, linear in the gradient, so the weights compare the gradients themselves. The rollout correction's
+    # weights from a separate pass of old log-probs, or formed in the update's own pass (Actor.corrects_in_the_pass)
     results = []
     for budget in (100_000, 64):
         cfg = load_config(
@@ -62,10 +64,13 @@ def test_micro_batched_update_equals_the_one_forward_update(tmp_path, agg):
         batch = trainer.parts.engine.generate(prompts, 4, seed=3)
         advantages = torch.linspace(-1.5, 1.5, batch.lengths.numel())  # (S,) all different: every token moves
         n_micro = len(plan_micro_batches(batch, budget))
-        # the rollout correction needs the old log-probs
-        old_logp = trainer.actor.logprobs(trainer.actor.policy, batch, zero3_collectives=False)
+        old_logp = None
+        if separate_pass:
+            old_logp = trainer.actor.logprobs(trainer.actor.policy, batch, zero3_collectives=False)
+        inputs = UpdateInputs(batch, advantages, old_logp=old_logp)
+        assert trainer.actor.corrects_in_the_pass(inputs) != separate_pass, "precondition: the path under test"
         before = torch.cat([p.detach().flatten() for p in trainer.parts.model.parameters()])
-        metrics = trainer.actor.update(UpdateInputs(batch, advantages, old_logp=old_logp))
+        metrics = trainer.actor.update(inputs)
         after = torch.cat([p.detach().flatten() for p in trainer.parts.model.parameters()])
         results.append((n_micro, {k: float(v) for k, v in metrics.items()}, before, after))
         trainer.verifier.close()

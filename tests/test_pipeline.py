@@ -655,6 +655,37 @@ def test_a_run_killed_one_step_off_resumes_to_what_an_uninterrupted_run_logs(tmp
     assert [deterministic(r) for r in rows] == [deterministic(r) for r in expected]
 
 
+def test_one_step_off_the_update_corrects_in_its_own_pass_as_a_separate_old_logprob_pass_did(tmp_path):
+    # k = 1 on a worker: the rollout correction (token-truncate, auto at staleness) weighs the worker's log-probs
+    # against the trainer's before the update. At one mini-batch and one epoch the update's own first pass is the
+    # trainer's, so the fused loss forms the weights in it; support/old_logprob_pass.py runs the separate no-grad
+    # pass the trainer ran before. 3 steps each: the same losses and grad norms (float32 rounding: the separate pass's
+    # ratios are 1 +- 1e-7, the loss's own exactly 1), and the same weights (the bound of test_distributed's
+    # _assert_same_weights: 1e-4 of the distance training moved them)
+    from safetensors.torch import load_file
+    from support.small import weights_apart
+
+    # a cap of 1 truncates every weight above 1: one step's staleness moves a share of the tokens there
+    overrides = [*PIPELINE_RUN, "steps=3", "rollout.workers=1", "rollout.max_staleness=1",
+                 "loss.rollout_correction_cap=1.0"]  # fmt: skip
+    runs = {}
+    for module in (varied.MODULE, "old_logprob_pass"):
+        out = tmp_path / module
+        args = ["train", "--output-dir", str(out), f"cache_dir={warmups(tmp_path)}", *overrides]
+        result = run_job(launch_command("torchrun", module, *args, ranks=2), env=PIPELINE_ENV, timeout=HANG_S)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[module] = metric_rows(out), load_file(out / "final" / "model.safetensors")
+    (rows, weights), (before, old_weights) = runs[varied.MODULE], runs["old_logprob_pass"]
+    assert [r["staleness"] for r in rows] == [0, 1, 1], "precondition: steps 2 and 3 trained one step off"
+    assert max(r["rollout_is_clipped_frac"] for r in before[1:]) > 0, "precondition: the correction truncated"
+    for row, want in zip(rows, before, strict=True):
+        for key in ("loss", "grad_norm", "clip_frac", "entropy", "reward"):
+            assert row[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (row["step"], key)
+    (start_dir,) = warmups(tmp_path).glob("tiny-warmup-*")
+    diff, moved = weights_apart(weights, old_weights, load_file(start_dir / "model.safetensors"))
+    assert moved > 0 and diff <= 1e-4 * moved, (diff, moved)
+
+
 def test_the_curves_of_a_run_with_workers_gain_the_pipelines_row(tmp_path):
     from matplotlib.image import imread
 

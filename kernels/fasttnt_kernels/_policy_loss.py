@@ -12,6 +12,7 @@ import torch
 
 from . import _common
 from ._common import LOG_RATIO_CLAMP, SettingError
+from .rollout_correction_weights import ROLLOUT_CORRECTIONS
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -141,6 +142,13 @@ class PolicyLossInputs:
     # (N,) float, 0 or 1 as a rule: a per-token factor of the policy-gradient term after every weight, which no
     # sequence weight reads (VESPO's neither): TRL's high-entropy mask (``top_entropy_quantile``)
     token_mask: torch.Tensor | None = None
+    # (N,) float, the behaviour policy's log-probs (the engine that sampled the tokens), ``linear_policy_loss`` only:
+    # the rollout correction's weights (``rollout_correction_weights`` at ``rollout_correction`` and its cap) of the
+    # proximal log-probs against these, times ``is_weights``. The proximal ones are ``old_logp``, or without them
+    # the current ones, detached: the decoupled objective at one mini-batch and one epoch with no old-log-prob pass
+    rollout_logp: torch.Tensor | None = None
+    rollout_correction: str = "none"
+    rollout_correction_cap: float = 2.0
 
     def check(self, N: int, config: PolicyLossConfig) -> dict[str, torch.Tensor]:
         """Check the inputs for N tokens (shapes, dtypes, normalisers); returns the tensors given, by name."""
@@ -155,7 +163,14 @@ class PolicyLossInputs:
         _common.check_dtype("cu_seqlens", self.cu_seqlens, _common.INDEX_DTYPES)
         if self.ref_logp is None and config.kl_coef > 0:
             raise ValueError(f"kl_coef={config.kl_coef} needs ref_logp")
-        for name in ("old_logp", "ref_logp", "is_weights", "token_mask"):
+        if self.rollout_correction not in ROLLOUT_CORRECTIONS:
+            modes = ROLLOUT_CORRECTIONS
+            raise ValueError(f"rollout_correction must be one of {modes}, got {self.rollout_correction!r}")
+        if not self.rollout_correction_cap >= 1.0:
+            raise ValueError(f"rollout_correction_cap must be >= 1, got {self.rollout_correction_cap}")
+        if self.rollout_correction != "none" and self.rollout_logp is None:
+            raise ValueError(f"rollout_correction={self.rollout_correction!r} needs rollout_logp")
+        for name in ("old_logp", "ref_logp", "is_weights", "token_mask", "rollout_logp"):
             t = getattr(self, name)
             if t is not None:
                 _common.check_1d(name, t, N)
@@ -184,6 +199,9 @@ class PolicyLossInputs:
             ref_logp=const(self.ref_logp),
             is_weights=const(self.is_weights),
             token_mask=const(self.token_mask),
+            rollout_logp=const(self.rollout_logp),
+            rollout_correction=self.rollout_correction,
+            rollout_correction_cap=self.rollout_correction_cap,
             first_advantages=const(self.first_advantages),
             total_tokens=self.total_tokens,
             total_seqs=self.total_seqs,

@@ -408,14 +408,19 @@ class TokenTerms:
                 lengths = x.cu_seqlens[1:] - x.cu_seqlens[:-1]
                 self.seq_log_ratio_t = torch.repeat_interleave(seq_log_ratio, lengths, output_size=N)
 
-    def __call__(self, rows: slice, logp: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor:
+    def __call__(
+        self, rows: slice, logp: torch.Tensor, grad: torch.Tensor | None, weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The sums of tokens ``rows`` of the batch, whose log-probs are ``logp`` (n,); an on-policy loss (no
-        ``old_logp``) takes ``logp`` as the old ones."""
+        ``old_logp``) takes ``logp`` as the old ones. ``weights`` (n,): the range's own per-token weights, times
+        ``is_weights`` (a rollout correction formed from ``logp``, ``linear_policy_loss``)."""
         x = self.inputs
         old = logp if x.old_logp is None else x.old_logp[rows]
         ref = x.ref_logp[rows] if x.ref_logp is not None else None
         # VESPO's rollout weights are in its sequences' log-weights
         is_w = x.is_weights[rows] if x.is_weights is not None and self.config.policy_loss != "vespo" else None
+        if weights is not None:
+            is_w = weights if is_w is None else is_w * weights
         mask = x.token_mask[rows] if x.token_mask is not None else None
         if self.use_triton:  # one per-token factor: the kernel reads a single weight
             weight = is_w if mask is None else (mask if is_w is None else is_w * mask)

@@ -18,7 +18,8 @@ Liger-Kernel's fused linear losses (``liger_kernel/chunked_loss``).
 
 GSPO and VESPO (``policy_loss="gspo"``, ``"vespo"``), and CISPO or SAPO at ``ratio_level="sequence"``, off-policy
 are the exception: a token's gradient needs its sequence's log-ratio, so one pass of logits computes every log-prob
-first (four matmuls per chunk).
+first (four matmuls per chunk). The rollout correction (``rollout_logp``) on-policy forms each token's weight from
+its own log-prob in its chunk; a sequence mode, or VESPO, takes the same first pass.
 
 The gradients are kept from the forward and scaled in place by the upstream gradient in the backward, so the
 backward holds no logits and reads no weight (under ZeRO-3 the weight need not be gathered again), and runs once
@@ -28,6 +29,7 @@ the forward to the backward.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -37,6 +39,7 @@ from ._lm_head import LmHeadGrads, LmHeadPlan, check_lm_head_inputs, chunks, mat
 from ._policy_loss import PolicyLossConfig, PolicyLossInputs, resolve, sequence_log_ratios
 from .clipped_policy_loss import STAT_NAMES, TokenTerms, clipped_policy_loss_reference
 from .linear_token_logprobs import linear_token_logprobs_reference
+from .rollout_correction_weights import rollout_correction_weights_reference
 
 LINEAR_STAT_NAMES = (*STAT_NAMES, "entropy")
 """``clipped_policy_loss``'s statistics and the token-mean entropy (over the N tokens given)."""
@@ -56,6 +59,11 @@ def linear_policy_loss_reference(
     x, config = resolve("linear_policy_loss_reference", inputs, config, fields)
     logp, entropy = linear_token_logprobs_reference(hidden, weight, ids, temperature=temperature, with_entropy=True)
     old = logp.detach() if x.old_logp is None else x.old_logp
+    if x.rollout_logp is not None and x.rollout_correction != "none":  # the proximal log-probs against the engine's
+        weights, _ = rollout_correction_weights_reference(
+            old.detach(), x.rollout_logp, x.cu_seqlens, mode=x.rollout_correction, cap=x.rollout_correction_cap
+        )
+        x = dataclasses.replace(x, is_weights=weights if x.is_weights is None else weights * x.is_weights)
     loss, stats = clipped_policy_loss_reference(
         logp,
         old,
@@ -75,23 +83,50 @@ def linear_policy_loss_reference(
     return loss, stats
 
 
+def _first_pass_logprobs(hidden, w, ids, plan: LmHeadPlan) -> torch.Tensor:
+    """Every token's log-probs (N,) float32 from one pass of logits (a fourth matmul per chunk), the same chunks and
+    kernels as the loss's pass, so the same log-probs."""
+    N = hidden.shape[0]
+    logp = _common.new_empty(N, dtype=torch.float32, device=hidden.device)  # (N,)
+    lse = _common.new_empty(N, dtype=torch.float32, device=hidden.device)  # (N,) written, unread
+    for rows, _, logits in chunks(hidden, w, plan.chunk_rows):
+        plan.logprobs_forward(logits, ids[rows], inv_temperature=1.0 / plan.temperature, logp=logp[rows],
+                              lse=lse[rows], entropy=None)  # fmt: skip
+        del logits
+    return logp
+
+
+def _rollout_weights(hidden, w, ids, inputs: PolicyLossInputs, config: PolicyLossConfig, plan: LmHeadPlan):
+    """The rollout correction's weights (``PolicyLossInputs.rollout_logp``): folded into ``is_weights`` before the
+    pass where they can be, or left to each chunk (True). With old log-probs they are known now; on-policy a token
+    mode's weight needs its own log-prob alone, formed in its chunk; a sequence mode's needs every token of its
+    sequence, and VESPO's sequence weights need every token's weight, so one pass of logits first
+    (``_first_pass_logprobs``). Returns ``(inputs, per_chunk)``."""
+    if inputs.rollout_logp is None or inputs.rollout_correction == "none":
+        return inputs, False
+    if inputs.old_logp is None and inputs.rollout_correction.startswith("token") and config.policy_loss != "vespo":
+        return inputs, True
+    proximal = inputs.old_logp if inputs.old_logp is not None else _first_pass_logprobs(hidden, w, ids, plan)
+    weights, _ = rollout_correction_weights_reference(
+        proximal, inputs.rollout_logp, inputs.cu_seqlens, mode=inputs.rollout_correction,
+        cap=inputs.rollout_correction_cap,
+    )  # fmt: skip
+    is_weights = weights if inputs.is_weights is None else weights * inputs.is_weights
+    return dataclasses.replace(inputs, is_weights=is_weights), False
+
+
 def _sequence_log_ratios(hidden, w, ids, inputs: PolicyLossInputs, config: PolicyLossConfig, plan: LmHeadPlan):
     """The sequence log-ratios (S,) of a loss that reads them (``sequence_log_ratios``), or None. A token's
     gradient needs its sequence's log-ratio, which needs every token of the sequence, and a sequence may span
-    chunks: off-policy, one pass of logits first (a fourth matmul per chunk), the same chunks and kernels as the
-    loss's pass, so the same log-probs. On-policy every token's log-ratio is 0: no pass."""
+    chunks: off-policy, one pass of logits first (``_first_pass_logprobs``). On-policy every token's log-ratio is 0:
+    no pass."""
     if not config.per_sequence:
         return None
     N = hidden.shape[0]
-    logp = _common.new_empty(N, dtype=torch.float32, device=hidden.device)  # (N,)
     if inputs.old_logp is None:
-        logp.zero_()
+        logp = torch.zeros(N, dtype=torch.float32, device=hidden.device)  # (N,)
     else:
-        lse = _common.new_empty(N, dtype=torch.float32, device=hidden.device)  # (N,) written, unread
-        for rows, _, logits in chunks(hidden, w, plan.chunk_rows):
-            plan.logprobs_forward(logits, ids[rows], inv_temperature=1.0 / plan.temperature, logp=logp[rows],
-                                  lse=lse[rows], entropy=None)  # fmt: skip
-            del logits
+        logp = _first_pass_logprobs(hidden, w, ids, plan)
     return sequence_log_ratios(config, logp, inputs.old_logp, inputs.cu_seqlens, inputs.is_weights)
 
 
@@ -102,6 +137,7 @@ class LinearPolicyLossFunction(torch.autograd.Function):
         N = hidden.shape[0]
         device = hidden.device
         w = weight.to(matmul_dtype(hidden))  # (V, H): a copy only under autocast, as autocast's own matmul would make
+        inputs, correct_per_chunk = _rollout_weights(hidden, w, ids, inputs, config, plan)
         seq_log_ratio = _sequence_log_ratios(hidden, w, ids, inputs, config, plan)
         terms = TokenTerms(inputs, config, N, use_triton=plan.use_triton, seq_log_ratio=seq_log_ratio)
         tokens = inputs.tokens(N)
@@ -124,7 +160,13 @@ class LinearPolicyLossFunction(torch.autograd.Function):
                 entropy=entropy[rows],
             )
             g = grad_logp[rows] if grad_logp is not None else None
-            sums += terms(rows, logp[rows], g)
+            correction = None
+            if correct_per_chunk:  # a token mode on-policy: each weight from the token's own log-prob
+                correction, _ = rollout_correction_weights_reference(
+                    logp[rows], inputs.rollout_logp[rows], inputs.cu_seqlens, mode=inputs.rollout_correction,
+                    cap=inputs.rollout_correction_cap,
+                )  # fmt: skip
+            sums += terms(rows, logp[rows], g, correction)
             if compute_grad:
                 g_entropy = torch.full_like(g, grad_entropy_value) if grad_entropy_value != 0.0 else None
                 plan.logprobs_backward(

@@ -95,7 +95,8 @@ def _typed(old, adv, cu, kw):
     keywords left (temperature)."""
     kw = dict(kw)
     config = PolicyLossConfig(**{k: kw.pop(k) for k in _SETTINGS if k in kw})
-    tensors = ("ref_logp", "is_weights", "first_advantages", "total_tokens", "total_seqs", "token_mask")
+    tensors = ("ref_logp", "is_weights", "first_advantages", "total_tokens", "total_seqs", "token_mask", "rollout_logp",
+               "rollout_correction", "rollout_correction_cap")  # fmt: skip
     inputs = PolicyLossInputs(adv, cu, old_logp=old, **{k: kw.pop(k) for k in tensors if k in kw})
     return inputs, config, kw
 
@@ -351,3 +352,98 @@ def test_bad_inputs_name_what_is_wrong():
         linear_policy_loss(hidden, weight, ids, inputs, advantages=adv)
     with pytest.raises(TypeError, match="not both"):
         linear_policy_loss(hidden, weight, ids, inputs, config=PolicyLossConfig(), clip_high=0.3)
+
+
+def _rollout_logp(hidden, weight, ids, cu, mode: str, cap: float, *, spread: float = 0.4) -> torch.Tensor:
+    """An engine's log-probs ~spread from the policy's (N,), each weight's log (a token's, or its sequence's sum) at
+    least 0.02 away from log ``cap``: the truncation and the mask are discontinuous there, and the kernel's float32
+    log-probs differ from the float64 truth by ~1e-6."""
+    with torch.no_grad():
+        logp = torch.log_softmax(hidden.double() @ weight.double().T, -1).gather(-1, ids[:, None])[:, 0]  # (N,)
+    rollout = logp - torch.randn(logp.shape[0], dtype=torch.float64, device=DEVICE) * spread
+    for _ in range(50):
+        diff = logp - rollout  # (N,) log rho per token
+        if mode.startswith("sequence"):
+            lengths = cu[1:] - cu[:-1]
+            sums = torch.zeros(len(lengths), dtype=torch.float64, device=DEVICE).index_add_(
+                0, torch.repeat_interleave(torch.arange(len(lengths), device=DEVICE), lengths), diff
+            )
+            near = (sums - math.log(cap)).abs() < 0.02  # (S,)
+            firsts = cu[:-1][near & (lengths > 0)]
+            if len(firsts) == 0:
+                break
+            rollout[firsts] -= 0.05
+        else:
+            near = (diff - math.log(cap)).abs() < 0.02
+            if not near.any():
+                break
+            rollout[near] -= 0.05
+    else:
+        raise AssertionError("could not draw the rollout log-probs off the cap")
+    return rollout.float()
+
+
+# the rollout correction formed in the pass from rollout_logp: on-policy each token's own weight in its chunk (token
+# modes), a first pass of logits for a sequence mode and for VESPO; off-policy from old_logp before the pass
+ROLLOUT_CASES = {
+    "token-truncate-on-policy": dict(
+        mode="token-truncate", on_policy=True, kw=dict(clip_high=0.28, use_ref=True, kl_coef=0.05)
+    ),
+    "token-mask-on-policy": dict(mode="token-mask", on_policy=True, kw=dict(use_is=True, entropy_coef=0.02)),
+    "sequence-truncate-on-policy": dict(mode="sequence-truncate", on_policy=True, kw=dict(agg="seq-mean-token-mean")),
+    "sequence-mask-off-policy": dict(mode="sequence-mask", on_policy=False, kw=dict(use_is=True, dual_clip=3.0)),
+    "token-truncate-off-policy": dict(mode="token-truncate", on_policy=False, kw=dict(policy_loss="cispo")),
+    "vespo-on-policy": dict(mode="token-truncate", on_policy=True, kw=dict(policy_loss="vespo", use_is=True)),
+    "gspo-on-policy": dict(mode="token-mask", on_policy=True, kw=dict(policy_loss="gspo", clip_high=0.28)),
+}
+
+
+@pytest.mark.parametrize("case", list(ROLLOUT_CASES))
+@pytest.mark.parametrize("path", ["triton", "torch"])
+def test_the_rollout_correction_in_the_pass_matches_the_float64_reference(monkeypatch, case, path):
+    # the reference weighs the proximal log-probs (old, or the current ones detached) against the engine's with
+    # rollout_correction_weights, times is_weights; the op forms the same weights in its pass
+    monkeypatch.setenv("FASTTNT_KERNELS", path)
+    spec = ROLLOUT_CASES[case]
+    hidden, weight, ids, old, ref, is_w, adv, cu = _batch()
+    kw = dict(spec["kw"])
+    old = None if spec["on_policy"] else old
+    if kw.pop("use_ref", False):
+        kw["ref_logp"] = ref
+    if kw.pop("use_is", False):
+        kw["is_weights"] = is_w
+    rollout = _rollout_logp(hidden, weight, ids, cu, spec["mode"], 2.0)
+    kw.update(rollout_logp=rollout, rollout_correction=spec["mode"], rollout_correction_cap=2.0)
+    got = _fused(hidden, weight, ids, old, adv, cu, **kw)
+    truth = _truth(hidden, weight, ids, old, adv, cu, **kw)
+    for name, a, b in zip(
+        ("loss", "grad hidden", "grad weight"), (got[0], *got[2:]), (truth[0], *truth[2:]), strict=True
+    ):
+        assert_close(a, b, tol="fp32-matmul", name=name)
+    for stat in LINEAR_STAT_NAMES:
+        assert_close(got[1][stat], truth[1][stat], tol="fp32-matmul", name=stat)
+    # the correction binds and matters: without it the loss is another
+    uncorrected = _fused(hidden, weight, ids, old, adv, cu, **{**kw, "rollout_correction": "none"})
+    assert not torch.allclose(uncorrected[0], got[0], rtol=1e-3), "precondition: the correction changes the loss"
+
+
+@pytest.mark.parametrize("mode", ["token-truncate", "sequence-mask"])
+@pytest.mark.parametrize("path", ["triton", "torch"])
+def test_the_rollout_correction_in_the_pass_equals_a_separate_old_logprob_pass(monkeypatch, mode, path):
+    # what a trainer did at one mini-batch and one epoch: a no-grad pass of old log-probs, their correction weights,
+    # then the loss with both; in the pass the proximal log-probs are the loss's own (the same chunks and kernels,
+    # so the same float32 values): loss, gradients and statistics equal to float32 rounding of the sums' order
+    monkeypatch.setenv("FASTTNT_KERNELS", path)
+    from fasttnt_kernels import rollout_correction_weights
+
+    hidden, weight, ids, _, ref, _, adv, cu = _batch()
+    rollout = _rollout_logp(hidden, weight, ids, cu, mode, 2.0)
+    with torch.no_grad():
+        old = linear_token_logprobs(hidden, weight, ids, chunk_bytes=_chunk_bytes(hidden.dtype))  # (N,)
+    weights, _ = rollout_correction_weights(old, rollout, cu, mode=mode, cap=2.0)
+    assert (weights < 1.99).sum() > 0 and (weights != torch.exp(old - rollout)).any(), "precondition: it binds"
+    kw = dict(clip_high=0.28, ref_logp=ref, kl_coef=0.05)
+    separate = _fused(hidden, weight, ids, old, adv, cu, is_weights=weights, **kw)
+    in_pass = _fused(hidden, weight, ids, None, adv, cu, rollout_logp=rollout, rollout_correction=mode,
+                     rollout_correction_cap=2.0, **kw)  # fmt: skip
+    _assert_same(in_pass, separate, rtol=1e-6, atol=1e-7)
