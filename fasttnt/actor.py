@@ -91,6 +91,9 @@ class Actor:
         are means over the optimizer steps; the token metrics (``TOKEN_METRICS``) are means over every token they
         were measured on, NaN where that is none (every sequence skipped)."""
         loss_cfg, batch = self.cfg.loss, inputs.batch
+        if inputs.old_logp is None and (loss_cfg.ppo_epochs > 1 or loss_cfg.mini_batches > 1):
+            # past the first optimizer step the policy has moved: its own log-probs are no longer the old ones
+            raise ValueError("several mini-batches or epochs need the old log-probs (old_and_ref_logprobs makes them)")
         per_mb = batch.lengths.numel() // batch.group_size // loss_cfg.mini_batches  # prompts per mini-batch
         self.model.train()
         sums: dict[str, torch.Tensor] = {}

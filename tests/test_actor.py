@@ -87,6 +87,19 @@ def test_micro_batched_update_equals_the_one_forward_update(tmp_path, agg, separ
     assert ((w_many - w_one).abs() <= tolerance).all(), ((w_many - w_one).abs() / tolerance).max()
 
 
+@pytest.mark.parametrize("option", ["loss.ppo_epochs=2", "loss.mini_batches=2"])
+def test_several_optimizer_steps_without_old_logprobs_are_refused(tmp_path, option):
+    # past the first optimizer step the policy's own log-probs are no longer the old ones: the update refuses to
+    # take them as such (the trainer computes the old ones first whenever it runs several)
+    cfg = load_config(None, run_overrides(tmp_path, option))
+    trainer = Trainer(cfg, tmp_path / "run")
+    prompts = [build_prompt(trainer.parts.tokenizer, p.problem) for p in held_out(2)]
+    batch = trainer.parts.engine.generate(prompts, 4, seed=3)
+    with pytest.raises(ValueError, match="several mini-batches or epochs need the old log-probs"):
+        trainer.actor.update(UpdateInputs(batch, torch.linspace(-1.0, 1.0, batch.lengths.numel())))
+    trainer.verifier.close()
+
+
 @pytest.mark.parametrize(
     "agg, extra",
     [
