@@ -351,10 +351,10 @@ class FastTNTGRPOTrainer(GRPOTrainer):
             return None, None
         product = factors[0] if len(factors) == 1 else factors[0] * factors[1]  # (N,)
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # (B,)
-        seq = torch.repeat_interleave(torch.arange(len(lengths), device=product.device), lengths,
-                                      output_size=product.numel())  # fmt: skip
-        sums = torch.zeros(len(lengths), dtype=product.dtype, device=product.device).index_add_(0, seq, product)
-        return (sums / lengths.clamp(min=1))[seq], None
+        # each sequence's sum by a float64 cumulative sum: deterministic on CUDA, where index_add_'s atomics are not
+        ends = torch.cat([product.new_zeros(1, dtype=torch.float64), product.double().cumsum(0)])  # (N+1,)
+        means = (ends[cu_seqlens[1:]] - ends[cu_seqlens[:-1]]) / lengths.clamp(min=1)  # (B,)
+        return torch.repeat_interleave(means.to(product.dtype), lengths, output_size=product.numel()), None
 
     def _loss_normalisers(self, inputs, tokens: int, sequences: int, mode: str) -> dict:
         """TRL's normaliser of each loss_type as fasttnt's total_tokens / total_seqs (TRL divides every loss
