@@ -665,6 +665,9 @@ def test_one_step_off_the_update_corrects_in_its_own_pass_as_a_separate_old_logp
     from safetensors.torch import load_file
     from support.small import weights_apart
 
+    from fasttnt.config import load_config
+    from fasttnt.embedded.tiny import warmup_cache_path
+
     # a cap of 1 truncates every weight above 1: one step's staleness moves a share of the tokens there
     overrides = [*PIPELINE_RUN, "steps=3", "rollout.workers=1", "rollout.max_staleness=1",
                  "loss.rollout_correction_cap=1.0"]  # fmt: skip
@@ -681,7 +684,8 @@ def test_one_step_off_the_update_corrects_in_its_own_pass_as_a_separate_old_logp
     for row, want in zip(rows, before, strict=True):
         for key in ("loss", "grad_norm", "clip_frac", "entropy", "reward"):
             assert row[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (row["step"], key)
-    (start_dir,) = warmups(tmp_path).glob("tiny-warmup-*")
+    cfg = load_config(None, [f"cache_dir={warmups(tmp_path)}", *overrides])  # the runs' warm-up, their start
+    start_dir = warmup_cache_path(warmups(tmp_path), cfg.model.tiny, cfg.warmup)
     diff, moved = weights_apart(weights, old_weights, load_file(start_dir / "model.safetensors"))
     assert moved > 0 and diff <= 1e-4 * moved, (diff, moved)
 
