@@ -12,7 +12,7 @@ import torch
 
 from . import _common
 from ._common import LOG_RATIO_CLAMP, SettingError
-from .rollout_correction_weights import ROLLOUT_CORRECTIONS
+from .rollout_correction_weights import check_correction
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -163,11 +163,8 @@ class PolicyLossInputs:
         _common.check_dtype("cu_seqlens", self.cu_seqlens, _common.INDEX_DTYPES)
         if self.ref_logp is None and config.kl_coef > 0:
             raise ValueError(f"kl_coef={config.kl_coef} needs ref_logp")
-        if self.rollout_correction not in ROLLOUT_CORRECTIONS:
-            modes = ROLLOUT_CORRECTIONS
-            raise ValueError(f"rollout_correction must be one of {modes}, got {self.rollout_correction!r}")
-        if not self.rollout_correction_cap >= 1.0:
-            raise ValueError(f"rollout_correction_cap must be >= 1, got {self.rollout_correction_cap}")
+        check_correction(self.rollout_correction, self.rollout_correction_cap,
+                         names=("rollout_correction", "rollout_correction_cap"))  # fmt: skip
         if self.rollout_correction != "none" and self.rollout_logp is None:
             raise ValueError(f"rollout_correction={self.rollout_correction!r} needs rollout_logp")
         for name in ("old_logp", "ref_logp", "is_weights", "token_mask", "rollout_logp"):

@@ -39,7 +39,7 @@ from ._lm_head import LmHeadGrads, LmHeadPlan, check_lm_head_inputs, chunks, mat
 from ._policy_loss import PolicyLossConfig, PolicyLossInputs, resolve, sequence_log_ratios
 from .clipped_policy_loss import STAT_NAMES, TokenTerms, clipped_policy_loss_reference
 from .linear_token_logprobs import linear_token_logprobs_reference
-from .rollout_correction_weights import rollout_correction_weights_reference
+from .rollout_correction_weights import rollout_correction_weights_reference, token_correction_weights
 
 LINEAR_STAT_NAMES = (*STAT_NAMES, "entropy")
 """``clipped_policy_loss``'s statistics and the token-mean entropy (over the N tokens given)."""
@@ -162,10 +162,12 @@ class LinearPolicyLossFunction(torch.autograd.Function):
             g = grad_logp[rows] if grad_logp is not None else None
             correction = None
             if correct_per_chunk:  # a token mode on-policy: each weight from the token's own log-prob
-                correction, _ = rollout_correction_weights_reference(
-                    logp[rows], inputs.rollout_logp[rows], inputs.cu_seqlens, mode=inputs.rollout_correction,
+                correction = token_correction_weights(
+                    logp[rows],
+                    inputs.rollout_logp[rows],
+                    mode=inputs.rollout_correction,
                     cap=inputs.rollout_correction_cap,
-                )  # fmt: skip
+                )
             sums += terms(rows, logp[rows], g, correction)
             if compute_grad:
                 g_entropy = torch.full_like(g, grad_entropy_value) if grad_entropy_value != 0.0 else None

@@ -27,6 +27,36 @@ RolloutCorrection = Literal["none", "token-truncate", "token-mask", "sequence-tr
 ROLLOUT_CORRECTIONS = ("none", "token-truncate", "token-mask", "sequence-truncate", "sequence-mask")
 
 
+def check_correction(mode: str, cap: float, *, names: tuple[str, str] = ("mode", "cap")) -> None:
+    """Refuse a correction ``mode`` not in ``ROLLOUT_CORRECTIONS`` or a ``cap`` below 1, naming each by ``names``
+    (the caller's own names for them)."""
+    if mode not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"{names[0]} must be one of {ROLLOUT_CORRECTIONS}, got {mode!r}")
+    if not cap >= 1.0:
+        raise ValueError(f"{names[1]} must be >= 1 (a weight of 1 means on-policy), got {cap}")
+
+
+def token_correction_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, *, mode: str, cap: float):
+    """A token mode's weights (n,) float32 (None for ``none``) of any range of tokens, no statistics: each token's
+    weight reads its own log-probs alone (``linear_policy_loss`` forms them chunk by chunk)."""
+    if mode.startswith("sequence"):
+        raise ValueError(f"mode={mode!r}: a sequence's weight needs all of its tokens (rollout_correction_weights)")
+    return _weights_of(old_logp.detach().float() - rollout_logp.detach().float(), mode, cap)[2]
+
+
+def _weights_of(log_rho: torch.Tensor, mode: str, cap: float):
+    """rho = exp(log_rho) clamped, the tokens past the cap, and the mode's weights (None for ``none``)."""
+    rho = torch.exp(log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # (N,)
+    over = rho > cap  # (N,) the tokens a truncation or a mask changes
+    if mode == "none":
+        weights = None
+    elif mode.endswith("truncate"):
+        weights = rho.clamp(max=cap)
+    else:
+        weights = rho.masked_fill(over, 0.0)
+    return rho, over, weights
+
+
 def rollout_correction_weights_reference(
     old_logp: torch.Tensor,
     rollout_logp: torch.Tensor,
@@ -45,14 +75,7 @@ def rollout_correction_weights_reference(
         log_rho = per_seq[seq]  # (N,) each token carries its sequence's summed difference
     else:
         log_rho = diff
-    rho = torch.exp(log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # (N,)
-    over = rho > cap  # (N,) the tokens a truncation or a mask changes
-    if mode == "none":
-        weights = None
-    elif mode.endswith("truncate"):
-        weights = rho.clamp(max=cap)
-    else:
-        weights = rho.masked_fill(over, 0.0)
+    rho, over, weights = _weights_of(log_rho, mode, cap)
     applied = rho if weights is None else weights
     changed = over if weights is not None else torch.zeros_like(over)
     n = max(N, 1)
@@ -80,10 +103,7 @@ def rollout_correction_weights(
     ``rollout_logp_diff`` mean |old - rollout|, ``rollout_is_mean`` the mean weight as applied (of rho itself for
     ``none``), ``rollout_is_clipped_frac`` the share of tokens whose weight was truncated or masked.
     """
-    if mode not in ROLLOUT_CORRECTIONS:
-        raise ValueError(f"mode must be one of {ROLLOUT_CORRECTIONS}, got {mode!r}")
-    if not cap >= 1.0:
-        raise ValueError(f"cap must be >= 1 (a weight of 1 means on-policy), got {cap}")
+    check_correction(mode, cap)
     _common.check_1d("old_logp", old_logp)
     _common.check_1d("rollout_logp", rollout_logp, old_logp.shape[0])
     _common.check_1d("cu_seqlens", cu_seqlens)
