@@ -357,10 +357,18 @@ def test_bad_inputs_name_what_is_wrong():
 def _rollout_logp(hidden, weight, ids, cu, mode: str, cap: float, *, spread: float = 0.4) -> torch.Tensor:
     """An engine's log-probs ~spread from the policy's (N,), each weight's log (a token's, or its sequence's sum) at
     least 0.02 away from log ``cap``: the truncation and the mask are discontinuous there, and the kernel's float32
-    log-probs differ from the float64 truth by ~1e-6."""
+    log-probs differ from the float64 truth by ~1e-6. The first token's weight (its sequence's) is 0.5 above log
+    ``cap``, so the cap binds whatever the draw."""
     with torch.no_grad():
         logp = torch.log_softmax(hidden.double() @ weight.double().T, -1).gather(-1, ids[:, None])[:, 0]  # (N,)
     rollout = logp - torch.randn(logp.shape[0], dtype=torch.float64, device=DEVICE) * spread
+    nonempty = cu[1:] > cu[:-1]
+    first, end = int(cu[:-1][nonempty][0]), int(cu[1:][nonempty][0])  # the first non-empty sequence
+    target = math.log(cap) + 0.5
+    if mode.startswith("sequence"):  # its summed log-ratio moved to the target by its first token's
+        rollout[first] -= target - (logp - rollout)[first:end].sum()
+    else:
+        rollout[first] = logp[first] - target
     for _ in range(50):
         diff = logp - rollout  # (N,) log rho per token
         if mode.startswith("sequence"):
@@ -422,9 +430,9 @@ def test_the_rollout_correction_in_the_pass_matches_the_float64_reference(monkey
         assert_close(a, b, tol="fp32-matmul", name=name)
     for stat in LINEAR_STAT_NAMES:
         assert_close(got[1][stat], truth[1][stat], tol="fp32-matmul", name=stat)
-    # the correction binds and matters: without it the loss is another
+    # the correction matters: without it the hidden states' gradient is another (a scalar loss can coincide)
     uncorrected = _fused(hidden, weight, ids, old, adv, cu, **{**kw, "rollout_correction": "none"})
-    assert not torch.allclose(uncorrected[0], got[0], rtol=1e-3), "precondition: the correction changes the loss"
+    assert not torch.allclose(uncorrected[2], got[2], rtol=1e-3), "precondition: the correction changes the gradient"
 
 
 @pytest.mark.parametrize("mode", ["token-truncate", "sequence-mask"])
