@@ -10,6 +10,12 @@ halves of a synchronous step: generation (the worker's generate + verify + rewar
 log-probs + advantage + update + push); perfect overlap would take max of the two per step, and the k = 1 step's
 ratio to it says how close the pipeline comes. Runs use the warm-up cache of ``fasttnt train`` (its default
 ``cache_dir``).
+
+The runs learn apart (each its own samples), and the update's time follows the tokens it trains on (the sequences
+of zero advantage are skipped), which differ by a factor of two from step to step: so the trainer's side is also
+compared per thousand trained tokens. ``trainer_s_per_1k_tokens``: each step's time without generation and without
+the wait for a worker (log-probs, advantage, update, push, bookkeeping), over its trained prompt and response
+tokens; the colocated loop's ``update_s_per_1k_tokens`` is its ``time_update`` alone over the same.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ LAYOUTS = {
     "worker_k1": ["rollout.workers=1", "rollout.max_staleness=1"],
 }
 GENERATION = ("worker_time_generate", "worker_time_verify", "worker_time_reward")
+IN_STEP_GENERATION = ("time_generate", "time_verify", "time_reward", "time_wait")  # a trainer's step, not its own
 UPDATE = ("time_logprobs", "time_advantage", "time_update", "time_sync")
 
 
@@ -44,6 +51,17 @@ def run(layout: str, out: Path, steps: int, port: int, overrides: list[str], mod
     with open(out / f"{layout}.log", "w") as log:
         subprocess.run([sys.executable, *cmd], env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def trainer_side(row: dict) -> float:
+    """A step's seconds on the trainer's side: all of it but generation and the wait for a worker's batch."""
+    return row["time_step"] - sum(row.get(k, 0.0) for k in IN_STEP_GENERATION)
+
+
+def per_1k_tokens(rows: list[dict], seconds) -> float:
+    """The median over ``rows`` of ``seconds(row)`` per thousand trained tokens (prompts and responses; one epoch:
+    ``trained_tokens_per_s`` x ``time_update``)."""
+    return statistics.median(1000 * seconds(x) / (x["trained_tokens_per_s"] * x["time_update"]) for x in rows)
 
 
 def main() -> None:
@@ -75,6 +93,8 @@ def main() -> None:
         "k0_update_s": update,
         "k1_over_perfect_overlap": step["worker_k1"] / max(generation, update),
         "k1_speedup_over_colocated": step["colocated"] / step["worker_k1"],
+        "trainer_s_per_1k_tokens": {layout: per_1k_tokens(r, trainer_side) for layout, r in later.items()},
+        "update_s_per_1k_tokens": {layout: per_1k_tokens(r, lambda x: x["time_update"]) for layout, r in later.items()},
         "final_acc": {layout: r[-1]["acc"] for layout, r in rows.items()},
     }
     print(json.dumps(result, indent=2))

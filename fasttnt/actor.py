@@ -10,6 +10,7 @@ collective.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -86,26 +87,36 @@ class Actor:
 
     # -- the update ---------------------------------------------------------------------------------------------
 
-    def update(self, inputs: UpdateInputs) -> dict[str, torch.Tensor]:
+    def update(self, inputs: UpdateInputs, mini_batch_groups: list[int] | None = None) -> dict[str, torch.Tensor]:
         """``ppo_epochs`` passes over the batch, each ``mini_batches`` optimizer steps. Loss, grad norm and counts
         are means over the optimizer steps; the token metrics (``TOKEN_METRICS``) are means over every token they
-        were measured on, NaN where that is none (every sequence skipped)."""
+        were measured on, NaN where that is none (every sequence skipped). ``mini_batch_groups``: the groups of
+        each mini-batch on this rank, in order, where the ranks' groups were dealt (``fasttnt.balance``); None: the
+        batch in equal parts."""
         loss_cfg, batch = self.cfg.loss, inputs.batch
         if inputs.old_logp is None and (loss_cfg.ppo_epochs > 1 or loss_cfg.mini_batches > 1):
             # past the first optimizer step the policy has moved: its own log-probs are no longer the old ones
             raise ValueError("several mini-batches or epochs need the old log-probs (old_and_ref_logprobs makes them)")
-        per_mb = batch.lengths.numel() // batch.group_size // loss_cfg.mini_batches  # prompts per mini-batch
+        groups = batch.lengths.numel() // batch.group_size
+        if mini_batch_groups is None:
+            mini_batch_groups = [groups // loss_cfg.mini_batches] * loss_cfg.mini_batches
+        if len(mini_batch_groups) != loss_cfg.mini_batches or sum(mini_batch_groups) != groups:
+            raise ValueError(f"mini_batch_groups={mini_batch_groups} is not {loss_cfg.mini_batches} mini-batches "
+                             f"of this rank's {groups} groups")  # fmt: skip
+        starts = [0, *itertools.accumulate(mini_batch_groups)]
         self.model.train()
         sums: dict[str, torch.Tensor] = {}
         token_sums = {name: torch.zeros((), device=self.device) for name in (*TOKEN_METRICS, "trained", "rollout")}
-        count = 0
+        count, waited = 0, 0.0
         for _epoch in range(loss_cfg.ppo_epochs):
-            for mb in range(loss_cfg.mini_batches):
-                metrics, step_sums = self._optimizer_step(inputs.group_slice(mb * per_mb, (mb + 1) * per_mb))
+            for first, last in itertools.pairwise(starts):
+                metrics, step_sums, wait = self._optimizer_step(inputs.group_slice(first, last))
                 add_into(token_sums, step_sums)
                 add_into(sums, metrics)
-                count += 1
+                count, waited = count + 1, waited + wait
         means = {name: value / count for name, value in sums.items()}
+        if self.dist is not None:  # the rank that waited longest for the others
+            means["time_rank_wait"] = distributed.all_max_tensor(torch.tensor([waited], device=self.device))[0]
         for name in TOKEN_METRICS:
             means[name] = token_sums[name] / token_sums["rollout" if name in ROLLOUT_METRICS else "trained"]
         if batch.rollout_logp is None:  # an engine that does not say what it sampled with
@@ -116,8 +127,11 @@ class Actor:
     def _optimizer_step(self, inputs: UpdateInputs):
         """One optimizer step on a mini-batch, its forward and backward in micro-batches, gradients accumulated.
         Sequences that cannot move the weights are left out first (``_drop_zero_advantage``); the normalisers
-        still count them. Returns the step's metrics and its named sums over the ranks: ``TOKEN_METRICS``' token
-        sums, the tokens trained on (``trained``) and the tokens the rollout diagnostics cover (``rollout``)."""
+        still count them. Returns the step's metrics, its named sums over the ranks (``TOKEN_METRICS``' token
+        sums, the tokens trained on, ``trained``, and the tokens the rollout diagnostics cover, ``rollout``), and,
+        over several ranks, the seconds this rank waited for the others at the end of each forward
+        (``distributed.wait_for_ranks``; the backward's share of an imbalance waits inside ZeRO's reductions, unseen
+        here), else 0."""
         part, old_logp = inputs.batch, inputs.old_logp
         local = torch.tensor([float(part.bounds[-1]), float(part.lengths.numel())], device=self.device)
         n_tokens, n_seqs = distributed.sum_over_ranks(self.dist, local).tolist()  # sync: one read per mini-batch
@@ -149,6 +163,7 @@ class Actor:
         n_micro = max(n_micro, 1)
         if self.ds_engine is None:
             self.optimizer.zero_grad(set_to_none=True)
+        wait = 0.0
         for i in range(n_micro):
             if self.ds_engine is not None:
                 self.ds_engine.set_gradient_accumulation_boundary(i == n_micro - 1)
@@ -161,6 +176,8 @@ class Actor:
                         self.policy, self.device, temperature=self.cfg.rollout.temperature, with_loss=True
                     )
                 total = loss * 0.0  # the collectives of a forward and backward, no gradient
+            if self.dist is not None:
+                wait += distributed.wait_for_ranks(self.device)
             if self.ds_engine is not None:
                 # DeepSpeed averages gradients over ranks; each rank's loss is its part of a global sum
                 self.ds_engine.backward(total * self.world)
@@ -185,7 +202,7 @@ class Actor:
             "micro_batches": totals["micro_batches"],  # run, dummy ones not counted
             "skipped_seq_frac": totals["skipped"] / max(n_seqs, 1.0),
         }
-        return metrics, {name: totals[name] for name in (*TOKEN_METRICS, "trained", "rollout")}
+        return metrics, {name: totals[name] for name in (*TOKEN_METRICS, "trained", "rollout")}, wait
 
     def _drop_zero_advantage(self, inputs: UpdateInputs) -> tuple[UpdateInputs, int]:
         """``inputs`` without its sequences whose advantages (and first tokens' own) are exactly 0, and how many

@@ -15,6 +15,13 @@ L = 4 H + 3 I (33,024 tokens for R1-Distill-Qwen-1.5B, H = 1536, I = 8960).
 Karp 1982, k-way as in Michiels et al. 2003), the partition verl balances its batches with
 (``verl/utils/seqlen_balancing.py``). The items are whole groups (the K responses to one prompt), which fasttnt's
 advantages, mini-batches and mode terms keep together.
+
+``deal_groups`` deals a step's groups to the ranks after the advantages: each global mini-batch (the union of every
+rank's slice of it) is split by ``karmarkar_karp`` on the groups' workloads, so each optimizer step sums the same
+terms over the ranks as before, only on other ranks; every normaliser is already the whole mini-batch's over all
+ranks (``fasttnt.actor``), so the update is the unbalanced one up to the order of float sums. The rows travel by one
+all-gather per field: every rank briefly holds the step's packed rows (token ids and a few floats per token, a few
+hundred MB for 128 x 8 responses of 16K tokens, small beside a model's memory).
 """
 
 from __future__ import annotations
@@ -22,6 +29,13 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from . import distributed
+from .engines.batch import RolloutBatch, cu_seqlens_of
+from .policy import SEQUENCE_INPUTS, TOKEN_INPUTS, UpdateInputs
 
 
 def workload(length: int, hidden_size: int, intermediate_size: int) -> float:
@@ -35,7 +49,9 @@ def karmarkar_karp(weights: Sequence[float], parts: int) -> list[list[int]]:
     Each item starts as a partial partition of ``parts`` subsets, the item alone in one of them. The two partial
     partitions of the largest spread (largest subset sum minus smallest) are merged, the heaviest subset of one with
     the lightest of the other, until one is left: combining the extremes cancels the largest differences first.
-    Deterministic: ties break on the items' order. Each list is in increasing index order.
+    Deterministic: ties break on the items' order. Each list is in increasing index order. With at least ``parts``
+    items no part is empty: among subsets of equal sums the empty ones sort as the lightest, so a merge pairs an
+    empty subset of one partition with a filled one of the other while it can.
     """
     if parts < 1:
         raise ValueError(f"parts must be >= 1, got {parts}")
@@ -52,8 +68,8 @@ def karmarkar_karp(weights: Sequence[float], parts: int) -> list[list[int]]:
         _, _, a = heapq.heappop(heap)
         _, _, b = heapq.heappop(heap)
         # a's subsets heaviest first against b's lightest first
-        a = sorted(a, key=lambda s: -s[0])
-        b = sorted(b, key=lambda s: s[0])
+        a = sorted(a, key=lambda s: (-s[0], -len(s[1])))
+        b = sorted(b, key=lambda s: (s[0], len(s[1])))
         merged = [(wa + wb, ia + ib) for (wa, ia), (wb, ib) in zip(a, b, strict=True)]
         sums = [s[0] for s in merged]
         heapq.heappush(heap, (-(max(sums) - min(sums)), next(counter), merged))
@@ -66,3 +82,158 @@ def slowest_over_mean(weights: Sequence[float], assignment: Sequence[Sequence[in
     sums = [sum(weights[i] for i in part) for part in assignment]
     mean = sum(sums) / len(sums)
     return max(sums) / mean if mean > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class Deal:
+    """A step's groups dealt to the ranks (``deal_groups``): this rank's rows and what the step's row logs."""
+
+    inputs: UpdateInputs  # this rank's rows, mini-batch after mini-batch
+    mini_batch_groups: list[int]  # the groups of each mini-batch on this rank
+    tokens_before: list[int]  # per rank, the tokens its update runs over (prompts and responses) as drawn
+    tokens: list[int]  # and as dealt
+    moved: int  # groups that changed rank
+
+    def logged(self) -> dict[str, float]:
+        """The step's row: each rank's tokens as dealt, the slowest's over the mean as dealt and as drawn, and the
+        groups that changed rank (docs/metrics.md)."""
+        each = [[r] for r in range(len(self.tokens))]
+        return {
+            **{f"rank_tokens_{rank}": float(n) for rank, n in enumerate(self.tokens)},
+            "rank_tokens_max_over_mean": slowest_over_mean(self.tokens, each),
+            "rank_tokens_max_over_mean_drawn": slowest_over_mean(self.tokens_before, each),
+            "moved_groups": float(self.moved),
+        }
+
+
+def deal_groups(
+    inputs: UpdateInputs, ctx: distributed.DistContext, *, mini_batches: int, hidden_size: int,
+    intermediate_size: int, balance: bool = True,
+) -> Deal:  # fmt: skip
+    """This rank's share of the step's groups: each global mini-batch split over the ranks by ``karmarkar_karp`` on
+    its groups' ``workload`` (prompt and response, the sequence the update's forward runs), each part to the rank
+    that already holds most of its work, so few rows travel. Every rank holds as many groups as drawn (the ranks
+    share each draw's prompts equally) and computes the same deal from the same gathered lengths. ``balance``
+    False: each rank keeps its own groups (the tokens per rank still counted). A collective: every rank calls it."""
+    batch, k = inputs.batch, inputs.batch.group_size
+    groups = batch.lengths.numel() // k
+    if groups % mini_batches:
+        raise ValueError(f"{groups} groups on rank {ctx.rank} do not split into {mini_batches} mini-batches")
+    prompt_lengths = torch.tensor([len(p) for p in batch.prompt_ids], dtype=torch.int64, device=batch.lengths.device)
+    # (world, 2, S): every rank's response and prompt lengths, one row per sequence
+    lengths = distributed.all_gather_cat(torch.stack([batch.lengths.to(torch.int64), prompt_lengths])[None])
+    response_lengths, prompt_lengths = lengths[:, 0].tolist(), lengths[:, 1].tolist()  # sync: one read
+    world, per_mb = ctx.world, groups // mini_batches
+    costs = [
+        [sum(workload(r + p, hidden_size, intermediate_size) for r, p in zip(rs[g * k : (g + 1) * k],
+                                                                            ps[g * k : (g + 1) * k], strict=True))
+         for g in range(groups)]
+        for rs, ps in zip(response_lengths, prompt_lengths, strict=True)
+    ]  # fmt: skip  # (world, groups) each group's workload, by the rank that drew it
+    owner = [[] for _ in range(world)]  # per rank, the (rank drawn on, group there) it updates on
+    for mb in range(mini_batches):
+        items = [(r, g) for r in range(world) for g in range(mb * per_mb, (mb + 1) * per_mb)]
+        if balance:
+            parts = karmarkar_karp([costs[r][g] for r, g in items], world)
+        else:  # as drawn
+            parts = [[i for i, (r, _) in enumerate(items) if r == rank] for rank in range(world)]
+        for part, rank in zip(parts, _ranks_for(parts, items, costs, world), strict=True):
+            owner[rank].append([items[i] for i in part])
+    tokens_of = [[sum(rs[g * k : (g + 1) * k]) + sum(ps[g * k : (g + 1) * k]) for g in range(groups)]
+                 for rs, ps in zip(response_lengths, prompt_lengths, strict=True)]  # fmt: skip
+    tokens_before = [sum(t) for t in tokens_of]
+    tokens = [sum(tokens_of[r][g] for part in owner[rank] for r, g in part) for rank in range(world)]
+    moved = sum(r != rank for rank in range(world) for part in owner[rank] for r, _ in part)
+    mine = owner[ctx.rank]
+    mini_batch_groups = [len(part) for part in mine]
+    if moved == 0:  # every rank keeps its own rows, in their order
+        return Deal(inputs, mini_batch_groups, tokens_before, tokens, moved)
+    every = _every_ranks_rows(inputs, response_lengths, prompt_lengths)
+    keep = [(r * groups + g) * k + j for part in mine for r, g in part for j in range(k)]
+    return Deal(every.select(keep), mini_batch_groups, tokens_before, tokens, moved)
+
+
+def _ranks_for(parts: list[list[int]], items: list[tuple[int, int]], costs, world: int) -> list[int]:
+    """The rank each part goes to: the part and rank of the most work already on that rank first, greedily, so
+    that the fewest rows move (each rank takes one part)."""
+    held = [[0.0] * world for _ in parts]  # held[part][rank]: the part's workload drawn on that rank
+    for p, part in enumerate(parts):
+        for i in part:
+            r, g = items[i]
+            held[p][r] += costs[r][g]
+    pairs = sorted(((held[p][r], -p, -r) for p in range(len(parts)) for r in range(world)), reverse=True)
+    rank_of, taken = [None] * len(parts), set()
+    for _, p, r in pairs:
+        p, r = -p, -r
+        if rank_of[p] is None and r not in taken:
+            rank_of[p] = r
+            taken.add(r)
+    return rank_of
+
+
+def _every_ranks_rows(
+    inputs: UpdateInputs, response_lengths: list[list[int]], prompt_lengths: list[list[int]]
+) -> UpdateInputs:
+    """Every rank's rows in one ``UpdateInputs``, rank after rank: each per-sequence field gathered as it is (every
+    rank holds as many sequences), each per-token field padded to the longest rank's tokens, the prompts as one
+    padded row of token ids. ``response_lengths``, ``prompt_lengths``: per rank, each sequence's (gathered)."""
+    batch = inputs.batch
+    device = batch.response_ids.device
+    n_tokens = [sum(r) for r in response_lengths]
+    n_prompt = [sum(p) for p in prompt_lengths]
+    per_token = {f.name: getattr(batch, f.name) for f in fields(RolloutBatch) if f.metadata.get("per") == "token"}
+    per_token |= {name: getattr(inputs, name) for name in TOKEN_INPUTS}
+    per_sequence = {f.name: getattr(batch, f.name) for f in fields(RolloutBatch)
+                    if f.metadata.get("per") == "sequence" and f.name != "prompt_ids"}  # fmt: skip
+    per_sequence |= {name: getattr(inputs, name) for name in SEQUENCE_INPUTS}
+    present = _present_on_every_rank(batch, {**per_token, **per_sequence}, world=len(response_lengths))
+    gathered = {}
+    for name, value in per_sequence.items():
+        if name in present:
+            gathered[name] = distributed.all_gather_cat(_filled(batch, name, value))
+    for name, value in per_token.items():
+        if name in present:
+            gathered[name] = _gather_padded(value, n_tokens)
+    flat_prompts = torch.tensor([t for p in batch.prompt_ids for t in p], dtype=torch.int64, device=device)
+    prompts = _gather_padded(flat_prompts, n_prompt).tolist()  # sync: one read
+    lengths = [x for p in prompt_lengths for x in p]
+    bounds = [0, *itertools.accumulate(lengths)]
+    gathered["prompt_ids"] = [prompts[a:b] for a, b in itertools.pairwise(bounds)]
+    all_lengths = torch.tensor([x for r in response_lengths for x in r], dtype=torch.int64, device=device)  # (S_all,)
+    rows = replace(batch, cu_seqlens=cu_seqlens_of(all_lengths).to(batch.cu_seqlens.dtype),
+                   **{f.name: gathered.get(f.name) for f in fields(RolloutBatch) if f.metadata.get("per")})  # fmt: skip
+    return replace(inputs, batch=rows, **{name: gathered.get(name) for name in (*SEQUENCE_INPUTS, *TOKEN_INPUTS)})
+
+
+def _present_on_every_rank(batch: RolloutBatch, values: dict[str, torch.Tensor | None], *, world: int) -> set[str]:
+    """The fields some rank holds. A field one rank holds and another does not is refused, but a mode code
+    (``forced``): a rank whose rows were all free fills it with the free code (``RolloutBatch.concat`` likewise)."""
+    names = list(values)
+    held = torch.tensor([values[n] is not None for n in names], dtype=torch.int64, device=batch.cu_seqlens.device)
+    counts = distributed.all_sum(held).tolist()  # sync: one read
+    for name, count in zip(names, counts, strict=True):
+        if 0 < count < world and _missing_code(name) is None:
+            raise RuntimeError(f"{name} is held by {count} of {world} ranks: the ranks' rows cannot be dealt")
+    return {name for name, count in zip(names, counts, strict=True) if count > 0}
+
+
+def _filled(batch: RolloutBatch, name: str, value: torch.Tensor | None) -> torch.Tensor:
+    """``value``, or where this rank lacks it, the field's missing code on each of its sequences."""
+    if value is not None:
+        return value
+    return torch.full(batch.truncated.shape, _missing_code(name), dtype=torch.int8, device=batch.truncated.device)
+
+
+def _missing_code(name: str) -> int | None:
+    """The code a ``RolloutBatch`` field is filled with where a batch lacks it (``missing_code``), else None."""
+    return next((f.metadata.get("missing_code") for f in fields(RolloutBatch) if f.name == name), None)
+
+
+def _gather_padded(t: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Every rank's ``t`` (its first dimension ``counts[rank]`` long) concatenated, through an all-gather padded to
+    the longest."""
+    longest = max(counts)
+    padded = torch.zeros((longest, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    padded[: t.shape[0]] = t
+    parts = distributed.all_gather_cat(padded[None])  # (world, longest, ...)
+    return torch.cat([parts[r, :n] for r, n in enumerate(counts)])

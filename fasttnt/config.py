@@ -289,6 +289,10 @@ class DistributedConfig:
 
     zero_stage: Literal[2, 3] = 2  # 2: optimizer state and gradients sharded; 3: parameters too
     bucket_size: int = 50_000_000  # elements per ZeRO communication bucket
+    # after the advantages, each mini-batch's groups dealt to the ranks so that their work (tokens, and attention's
+    # share) is near-equal (fasttnt.balance): the same update, without the step waiting on the rank that drew the
+    # longest responses
+    balance_ranks: bool = True
 
     @property
     def zero3(self) -> bool:
@@ -493,6 +497,7 @@ SAFE_ON_RESUME = frozenset(
         "rollout.worker_timeout",
         "rollout.weight_transfer",
         "distributed.bucket_size",
+        "distributed.balance_ranks",
         # where the run is watched, not what it computes
         "logging.wandb",
         "logging.project",

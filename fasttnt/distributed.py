@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -104,6 +105,19 @@ def all_gather_cat(t: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, t.contiguous())
     return torch.cat(parts)
+
+
+def wait_for_ranks(device: torch.device) -> float:
+    """Seconds this rank waits, from when its own queued work is done, until every rank has reached this point: a
+    one-element all-reduce timed between device synchronizations (on CUDA; the CPU's work is done when queued), so
+    the time is the other ranks' lateness plus one small collective's latency."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    dist.all_reduce(torch.zeros(1, device=device))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
 
 
 def all_sum(t: torch.Tensor) -> torch.Tensor:

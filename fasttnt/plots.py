@@ -42,7 +42,8 @@ def _rolling(values: list[float], window: int) -> list[float]:
 
 def plot_curves(history: list[dict[str, float]], path: Path, *, title: str = "fasttnt GRPO") -> None:
     """curves.png: the run's metrics by step; where direct answers were trained on data with levels, a row shows the
-    choice by level (``_plot_choice``); where rollout workers generated, a row shows them (``_plot_pipeline``)."""
+    choice by level (``_plot_choice``); where rollout workers generated, a row shows them (``_plot_pipeline``); over
+    several ranks, a row shows their tokens and waits (``_plot_ranks``)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -60,7 +61,8 @@ def plot_curves(history: list[dict[str, float]], path: Path, *, title: str = "fa
 
     levels = choice_levels(history)
     pipeline = any("weight_version" in h for h in history)
-    rows = 2 + bool(levels) + pipeline
+    ranks = rank_count(history)
+    rows = 2 + bool(levels) + pipeline + bool(ranks)
     fig, axes = plt.subplots(rows, 3, figsize=(13, 3.5 * rows), constrained_layout=True)
     for ax, (name, series) in zip(axes.flat, _PANELS, strict=False):
         for key, label in series:
@@ -83,7 +85,9 @@ def plot_curves(history: list[dict[str, float]], path: Path, *, title: str = "fa
     if levels:
         _plot_choice(axes[2], steps, history, levels)
     if pipeline:
-        _plot_pipeline(axes[-1], steps, history)
+        _plot_pipeline(axes[-1 - bool(ranks)], steps, history)
+    if ranks:
+        _plot_ranks(axes[-1], steps, history, ranks)
     fig.suptitle(title)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -144,6 +148,42 @@ def _plot_pipeline(axes, steps: list[int], history: list[dict[str, float]]) -> N
         for key, label in series:
             ax.plot(steps, [h.get(key, math.nan) for h in history], label=label, linewidth=1.5)
         ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+
+
+def rank_count(history: list[dict[str, float]]) -> int:
+    """The ranks a distributed run logged tokens for (``rank_tokens_0``, ...); 0 for one process."""
+    return len({k for h in history for k in h if k.startswith("rank_tokens_") and k.rsplit("_", 1)[1].isdigit()})
+
+
+RANK_LINES = 8
+"""Up to this many ranks, each rank's tokens get a line; past it, the fewest, the mean and the most."""
+
+
+def _plot_ranks(axes, steps: list[int], history: list[dict[str, float]], ranks: int) -> None:
+    """Over several ranks: the tokens each rank updated on, the most over the mean as dealt and as drawn
+    (``distributed.balance_ranks``), and the longest wait for the others beside the update's time."""
+    tokens_ax, ratio_ax, wait_ax = axes
+    per_rank = [[h.get(f"rank_tokens_{r}", math.nan) for h in history] for r in range(ranks)]
+    if ranks <= RANK_LINES:
+        for r, series in enumerate(per_rank):
+            tokens_ax.plot(steps, series, label=f"rank {r}", linewidth=1.2)
+    else:
+        columns = list(zip(*per_rank, strict=True))
+        tokens_ax.plot(steps, [max(c) for c in columns], label="most", linewidth=1.2)
+        tokens_ax.plot(steps, [sum(c) / ranks for c in columns], label="mean", linewidth=1.2)
+        tokens_ax.plot(steps, [min(c) for c in columns], label="fewest", linewidth=1.2)
+    tokens_ax.set_title("tokens per rank")
+    for key, label in (("rank_tokens_max_over_mean", "as dealt"), ("rank_tokens_max_over_mean_drawn", "as drawn")):
+        ratio_ax.plot(steps, [h.get(key, math.nan) for h in history], label=label, linewidth=1.5)
+    ratio_ax.axhline(1.0, color="black", linewidth=0.8)
+    ratio_ax.set_title("most tokens on a rank / mean (1: even)")
+    for key, label in (("time_rank_wait", "longest wait for the other ranks"), ("time_update", "update")):
+        wait_ax.plot(steps, [h.get(key, math.nan) for h in history], label=label, linewidth=1.5)
+    wait_ax.set_title("seconds a step")
+    for ax in axes:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

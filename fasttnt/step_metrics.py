@@ -13,6 +13,9 @@ ROLLOUT_METRICS = ("rollout_logp_diff", "rollout_is_mean", "rollout_is_clipped_f
 """The rollout correction's diagnostics: the engine's log-probs against the trainer's."""
 TOKEN_METRICS = ("entropy", "clip_frac", "kl", "kl_ref", *ROLLOUT_METRICS)
 """Metrics that are means over the tokens the update ran on: absent from a step whose every sequence was skipped."""
+RANK_METRICS = ("rank_tokens_max_over_mean", "rank_tokens_max_over_mean_drawn", "moved_groups", "time_rank_wait")
+"""Metrics logged only over several ranks (``fasttnt.balance.Deal.logged``, ``Actor.update``), with each rank's
+tokens, ``rank_tokens_<rank>``."""
 
 
 def add_into(total: dict[str, torch.Tensor], part: dict[str, torch.Tensor]) -> None:

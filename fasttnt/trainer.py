@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import checkpoint, distributed, run_setup
+from . import balance, checkpoint, distributed, run_setup
 from .actor import Actor
 from .advantages import step_advantages
 from .checkpoint import TrainerState
@@ -75,6 +75,9 @@ class Trainer:
                                       floor=parts.state.logp_diff_floor)  # fmt: skip
         self.correction = rollout_correction(cfg)
         self.actor = Actor(cfg, parts, correction=self.correction)
+        # the sizes a sequence's work is counted in when the ranks' groups are dealt (fasttnt.balance.workload)
+        config = parts.model.config
+        self.model_sizes = (config.hidden_size, getattr(config, "intermediate_size", 4 * config.hidden_size))
         self.mode_mix = ModeMix.of(cfg)  # mode-mixed: the modes of each group's rows and the mode tokens' terms
         self.mode_floor = parts.state.mode_token_floor_logp  # loss.mode_token_floor=auto: measured at step 1
         self.verifier = VerifierPool(cfg.verify_workers, cfg.verify_timeout)
@@ -119,10 +122,18 @@ class Trainer:
         if mix is not None:
             inputs, below_floor = self._mode_token_terms(mix, inputs, trained.rewards.non_thinking, logp.think_end_logp)
         self.guard.check(step, batch, inputs.old_logp)
+        # over several ranks, each mini-batch's groups dealt to them by their work (fasttnt.balance): the same
+        # update, without the step waiting on the rank that drew the longest responses
+        mini_batch_groups, dealt = None, {}
+        if self.parts.dist:
+            deal = balance.deal_groups(inputs, self.parts.dist, mini_batches=cfg.loss.mini_batches,
+                                       hidden_size=self.model_sizes[0], intermediate_size=self.model_sizes[1],
+                                       balance=cfg.distributed.balance_ranks)  # fmt: skip
+            inputs, mini_batch_groups, dealt = deal.inputs, deal.mini_batch_groups, deal.logged()
         clock.lap("advantage")
 
         # update
-        update = self.actor.update(inputs)
+        update = self.actor.update(inputs, mini_batch_groups)
         if below_floor is not None:  # the share of the groups over all ranks whose choice is below the floor
             counts = torch.stack([below_floor.sum(), torch.tensor(below_floor.numel(), device=below_floor.device)])
             counts = distributed.sum_over_ranks(self.parts.dist, counts.double())
@@ -141,6 +152,7 @@ class Trainer:
                               generate_seconds=made.generate_seconds,
                               think_end_logp=logp.think_end_logp, below_floor=below_floor)  # fmt: skip
         values.update(made.logged)
+        values.update(dealt)
         self.stop_asked = made.stop
         self.state = TrainerState(step=step, data_position=made.data_position, world=self.parts.world,
                                   logp_diff_floor=self.guard.floor, mode_token_floor_logp=self.mode_floor)  # fmt: skip

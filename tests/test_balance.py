@@ -66,3 +66,120 @@ def test_the_workload_counts_attention_against_the_projections_and_mlp():
     # R1-Distill-Qwen-1.5B: 4 H + 3 I = 4 * 1536 + 3 * 8960 = 33,024; a sequence of that length costs twice its tokens
     assert workload(33_024, 1536, 8960) == pytest.approx(2 * 33_024)
     assert workload(100, 1536, 8960) == pytest.approx(100 * (1 + 100 / 33_024))
+
+
+def test_no_part_is_empty_while_there_are_items_for_each():
+    # equal sums everywhere (zero weights included): an empty subset sorts as the lightest, so it is filled first
+    for weights in ([0.0] * 5, [1.0] * 4, [0.0, 0.0, 5.0, 0.0], [3.0, 3.0, 3.0]):
+        assignment = karmarkar_karp(weights, 3)
+        assert all(assignment), (weights, assignment)
+    rng = random.Random(1)
+    for _ in range(200):
+        parts = rng.randint(2, 8)
+        weights = [rng.choice([0.0, 1.0, rng.lognormvariate(0, 2)]) for _ in range(rng.randint(parts, 3 * parts))]
+        assert all(karmarkar_karp(weights, parts)), weights
+
+
+def _dealt(mode: str) -> list[dict]:
+    """Both ranks' JSON lines of ``support/deal_ranks.py`` over a real 2-rank gloo group."""
+    import json
+    import os
+
+    from support import small, varied
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": varied.PYTHONPATH}
+    ranks = small.run_ranks("deal_ranks", mode, env=env, timeout=300)
+    for rank in ranks:
+        assert rank.returncode == 0, rank.stderr[-3000:]
+    return sorted((json.loads(r.stdout.strip().splitlines()[-1]) for r in ranks), key=lambda r: r["rank"])
+
+
+def _drawn(rank: int) -> list[dict]:
+    from support.deal_ranks import drawn_inputs, rows_of
+
+    return rows_of(drawn_inputs(rank))
+
+
+def test_the_dealt_rows_are_the_drawn_ones_each_mini_batch_on_near_equal_work():
+    from support.deal_ranks import GROUPS, MINI_BATCHES, SIZES, K
+
+    from fasttnt.data import PromptMode
+    from fasttnt.engines.batch import FORCED_CODES
+
+    results = _dealt("balance")
+    drawn = {row["advantage"]: (rank, i, row) for rank in (0, 1) for i, row in enumerate(_drawn(rank))}
+    per_mb = GROUPS // MINI_BATCHES
+
+    def cost(row) -> float:
+        return workload(len(row["prompt"]) + len(row["response"]), **SIZES)
+
+    seen, moved = [], 0
+    for result in results:
+        rank, rows, counts = result["rank"], result["rows"], result["mini_batch_groups"]
+        assert len(counts) == MINI_BATCHES and sum(counts) * K == len(rows) and all(counts)
+        start = 0
+        for mb, n in enumerate(counts):
+            block = rows[start * K : (start + n) * K]
+            start += n
+            for j in range(0, len(block), K):  # each group whole, its rows adjacent and in order
+                sources = [drawn[row["advantage"]] for row in block[j : j + K]]
+                source_rank, first, _ = sources[0]
+                assert first % K == 0 and [s[:2] for s in sources] == [(source_rank, first + i) for i in range(K)]
+                assert first // K // per_mb == mb  # the group is of this mini-batch on the rank that drew it
+                moved += source_rank != rank
+            for row in block:
+                original = drawn[row["advantage"]][2]
+                if original["forced"] is None:  # rank 1's rows were all free: filled with the free code
+                    original = {**original, "forced": FORCED_CODES[PromptMode.FREE]}
+                assert row == original  # every field of the row, exactly
+                seen.append(row["advantage"])
+        assert result["tokens"][rank] == sum(len(r["prompt"]) + len(r["response"]) for r in rows)
+    assert sorted(seen) == sorted(drawn)  # every drawn row dealt once
+    assert moved == results[0]["moved"] == results[1]["moved"] > 0  # precondition: rows travelled
+    # per mini-batch, the ranks' work against the drawn split's (rank 0 drew every long response) and against the
+    # best split of its 4 groups, which the differencing method reaches within 7/6 for 2 parts
+    for mb in range(MINI_BATCHES):
+        groups = {}  # (rank drawn on, group there) -> workload, of this mini-batch's groups
+        for rank, idx, row in drawn.values():
+            if idx // K // per_mb == mb:
+                groups[rank, idx // K] = groups.get((rank, idx // K), 0.0) + cost(row)
+        before = [sum(c for (rank, _), c in groups.items() if rank == r) for r in (0, 1)]
+        after = []
+        for result in results:
+            counts = result["mini_batch_groups"]
+            after.append(sum(cost(r) for r in result["rows"][sum(counts[:mb]) * K : sum(counts[: mb + 1]) * K]))
+        assert sum(after) == pytest.approx(sum(before))
+        assert max(before) > 1.5 * sum(before) / 2  # precondition: the drawn split is far off
+        assert max(after) <= 7 / 6 * _optimum(list(groups.values()), 2) * (1 + 1e-12) < max(before)
+    logged = results[0]["logged"]
+    assert logged == results[1]["logged"]
+    assert logged["rank_tokens_max_over_mean"] < logged["rank_tokens_max_over_mean_drawn"]
+    assert [logged["rank_tokens_0"], logged["rank_tokens_1"]] == results[0]["tokens"]
+
+
+def test_without_balance_each_rank_keeps_its_rows_and_counts_its_tokens():
+    from support.deal_ranks import GROUPS, MINI_BATCHES
+
+    for result in _dealt("keep"):
+        rows, drawn = result["rows"], _drawn(result["rank"])
+        assert result["moved"] == 0 and result["mini_batch_groups"] == [GROUPS // MINI_BATCHES] * MINI_BATCHES
+        assert rows == drawn  # the inputs themselves (rank 1's forced stays None: nothing was gathered)
+        assert result["tokens"] == result["tokens_before"]
+        assert result["tokens"][result["rank"]] == sum(len(r["prompt"]) + len(r["response"]) for r in rows)
+
+
+def test_the_curves_of_a_run_over_ranks_gain_the_ranks_row(tmp_path):
+    from matplotlib.image import imread
+
+    from fasttnt.plots import plot_curves, rank_count
+
+    one = [{"step": s, "reward": 0.1 * s, "acc": 0.5, "len": 10.0, "non_thinking_ratio": 0.0} for s in (1, 2, 3)]
+    for ranks in (2, 12):  # a line per rank, then the fewest, mean and most
+        over = [{**row, **{f"rank_tokens_{r}": 100.0 + r * row["step"] for r in range(ranks)},
+                 "rank_tokens_max_over_mean": 1.02, "rank_tokens_max_over_mean_drawn": 1.3, "moved_groups": 3.0,
+                 "time_rank_wait": 0.01, "time_update": 0.5} for row in one]  # fmt: skip
+        assert rank_count(over) == ranks and rank_count(one) == 0
+        plot_curves(one, tmp_path / "one.png")
+        plot_curves(over, tmp_path / "over.png")
+        two_rows, three_rows = (imread(tmp_path / f"{name}.png").shape[0] for name in ("one", "over"))
+        assert three_rows == pytest.approx(two_rows * 3 / 2, rel=0.01), "a third row of 3.5 inches"

@@ -16,6 +16,8 @@ from support import varied
 from support.small import SMALL as SMALL_BASE
 from support.small import free_port, launch_command, metric_rows, run_job, weights_apart
 
+from fasttnt.step_metrics import RANK_METRICS
+
 pytest.importorskip("deepspeed")
 
 # rewards that vary by construction (support/varied.py, run as the launched module), and the entropy bonus: every step
@@ -104,7 +106,8 @@ def test_a_mode_mixed_run_on_two_ranks_matches_one_process(tmp_path):
     prefixes = ("think_end_prob", "reward_direct", "reward_thinking", "prefers_direct", "mode_floored",
                 "free_non_thinking_ratio")  # fmt: skip
     for ra, rb in zip(two, one, strict=True):
-        assert set(ra) == set(rb)  # the same levels present, the same modes at each
+        # the same levels present, the same modes at each; and the ranks' own numbers (docs/metrics.md, Ranks)
+        assert set(ra) - set(rb) == {*RANK_METRICS, "rank_tokens_0", "rank_tokens_1"} and set(rb) <= set(ra)
         choice = [k for k in rb if k.startswith(prefixes)]
         assert any(k.startswith("reward_direct_l") for k in choice) and "mode_floored" in choice  # precondition
         assert any(k.startswith("mode_floored_l") for k in choice)
@@ -284,30 +287,35 @@ def test_zero3_generation_with_uneven_lengths_does_not_hang(tmp_path):
     assert "rank 0 generated 3" in result.stdout and "rank 1 generated 12" in result.stdout
 
 
-def test_zero3_ranks_with_different_micro_batch_counts_match_one_process(tmp_path):
-    # two problems per step, one per rank: a short prompt whose 4 samples share one micro-batch of 256 tokens, and a
-    # ~170-token prompt whose samples need one each (two never fit 256), so one rank runs 1 micro-batch per pass
-    # and the other 4, by construction; ppo_epochs=2 adds the old-log-prob pass, whose ZeRO-3 forwards gather
-    # parameters collectively too
+def test_ranks_dealt_their_groups_by_work_match_one_process(tmp_path):
+    # four problems per step, each rank drawing two: a ~200-token prompt (under the tiny model's 256 positions less
+    # 24 new tokens) whose 4 samples need a micro-batch of 256 each (two never fit), and three short ones. However
+    # the stream orders them, the long group outweighs the three short ones together (4 x 200 tokens against at
+    # most 3 x 4 x (10 + 24)), so Karmarkar-Karp deals it to
+    # a rank alone and every step moves a group (fasttnt.balance): the ranks then run different micro-batch counts
+    # (the one with the long group 4 per pass), and under ZeRO-3 the other pads with dummy forwards; ppo_epochs=2
+    # adds the old-log-prob pass and its rows travel too. At ZeRO-2 and ZeRO-3 the run logs what one process logs
     data = tmp_path / "uneven.jsonl"
-    long_problem = "Add these two numbers, reading every digit with care before you begin: " + "1" * 80 + " + 1"
-    data.write_text(
-        json.dumps({"problem": "1+2", "answer": "3"})
-        + "\n"
-        + json.dumps({"problem": long_problem, "answer": "2"})
-        + "\n"
-    )
+    long_problem = "Add these two numbers, reading every digit with care before you begin: " + "1" * 120 + " + 1"
+    problems = [("1+2", "3"), (long_problem, "2"), ("2+2", "4"), ("3+4", "7")]
+    data.write_text("".join(json.dumps({"problem": p, "answer": a}) + "\n" for p, a in problems))
     extra = (
-        f"data.train={data}", "data.hack_markers=synthetic", "data.instruction=", "rollout.prompts_per_step=2",
-        "micro_batch_tokens=256", "loss.ppo_epochs=2", "steps=2", "loss.skip_zero_advantage=false",
+        f"data.train={data}", "data.hack_markers=synthetic", "data.instruction=", "micro_batch_tokens=256",
+        "loss.ppo_epochs=2", "steps=2", "loss.skip_zero_advantage=false",
     )  # fmt: skip
     single = _launch("single", tmp_path / "single", tmp_path / "cache", *extra)
     assert single.returncode == 0, single.stderr[-3000:]
-    ranks = _launch("deepspeed", tmp_path / "ranks", tmp_path / "cache", *extra, "distributed.zero_stage=3")
-    assert ranks.returncode == 0, ranks.stdout[-2000:] + ranks.stderr[-4000:]
-    expected, got = metric_rows(tmp_path / "single"), metric_rows(tmp_path / "ranks")
-    _assert_same_run(got, expected)
-    assert all(r["micro_batches"] == 5 for r in got)  # 1 + 4 per pass over the ranks: the construction holds
+    expected = metric_rows(tmp_path / "single")
+    for stage in (2, 3):
+        out = tmp_path / f"zero{stage}"
+        ranks = _launch("deepspeed", out, tmp_path / "cache", *extra, f"distributed.zero_stage={stage}")
+        assert ranks.returncode == 0, ranks.stdout[-2000:] + ranks.stderr[-4000:]
+        got = metric_rows(out)
+        assert all(r["moved_groups"] >= 1 for r in got), "precondition: the deal moved a group every step"
+        assert all(r["rank_tokens_max_over_mean"] < r["rank_tokens_max_over_mean_drawn"] for r in got)
+        assert all(r["time_rank_wait"] >= 0 for r in got)
+        _assert_same_run(got, expected)
+        _assert_same_weights(out / "final", tmp_path / "single" / "final", tmp_path / "cache")
 
 
 def test_dynamic_sampling_keeps_the_ranks_in_step(tmp_path):

@@ -283,7 +283,7 @@ def _glossary(section: str) -> set[str]:
 
 def test_metrics_glossary_covers_every_logged_metric(tmp_path):
     from fasttnt.config import load_config
-    from fasttnt.step_metrics import TOKEN_METRICS
+    from fasttnt.step_metrics import RANK_METRICS, TOKEN_METRICS
     from fasttnt.trainer import Trainer
 
     # a 1-step run that logs everything: no skipped sequences (the token metrics), dynamic sampling (its counts),
@@ -298,7 +298,9 @@ def test_metrics_glossary_covers_every_logged_metric(tmp_path):
     # ...), documented once; acc_free_direct only in a step where a free response chose </think>, which this model
     # need not do
     per_level = r"^((?:acc_|reward_|prefers_direct|think_end_prob|mode_floored|free_non_thinking_ratio)\w*?)_l\d+$"
+    # the ranks' numbers only over several ranks: a 2-rank run logs them (tests/test_distributed.py)
     logged = {re.sub(per_level, r"\1", name) for name in row} | set(TOKEN_METRICS) | {"acc_free_direct"}
+    logged |= set(RANK_METRICS)
     # precondition: the per-level names were logged (forced rows of both modes: a thinking and a direct accuracy)
     assert any(name.startswith("acc_thinking_l") for name in row) and "acc_forced_direct" in row
     assert any(name.startswith("reward_direct_l") for name in row)
