@@ -89,7 +89,7 @@ class Attribution:
             total.backward()
         return self.flat_grad()
 
-    def __call__(self, inputs: UpdateInputs, mini_batch_groups: list[int] | None = None):
+    def __call__(self, inputs: UpdateInputs, **update_options):
         batch, token_weights = inputs.batch, inputs.is_weights
         step, k = self.trainer.state.step + 1, batch.group_size
         levels = self.levels(batch)  # (G,)
@@ -131,7 +131,7 @@ class Attribution:
         t = int(states[0]["step"]) + 1 if states[0] else 1
         v = b2 * v + (1 - b2) * (clip * total) ** 2
         precondition = 1.0 / ((v / (1 - b2**t)).sqrt() + eps)
-        result = self.update(inputs, mini_batch_groups)
+        result = self.update(inputs, **update_options)
         after = self.probe_logp(batch)
         row = {"step": step}
         for lv, h_l in h.items():

@@ -11,6 +11,7 @@ collective.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -57,19 +58,17 @@ class Actor:
 
     # -- log-probs without gradients ----------------------------------------------------------------------------
 
-    def old_and_ref_logprobs(
-        self, batch: RolloutBatch, think_end_rows: RolloutBatch | None = None, *, guarded: bool = False
-    ) -> NoGradLogprobs:
+    def old_and_ref_logprobs(self, batch: RolloutBatch, think_end_rows: RolloutBatch | None = None) -> NoGradLogprobs:
         """The old log-probs (N,), needed once the policy moves within the step (a second mini-batch or epoch: the
         rollout correction's weights are then those of the policy at the step's start, TRL's vLLM correction in
-        grpo_trainer.py, trl 1.16, likewise), where the stale-weight guard checks the batch (``guarded``:
-        ``StaleWeightGuard.checks``), or for a mode-mixed batch, whose ``think_end_rows`` (``ModeMix.think_end_rows``)
-        get the old policy's log-probs too (``fasttnt.modes``); the reference model's log-probs when the KL term is
-        on. None where not needed: at one mini-batch and one epoch the update's own pass is the old policy's, and
-        the fused loss forms the rollout correction from it (``corrects_in_the_pass``)."""
+        grpo_trainer.py, trl 1.16, likewise), or for a mode-mixed batch, whose ``think_end_rows``
+        (``ModeMix.think_end_rows``) get the old policy's log-probs too (``fasttnt.modes``); the reference model's
+        log-probs when the KL term is on. None where not needed: at one mini-batch and one epoch the update's own
+        pass is the old policy's, from which the fused loss forms the rollout correction (``corrects_in_the_pass``)
+        and the stale-weight guard is judged (``update``'s ``judge``)."""
         loss_cfg = self.cfg.loss
         old_logp = ref_logp = think_end_logp = None
-        if loss_cfg.ppo_epochs > 1 or loss_cfg.mini_batches > 1 or guarded or think_end_rows is not None:
+        if loss_cfg.ppo_epochs > 1 or loss_cfg.mini_batches > 1 or think_end_rows is not None:
             old_logp = self.logprobs(self.policy, batch, zero3_collectives=self.zero3)
         if think_end_rows is not None:
             think_end_logp = self.logprobs(self.policy, think_end_rows, zero3_collectives=self.zero3)
@@ -87,12 +86,18 @@ class Actor:
 
     # -- the update ---------------------------------------------------------------------------------------------
 
-    def update(self, inputs: UpdateInputs, mini_batch_groups: list[int] | None = None) -> dict[str, torch.Tensor]:
+    def update(
+        self, inputs: UpdateInputs, mini_batch_groups: list[int] | None = None,
+        judge: Callable[[float], None] | None = None,
+    ) -> dict[str, torch.Tensor]:  # fmt: skip
         """``ppo_epochs`` passes over the batch, each ``mini_batches`` optimizer steps. Loss, grad norm and counts
         are means over the optimizer steps; the token metrics (``TOKEN_METRICS``) are means over every token they
         were measured on, NaN where that is none (every sequence skipped). ``mini_batch_groups``: the groups of
         each mini-batch on this rank, in order, where the ranks' groups were dealt (``fasttnt.balance``); None: the
-        batch in equal parts."""
+        batch in equal parts. ``judge``: without old log-probs, called before the optimizer step with the mean
+        |pi - rollout| log-prob per token trained on, over all ranks (the stale-weight guard's
+        ``StaleWeightGuard.judge``, which raises to stop before anything is trained); not called where no token is
+        trained."""
         loss_cfg, batch = self.cfg.loss, inputs.batch
         if inputs.old_logp is None and (loss_cfg.ppo_epochs > 1 or loss_cfg.mini_batches > 1):
             # past the first optimizer step the policy has moved: its own log-probs are no longer the old ones
@@ -110,7 +115,7 @@ class Actor:
         count, waited = 0, 0.0
         for _epoch in range(loss_cfg.ppo_epochs):
             for first, last in itertools.pairwise(starts):
-                metrics, step_sums, wait = self._optimizer_step(inputs.group_slice(first, last))
+                metrics, step_sums, wait = self._optimizer_step(inputs.group_slice(first, last), judge)
                 add_into(token_sums, step_sums)
                 add_into(sums, metrics)
                 count, waited = count + 1, waited + wait
@@ -124,7 +129,7 @@ class Actor:
                 means.pop(name)
         return means
 
-    def _optimizer_step(self, inputs: UpdateInputs):
+    def _optimizer_step(self, inputs: UpdateInputs, judge: Callable[[float], None] | None = None):
         """One optimizer step on a mini-batch, its forward and backward in micro-batches, gradients accumulated.
         Sequences that cannot move the weights are left out first (``_drop_zero_advantage``); the normalisers
         still count them. Returns the step's metrics, its named sums over the ranks (``TOKEN_METRICS``' token
@@ -183,12 +188,6 @@ class Actor:
                 self.ds_engine.backward(total * self.world)
             else:
                 total.backward()
-        if self.ds_engine is not None:
-            self.ds_engine.step()
-            grad_norm = torch.tensor(float(self.ds_engine.get_global_grad_norm() or 0.0))
-        else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
-            self.optimizer.step()
         trained_tokens = float(part.bounds[-1])
         if rollout_tokens is None:
             rollout_tokens = trained_tokens
@@ -196,6 +195,16 @@ class Actor:
                   "rollout": rollout_tokens}  # fmt: skip
         local_sums = {**sums, **{k: sums["loss"].new_tensor(v) for k, v in counts.items()}}
         totals = distributed.sum_named_over_ranks(self.dist, local_sums)  # one collective per optimizer step
+        if judge is not None and old_logp is None and part.rollout_logp is not None:
+            tokens = float(totals["rollout"])  # sync: one read
+            if tokens > 0:  # the engine's log-probs against this pass's, before anything is trained on them
+                judge(float(totals["rollout_logp_diff"]) / tokens)
+        if self.ds_engine is not None:
+            self.ds_engine.step()
+            grad_norm = torch.tensor(float(self.ds_engine.get_global_grad_norm() or 0.0))
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+            self.optimizer.step()
         metrics = {
             "loss": totals["loss"],
             "grad_norm": grad_norm.to(totals["loss"].device).float(),

@@ -15,6 +15,7 @@ metrics in three reads (the levels present, the metrics, the counts).
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from pathlib import Path
@@ -109,7 +110,7 @@ class Trainer:
         # old and reference log-probs (and, mode-mixed, of </think> first)
         batch, mix = trained.batch, self.mode_mix
         think_end_rows = mix.think_end_rows(batch, self.parts.think_end_id) if mix is not None else None
-        logp = self.actor.old_and_ref_logprobs(batch, think_end_rows, guarded=self.guard.checks(batch))
+        logp = self.actor.old_and_ref_logprobs(batch, think_end_rows)
         clock.lap("logprobs")
 
         # advantage (fasttnt.advantages)
@@ -132,8 +133,10 @@ class Trainer:
             inputs, mini_batch_groups, dealt = deal.inputs, deal.mini_batch_groups, deal.logged()
         clock.lap("advantage")
 
-        # update
-        update = self.actor.update(inputs, mini_batch_groups)
+        # update (without old log-probs, the guard judges the engine's against the update's own pass, before its
+        # optimizer step)
+        judge = functools.partial(self.guard.judge, step) if self.guard.checks(batch) else None
+        update = self.actor.update(inputs, mini_batch_groups=mini_batch_groups, judge=judge)
         if below_floor is not None:  # the share of the groups over all ranks whose choice is below the floor
             counts = torch.stack([below_floor.sum(), torch.tensor(below_floor.numel(), device=below_floor.device)])
             counts = distributed.sum_over_ranks(self.parts.dist, counts.double())

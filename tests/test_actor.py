@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from support import varied
-from support.small import run_overrides, short_run, train
+from support.small import SEED, run_overrides, short_run, train
 
 from fasttnt import host_memory
 from fasttnt.actor import Actor
@@ -349,3 +349,42 @@ def test_the_guards_number_is_a_mean_over_tokens(tmp_path):
     batch = RolloutBatch.of_responses([[1], [1]], [[5], [6, 7, 8]], [False, False], 2, rollout_logp=[-1.0] * 4)
     assert trainer.guard.engine_logp_diff(batch, torch.tensor([-5.0, -1.0, -1.0, -1.0])) == 1.0
     assert trainer.guard.engine_logp_diff(batch, torch.tensor([-1.0, -1.0, -3.0, 1.0])) == 1.0
+
+
+def test_without_old_logprobs_the_update_is_judged_on_its_own_pass_before_it_steps(tmp_path):
+    # the stale-weight guard's number formed in the update's pass: the mean |pi - rollout| over the tokens trained
+    # on, over all ranks, handed to the judge before the optimizer step; a judge that raises leaves every weight as
+    # it was (the gradient was formed, nothing applied); a step that trains no token is not judged
+    from fasttnt.guard import StaleWeightsError
+
+    cfg = load_config(None, run_overrides(tmp_path, "optim.warmup_steps=0"))
+    trainer = Trainer(cfg, tmp_path / "run")
+    prompts = [build_prompt(trainer.parts.tokenizer, p.problem) for p in held_out(2)]
+    batch = trainer.parts.engine.generate(prompts, 4, seed=3)
+    assert batch.rollout_logp is not None, "precondition: the engine said what it sampled with"
+    s, first = batch.lengths.numel(), batch.bounds[4]
+    # the first group's advantages 0 (skipped), the others' moving: the judged tokens are the others'. The engine's
+    # log-probs are moved off the policy's by a known 0.1-0.3 per token (5 on the skipped group's, which a judge
+    # over every token would count), so the mean is known to the float32 rounding of the two passes (~1e-7)
+    advantages = torch.cat([torch.zeros(4), torch.linspace(-1.0, 1.0, s - 4)])  # (S,)
+    ours = trainer.actor.logprobs(trainer.actor.policy, batch, zero3_collectives=False)  # (N,) before the step
+    offset = 0.1 + 0.2 * torch.rand(ours.numel(), generator=torch.Generator().manual_seed(SEED))  # (N,)
+    offset[:first] = 5.0
+    batch.rollout_logp = ours - offset
+    judged = []
+    metrics = trainer.actor.update(UpdateInputs(batch, advantages), judge=judged.append)
+    assert float(metrics["skipped_seq_frac"]) == pytest.approx(4 / s), "precondition: a group was skipped"
+    assert len(judged) == 1 and judged[0] == pytest.approx(float(offset[first:].mean()), abs=1e-6)
+
+    def stop(diff: float) -> None:
+        raise StaleWeightsError(f"stale by {diff}")
+
+    before = [p.detach().clone() for p in trainer.parts.model.parameters()]
+    with pytest.raises(StaleWeightsError, match="stale by"):
+        trainer.actor.update(UpdateInputs(batch, advantages), judge=stop)
+    grads = [p.grad for p in trainer.parts.model.parameters() if p.grad is not None]
+    assert any(g.abs().sum() > 0 for g in grads), "precondition: the pass formed a gradient"
+    assert all(torch.equal(a, p) for a, p in zip(before, trainer.parts.model.parameters(), strict=True))
+    # every sequence skipped: nothing is trained, nothing judged
+    trainer.actor.update(UpdateInputs(batch, torch.zeros(s)), judge=stop)
+    trainer.verifier.close()

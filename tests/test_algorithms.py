@@ -216,9 +216,9 @@ def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(tmp_path, m
     real_update, real_draw = Actor.update, Rollouts.draw
     draws = []
 
-    def update(self, inputs):
+    def update(self, inputs, **kw):
         seen.append((inputs.batch, inputs.advantages.clone()))
-        return real_update(self, inputs)
+        return real_update(self, inputs, **kw)
 
     def draw(self, step, index, lap):
         out = real_draw(self, step, index, lap)

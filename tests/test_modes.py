@@ -156,10 +156,10 @@ def test_a_mode_mixed_run_trains_both_modes_against_their_behaviour(tmp_path, mo
     seen = []
     real = Actor.update
 
-    def update(self, inputs):
+    def update(self, inputs, **kw):
         assert inputs.first_advantages is None  # loss.mode_advantage=shared
         seen.append((inputs.batch, inputs.old_logp.clone(), inputs.is_weights))
-        return real(self, inputs)
+        return real(self, inputs, **kw)
 
     monkeypatch.setattr(Actor, "update", update)
     # rows of K = 4: forced direct, two forced thinking, one free ("half" refuses forced thinking rows: there the
@@ -418,9 +418,9 @@ def test_a_mode_mixed_run_gives_the_mode_token_the_modes_reward_gap(tmp_path, mo
         seen.append(rewards.rewards.clone())
         return real_advantages(rewards, *args)
 
-    def update(self, inputs):
+    def update(self, inputs, **kw):
         seen[-1] = (inputs, seen[-1])
-        return real_update(self, inputs)
+        return real_update(self, inputs, **kw)
 
     monkeypatch.setattr(trainer_module, "step_advantages", step_advantages)
     monkeypatch.setattr(Actor, "update", update)

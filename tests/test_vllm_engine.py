@@ -154,9 +154,15 @@ def _guarded(tmp_path: Path, capsys, *extra: str) -> tuple[int, list[dict], str]
 
 
 def test_a_push_that_does_not_arrive_stops_the_run(tmp_path, standin, monkeypatch, capsys):
-    pushed = []
+    # at one mini-batch and one epoch no pass of old log-probs runs: the guard judges the update's own pass
+    from fasttnt.actor import Actor
+
+    pushed, passes = [], []
     monkeypatch.setattr(vllm_standin._EngineModel, "load_weights", lambda self, w: pushed.append(len(list(w))))
+    real = Actor.logprobs
+    monkeypatch.setattr(Actor, "logprobs", lambda self, *a, **kw: passes.append(1) or real(self, *a, **kw))
     code, rows, err = _guarded(tmp_path, capsys, "rollout.max_logp_diff=1e-3")
+    assert not passes, "a separate pass of log-probs ran"
     # step 1 sampled from the weights the engine was built with, the trainer's: within float32 rounding
     assert [r["step"] for r in rows] == [1] and rows[0]["rollout_logp_diff"] < 1e-5 and rows[0]["grad_norm"] > 0
     assert pushed, "no push was attempted: the guard would have nothing to catch"
@@ -273,7 +279,7 @@ def test_under_bf16_the_guard_calibrates_at_step_1_and_stops_a_missed_push(tmp_p
     monkeypatch.setattr(vllm_standin._EngineModel, "load_weights", lambda self, w: list(w))
     code, rows, err = _guarded(tmp_path / "missed", capsys, *tight)
     assert code == 1 and [r["step"] for r in rows] == [1]
-    assert "step 2: the vllm engine's log-probs differ" in err and "step 1's bf16 floor" in err, err
+    assert "step 2: the vllm engine's log-probs differ" in err and "the run's bf16 floor" in err, err
 
 
 def test_a_prefix_cache_that_was_not_reset_stops_the_push(tmp_path, standin, monkeypatch):

@@ -248,7 +248,9 @@ def test_mode_mixed_rollouts_through_vllm(tmp_path, monkeypatch):
 
     seen = []
     real_update = Actor.update
-    monkeypatch.setattr(Actor, "update", lambda self, inputs: seen.append(inputs.batch) or real_update(self, inputs))
+    monkeypatch.setattr(
+        Actor, "update", lambda self, inputs, **kw: seen.append(inputs.batch) or real_update(self, inputs, **kw)
+    )
     _, rows = train(
         tmp_path, "run", *RUN, "steps=2", "rollout.forced_non_thinking=0.25", "rollout.forced_thinking=0.25"
     )
