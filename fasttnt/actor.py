@@ -213,17 +213,27 @@ class Actor:
         }
         return metrics, {name: totals[name] for name in (*TOKEN_METRICS, "trained", "rollout")}, wait
 
-    def _drop_zero_advantage(self, inputs: UpdateInputs) -> tuple[UpdateInputs, int]:
-        """``inputs`` without its sequences whose advantages (and first tokens' own) are exactly 0, and how many
-        were dropped. Such a sequence's policy-gradient term is -ratio * 0 = 0 for every token, whatever the ratio,
-        clip, dual clip or importance weight, so it adds nothing to the gradient unless the entropy bonus or the KL
-        term is on (with TNT, a solved prompt's K responses all score alike)."""
+    def trained_rows(self, inputs: UpdateInputs) -> torch.Tensor:
+        """(S,) bool: the sequences the update runs on. Those whose advantages (and first tokens' own) are exactly 0
+        are left out where ``loss.skip_zero_advantage`` is on: such a sequence's policy-gradient term is
+        -ratio * 0 = 0 for every token, whatever the ratio, clip, dual clip or importance weight, so it adds nothing
+        to the gradient unless the entropy bonus or the KL term is on (with TNT, a solved prompt's K responses all
+        score alike)."""
+        if not self._skips_zero_advantage():
+            return torch.ones_like(inputs.advantages, dtype=torch.bool)
+        per_seq = (inputs.advantages, inputs.first_advantages)
+        return torch.stack([t != 0 for t in per_seq if t is not None]).any(0)  # (S,)
+
+    def _skips_zero_advantage(self) -> bool:
         loss_cfg = self.cfg.loss
         kl_on = self.ref_model is not None and loss_cfg.kl_coef > 0
-        if not loss_cfg.skip_zero_advantage or loss_cfg.entropy_coef > 0 or kl_on:
+        return loss_cfg.skip_zero_advantage and not loss_cfg.entropy_coef > 0 and not kl_on
+
+    def _drop_zero_advantage(self, inputs: UpdateInputs) -> tuple[UpdateInputs, int]:
+        """``inputs`` without the sequences the update does not run on (``trained_rows``), and how many those are."""
+        if not self._skips_zero_advantage():
             return inputs, 0
-        per_seq = (inputs.advantages, inputs.first_advantages)
-        moving = torch.stack([t != 0 for t in per_seq if t is not None]).any(0)  # (S,)
+        moving = self.trained_rows(inputs)  # (S,)
         keep = torch.nonzero(moving).flatten().tolist()  # sync: one read per mini-batch
         skipped = moving.numel() - len(keep)
         if skipped == 0:

@@ -20,8 +20,9 @@ advantages, mini-batches and mode terms keep together.
 rank's slice of it) is split by ``karmarkar_karp`` on the groups' workloads, so each optimizer step sums the same
 terms over the ranks as before, only on other ranks; every normaliser is already the whole mini-batch's over all
 ranks (``fasttnt.actor``), so the update is the unbalanced one up to the order of float sums. The rows travel by one
-all-gather per field: every rank briefly holds the step's packed rows (token ids and a few floats per token, a few
-hundred MB for 128 x 8 responses of 16K tokens, small beside a model's memory).
+all-gather per field: every rank briefly holds the step's packed rows on its device (token ids and a few floats per
+token, a few hundred MB for 128 x 8 responses of 16K tokens, small beside a model's memory), and reads only the rows
+it keeps to the host.
 """
 
 from __future__ import annotations
@@ -108,39 +109,44 @@ class Deal:
 
 def deal_groups(
     inputs: UpdateInputs, ctx: distributed.DistContext, *, mini_batches: int, hidden_size: int,
-    intermediate_size: int, balance: bool = True,
+    intermediate_size: int, trained: torch.Tensor | None = None, balance: bool = True,
 ) -> Deal:  # fmt: skip
     """This rank's share of the step's groups: each global mini-batch split over the ranks by ``karmarkar_karp`` on
-    its groups' ``workload`` (prompt and response, the sequence the update's forward runs), each part to the rank
-    that already holds most of its work, so few rows travel. Every rank holds as many groups as drawn (the ranks
-    share each draw's prompts equally) and computes the same deal from the same gathered lengths. ``balance``
+    its groups' work (``group_workload``: what the update's forward runs), each part to the rank that already holds
+    most of its groups, so few rows travel. ``trained`` (S,) bool: the sequences the update runs on
+    (``Actor.trained_rows``; None: all), the others weighing nothing. Every rank holds as many groups as drawn (the
+    ranks share each draw's prompts equally) and computes the same deal from the same gathered lengths. ``balance``
     False: each rank keeps its own groups (the tokens per rank still counted). A collective: every rank calls it."""
     batch, k = inputs.batch, inputs.batch.group_size
     groups = batch.lengths.numel() // k
     if groups % mini_batches:
         raise ValueError(f"{groups} groups on rank {ctx.rank} do not split into {mini_batches} mini-batches")
-    prompt_lengths = torch.tensor([len(p) for p in batch.prompt_ids], dtype=torch.int64, device=batch.lengths.device)
-    # (world, 2, S): every rank's response and prompt lengths, one row per sequence
-    lengths = distributed.all_gather_cat(torch.stack([batch.lengths.to(torch.int64), prompt_lengths])[None])
-    response_lengths, prompt_lengths = lengths[:, 0].tolist(), lengths[:, 1].tolist()  # sync: one read
+    device = batch.lengths.device
+    prompt_lengths = torch.tensor([len(p) for p in batch.prompt_ids], dtype=torch.int64, device=device)
+    if trained is None:
+        trained = torch.ones(batch.lengths.numel(), dtype=torch.bool, device=device)
+    # (world, 3, S): every rank's response and prompt lengths and which sequences train, one column per sequence
+    rows = torch.stack([batch.lengths.to(torch.int64), prompt_lengths, trained.to(torch.int64)])
+    response_lengths, prompt_lengths, trains = distributed.all_gather_cat(rows[None]).unbind(1)
+    response_lengths, prompt_lengths, trains = response_lengths.tolist(), prompt_lengths.tolist(), trains.tolist()
     world, per_mb = ctx.world, groups // mini_batches
-    costs = [
-        [sum(workload(r + p, hidden_size, intermediate_size) for r, p in zip(rs[g * k : (g + 1) * k],
-                                                                            ps[g * k : (g + 1) * k], strict=True))
-         for g in range(groups)]
-        for rs, ps in zip(response_lengths, prompt_lengths, strict=True)
-    ]  # fmt: skip  # (world, groups) each group's workload, by the rank that drew it
-    owner = [[] for _ in range(world)]  # per rank, the (rank drawn on, group there) it updates on
+
+    def run(r: int, g: int) -> tuple[int, list[int]]:  # group g of rank r: its prompt's length, its trained rows'
+        rows = range(g * k, (g + 1) * k)
+        return prompt_lengths[r][g * k], [response_lengths[r][i] for i in rows if trains[r][i]]
+
+    costs = [[group_workload(*run(r, g), hidden_size, intermediate_size) for g in range(groups)]
+             for r in range(world)]  # fmt: skip  # (world, groups) by the rank that drew each
+    tokens_of = [[(p + sum(rs) if rs else 0) for p, rs in (run(r, g) for g in range(groups))] for r in range(world)]
+    owner = [[] for _ in range(world)]  # per rank, per mini-batch, the (rank drawn on, group there) it updates on
     for mb in range(mini_batches):
         items = [(r, g) for r in range(world) for g in range(mb * per_mb, (mb + 1) * per_mb)]
         if balance:
             parts = karmarkar_karp([costs[r][g] for r, g in items], world)
         else:  # as drawn
             parts = [[i for i, (r, _) in enumerate(items) if r == rank] for rank in range(world)]
-        for part, rank in zip(parts, _ranks_for(parts, items, costs, world), strict=True):
+        for part, rank in zip(parts, _ranks_for(parts, items, world), strict=True):
             owner[rank].append([items[i] for i in part])
-    tokens_of = [[sum(rs[g * k : (g + 1) * k]) + sum(ps[g * k : (g + 1) * k]) for g in range(groups)]
-                 for rs, ps in zip(response_lengths, prompt_lengths, strict=True)]  # fmt: skip
     tokens_before = [sum(t) for t in tokens_of]
     tokens = [sum(tokens_of[r][g] for part in owner[rank] for r, g in part) for rank in range(world)]
     moved = sum(r != rank for rank in range(world) for part in owner[rank] for r, _ in part)
@@ -148,19 +154,29 @@ def deal_groups(
     mini_batch_groups = [len(part) for part in mine]
     if moved == 0:  # every rank keeps its own rows, in their order
         return Deal(inputs, mini_batch_groups, tokens_before, tokens, moved)
-    every = _every_ranks_rows(inputs, response_lengths, prompt_lengths)
     keep = [(r * groups + g) * k + j for part in mine for r, g in part for j in range(k)]
-    return Deal(every.select(keep), mini_batch_groups, tokens_before, tokens, moved)
+    return Deal(_kept_rows(inputs, keep, response_lengths, prompt_lengths), mini_batch_groups, tokens_before, tokens,
+                moved)  # fmt: skip
 
 
-def _ranks_for(parts: list[list[int]], items: list[tuple[int, int]], costs, world: int) -> list[int]:
-    """The rank each part goes to: the part and rank of the most work already on that rank first, greedily, so
-    that the fewest rows move (each rank takes one part)."""
-    held = [[0.0] * world for _ in parts]  # held[part][rank]: the part's workload drawn on that rank
+def group_workload(prompt: int, responses: list[int], hidden_size: int, intermediate_size: int) -> float:
+    """A group's work in the update's forward: its prompt once (the packed forward runs a prompt that consecutive
+    sequences share once, ``policy.pack_micro_batch``) and each trained response's tokens, whose attention reads the
+    prompt and the response before them: ``workload(p) + sum_j (workload(p + r_j) - workload(p))``; 0 where no
+    response trains."""
+    if not responses:
+        return 0.0
+    base = workload(prompt, hidden_size, intermediate_size)
+    return base + sum(workload(prompt + r, hidden_size, intermediate_size) - base for r in responses)
+
+
+def _ranks_for(parts: list[list[int]], items: list[tuple[int, int]], world: int) -> list[int]:
+    """The rank each part goes to: greedily the part and rank with the most of the part's groups drawn there first,
+    so that the fewest rows move (each rank takes one part)."""
+    held = [[0] * world for _ in parts]  # held[part][rank]: the part's groups drawn on that rank
     for p, part in enumerate(parts):
         for i in part:
-            r, g = items[i]
-            held[p][r] += costs[r][g]
+            held[p][items[i][0]] += 1
     pairs = sorted(((held[p][r], -p, -r) for p in range(len(parts)) for r in range(world)), reverse=True)
     rank_of, taken = [None] * len(parts), set()
     for _, p, r in pairs:
@@ -171,16 +187,16 @@ def _ranks_for(parts: list[list[int]], items: list[tuple[int, int]], costs, worl
     return rank_of
 
 
-def _every_ranks_rows(
-    inputs: UpdateInputs, response_lengths: list[list[int]], prompt_lengths: list[list[int]]
+def _kept_rows(
+    inputs: UpdateInputs, keep: list[int], response_lengths: list[list[int]], prompt_lengths: list[list[int]]
 ) -> UpdateInputs:
-    """Every rank's rows in one ``UpdateInputs``, rank after rank: each per-sequence field gathered as it is (every
-    rank holds as many sequences), each per-token field padded to the longest rank's tokens, the prompts as one
-    padded row of token ids. ``response_lengths``, ``prompt_lengths``: per rank, each sequence's (gathered)."""
+    """Rows ``keep`` (indices into every rank's rows, rank after rank) of every rank's ``UpdateInputs``, in that
+    order: each per-sequence field gathered as it is (every rank holds as many sequences), each per-token field
+    padded to the longest rank's tokens, the prompts as one padded row of token ids; only the kept rows' tokens are
+    read to the host. ``response_lengths``, ``prompt_lengths``: per rank, each sequence's (gathered)."""
     batch = inputs.batch
     device = batch.response_ids.device
     n_tokens = [sum(r) for r in response_lengths]
-    n_prompt = [sum(p) for p in prompt_lengths]
     per_token = {f.name: getattr(batch, f.name) for f in fields(RolloutBatch) if f.metadata.get("per") == "token"}
     per_token |= {name: getattr(inputs, name) for name in TOKEN_INPUTS}
     per_sequence = {f.name: getattr(batch, f.name) for f in fields(RolloutBatch)
@@ -195,14 +211,20 @@ def _every_ranks_rows(
         if name in present:
             gathered[name] = _gather_padded(value, n_tokens)
     flat_prompts = torch.tensor([t for p in batch.prompt_ids for t in p], dtype=torch.int64, device=device)
-    prompts = _gather_padded(flat_prompts, n_prompt).tolist()  # sync: one read
+    prompts = _gather_padded(flat_prompts, [sum(p) for p in prompt_lengths])  # (P,) every rank's, rank after rank
     lengths = [x for p in prompt_lengths for x in p]
-    bounds = [0, *itertools.accumulate(lengths)]
-    gathered["prompt_ids"] = [prompts[a:b] for a, b in itertools.pairwise(bounds)]
+    starts = [0, *itertools.accumulate(lengths)]
     all_lengths = torch.tensor([x for r in response_lengths for x in r], dtype=torch.int64, device=device)  # (S_all,)
-    rows = replace(batch, cu_seqlens=cu_seqlens_of(all_lengths).to(batch.cu_seqlens.dtype),
-                   **{f.name: gathered.get(f.name) for f in fields(RolloutBatch) if f.metadata.get("per")})  # fmt: skip
-    return replace(inputs, batch=rows, **{name: gathered.get(name) for name in (*SEQUENCE_INPUTS, *TOKEN_INPUTS)})
+    gathered["prompt_ids"] = [[] for _ in lengths]  # the kept rows' are set below
+    per_row = {f.name: gathered.get(f.name) for f in fields(RolloutBatch) if f.metadata.get("per")}
+    every = replace(batch, cu_seqlens=cu_seqlens_of(all_lengths).to(batch.cu_seqlens.dtype), **per_row)
+    every = replace(inputs, batch=every, **{name: gathered.get(name) for name in (*SEQUENCE_INPUTS, *TOKEN_INPUTS)})
+    kept = every.select(keep)
+    index = torch.cat([torch.arange(starts[i], starts[i + 1], device=device) for i in keep])  # (P_kept,)
+    ids = prompts[index].tolist()  # sync: one read
+    bounds = [0, *itertools.accumulate(lengths[i] for i in keep)]
+    kept.batch.prompt_ids = [ids[a:b] for a, b in itertools.pairwise(bounds)]
+    return kept
 
 
 def _present_on_every_rank(batch: RolloutBatch, values: dict[str, torch.Tensor | None], *, world: int) -> set[str]:

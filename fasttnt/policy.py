@@ -325,7 +325,7 @@ class UpdateInputs:
                          slice(bounds[first * k], bounds[last * k]))  # fmt: skip
 
     def select(self, keep: list[int]) -> UpdateInputs:
-        """Sequences ``keep`` (ascending; ``RolloutBatch.select``) and their tensors."""
+        """Sequences ``keep``, in that order (``RolloutBatch.select``), and their tensors."""
         kept, tokens = self.batch.select(keep)
         return self._cut(kept, torch.tensor(keep, dtype=torch.long, device=self.advantages.device), tokens)
 

@@ -129,6 +129,7 @@ class Trainer:
         if self.parts.dist:
             deal = balance.deal_groups(inputs, self.parts.dist, mini_batches=cfg.loss.mini_batches,
                                        hidden_size=self.model_sizes[0], intermediate_size=self.model_sizes[1],
+                                       trained=self.actor.trained_rows(inputs),
                                        balance=cfg.distributed.balance_ranks)  # fmt: skip
             inputs, mini_batch_groups, dealt = deal.inputs, deal.mini_batch_groups, deal.logged()
         clock.lap("advantage")

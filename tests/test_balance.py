@@ -62,6 +62,16 @@ def test_the_partition_is_deterministic_and_refuses_bad_input():
         karmarkar_karp([1.0, 2.0, float("nan")], 2)
 
 
+def test_a_groups_workload_runs_its_prompt_once_and_its_trained_responses():
+    from fasttnt.balance import group_workload
+
+    sizes = {"hidden_size": 8, "intermediate_size": 8}  # 4 H + 3 I = 56
+    assert group_workload(10, [], **sizes) == 0.0  # no response trains: the forward does not run the group
+    assert group_workload(10, [5], **sizes) == pytest.approx(workload(15, **sizes))
+    # two responses of one prompt packed: 10 + 5 + 7 tokens; attention 10^2 + (15^2 - 10^2) + (17^2 - 10^2) over 56
+    assert group_workload(10, [5, 7], **sizes) == pytest.approx(22 + (100 + 125 + 189) / 56)
+
+
 def test_the_workload_counts_attention_against_the_projections_and_mlp():
     # R1-Distill-Qwen-1.5B: 4 H + 3 I = 4 * 1536 + 3 * 8960 = 33,024; a sequence of that length costs twice its tokens
     assert workload(33_024, 1536, 8960) == pytest.approx(2 * 33_024)
@@ -94,6 +104,17 @@ def _dealt(mode: str) -> list[dict]:
     return sorted((json.loads(r.stdout.strip().splitlines()[-1]) for r in ranks), key=lambda r: r["rank"])
 
 
+def _tokens(rows: list[dict], trained: list[bool]) -> int:
+    """The tokens the update's forward runs on: each group's prompt once and its trained responses."""
+    from support.deal_ranks import K
+
+    total = 0
+    for g in range(0, len(rows), K):
+        responses = [len(r["response"]) for r, t in zip(rows[g : g + K], trained[g : g + K], strict=True) if t]
+        total += len(rows[g]["prompt"]) + sum(responses) if responses else 0
+    return total
+
+
 def _drawn(rank: int) -> list[dict]:
     from support.deal_ranks import drawn_inputs, rows_of
 
@@ -101,7 +122,7 @@ def _drawn(rank: int) -> list[dict]:
 
 
 def test_the_dealt_rows_are_the_drawn_ones_each_mini_batch_on_near_equal_work():
-    from support.deal_ranks import GROUPS, MINI_BATCHES, SIZES, K
+    from support.deal_ranks import GROUPS, MINI_BATCHES, SIZES, K, trained_rows
 
     from fasttnt.data import PromptMode
     from fasttnt.engines.batch import FORCED_CODES
@@ -110,8 +131,16 @@ def test_the_dealt_rows_are_the_drawn_ones_each_mini_batch_on_near_equal_work():
     drawn = {row["advantage"]: (rank, i, row) for rank in (0, 1) for i, row in enumerate(_drawn(rank))}
     per_mb = GROUPS // MINI_BATCHES
 
-    def cost(row) -> float:
-        return workload(len(row["prompt"]) + len(row["response"]), **SIZES)
+    def c(n: int) -> float:
+        return workload(n, **SIZES)
+
+    def group_cost(rows: list[dict]) -> float:  # the prompt once, each trained response over prompt and itself
+        trained = [r for r in rows if trained_of[r["advantage"]]]
+        p = len(rows[0]["prompt"])
+        return c(p) + sum(c(p + len(r["response"])) - c(p) for r in trained) if trained else 0.0
+
+    trained_of = {row["advantage"]: bool(trained_rows(rank)[i]) for rank, i, row in drawn.values()}
+    assert not all(trained_of.values()), "precondition: some rows do not train"
 
     seen, moved = [], 0
     for result in results:
@@ -133,23 +162,25 @@ def test_the_dealt_rows_are_the_drawn_ones_each_mini_batch_on_near_equal_work():
                     original = {**original, "forced": FORCED_CODES[PromptMode.FREE]}
                 assert row == original  # every field of the row, exactly
                 seen.append(row["advantage"])
-        assert result["tokens"][rank] == sum(len(r["prompt"]) + len(r["response"]) for r in rows)
+        assert result["tokens"][rank] == _tokens(rows, [trained_of[r["advantage"]] for r in rows])
     assert sorted(seen) == sorted(drawn)  # every drawn row dealt once
     assert moved == results[0]["moved"] == results[1]["moved"] > 0  # precondition: rows travelled
     # per mini-batch, the ranks' work against the drawn split's (rank 0 drew every long response) and against the
     # best split of its 4 groups, which the differencing method reaches within 7/6 for 2 parts
     for mb in range(MINI_BATCHES):
         groups = {}  # (rank drawn on, group there) -> workload, of this mini-batch's groups
-        for rank, idx, row in drawn.values():
-            if idx // K // per_mb == mb:
-                groups[rank, idx // K] = groups.get((rank, idx // K), 0.0) + cost(row)
-        before = [sum(c for (rank, _), c in groups.items() if rank == r) for r in (0, 1)]
+        for rank in (0, 1):
+            rows = _drawn(rank)
+            for g in range(mb * per_mb, (mb + 1) * per_mb):
+                groups[rank, g] = group_cost(rows[g * K : (g + 1) * K])
+        before = [sum(w for (rank, _), w in groups.items() if rank == r) for r in (0, 1)]
         after = []
         for result in results:
-            counts = result["mini_batch_groups"]
-            after.append(sum(cost(r) for r in result["rows"][sum(counts[:mb]) * K : sum(counts[: mb + 1]) * K]))
+            counts, rows = result["mini_batch_groups"], result["rows"]
+            block = rows[sum(counts[:mb]) * K : sum(counts[: mb + 1]) * K]
+            after.append(sum(group_cost(block[g : g + K]) for g in range(0, len(block), K)))
         assert sum(after) == pytest.approx(sum(before))
-        assert max(before) > 1.5 * sum(before) / 2  # precondition: the drawn split is far off
+        assert max(before) > 1.2 * sum(before) / 2  # precondition: the drawn split is off
         assert max(after) <= 7 / 6 * _optimum(list(groups.values()), 2) * (1 + 1e-12) < max(before)
     logged = results[0]["logged"]
     assert logged == results[1]["logged"]
@@ -158,14 +189,14 @@ def test_the_dealt_rows_are_the_drawn_ones_each_mini_batch_on_near_equal_work():
 
 
 def test_without_balance_each_rank_keeps_its_rows_and_counts_its_tokens():
-    from support.deal_ranks import GROUPS, MINI_BATCHES
+    from support.deal_ranks import GROUPS, MINI_BATCHES, trained_rows
 
     for result in _dealt("keep"):
         rows, drawn = result["rows"], _drawn(result["rank"])
         assert result["moved"] == 0 and result["mini_batch_groups"] == [GROUPS // MINI_BATCHES] * MINI_BATCHES
         assert rows == drawn  # the inputs themselves (rank 1's forced stays None: nothing was gathered)
         assert result["tokens"] == result["tokens_before"]
-        assert result["tokens"][result["rank"]] == sum(len(r["prompt"]) + len(r["response"]) for r in rows)
+        assert result["tokens"][result["rank"]] == _tokens(rows, trained_rows(result["rank"]).tolist())
 
 
 def test_the_curves_of_a_run_over_ranks_gain_the_ranks_row(tmp_path):

@@ -306,13 +306,18 @@ def test_ranks_dealt_their_groups_by_work_match_one_process(tmp_path):
     single = _launch("single", tmp_path / "single", tmp_path / "cache", *extra)
     assert single.returncode == 0, single.stderr[-3000:]
     expected = metric_rows(tmp_path / "single")
-    for stage in (2, 3):
-        out = tmp_path / f"zero{stage}"
-        ranks = _launch("deepspeed", out, tmp_path / "cache", *extra, f"distributed.zero_stage={stage}")
+    for stage, balance in ((2, True), (3, True), (3, False)):  # and ZeRO-3 with the deal off: the rows as drawn
+        out = tmp_path / f"zero{stage}-{balance}"
+        ranks = _launch("deepspeed", out, tmp_path / "cache", *extra, f"distributed.zero_stage={stage}",
+                        f"distributed.balance_ranks={str(balance).lower()}")  # fmt: skip
         assert ranks.returncode == 0, ranks.stdout[-2000:] + ranks.stderr[-4000:]
         got = metric_rows(out)
-        assert all(r["moved_groups"] >= 1 for r in got), "precondition: the deal moved a group every step"
-        assert all(r["rank_tokens_max_over_mean"] < r["rank_tokens_max_over_mean_drawn"] for r in got)
+        if balance:
+            assert all(r["moved_groups"] >= 1 for r in got), "precondition: the deal moved a group every step"
+            assert all(r["rank_tokens_max_over_mean"] < r["rank_tokens_max_over_mean_drawn"] for r in got)
+        else:
+            assert all(r["moved_groups"] == 0 for r in got)
+            assert all(r["rank_tokens_max_over_mean"] == r["rank_tokens_max_over_mean_drawn"] > 1 for r in got)
         assert all(r["time_rank_wait"] >= 0 for r in got)
         _assert_same_run(got, expected)
         _assert_same_weights(out / "final", tmp_path / "single" / "final", tmp_path / "cache")

@@ -125,8 +125,9 @@ class RolloutBatch:
         return replace(self, cu_seqlens=cu_seqlens, **cut)
 
     def select(self, keep: list[int]) -> tuple[RolloutBatch, torch.Tensor]:
-        """Sequences ``keep`` (ascending) repacked from 0, and the index (n,) of their tokens in this batch's packed
-        tensors (to take the per-token inputs that go with them)."""
+        """Sequences ``keep`` repacked from 0 in that order, and the index (n,) of their tokens in this batch's
+        packed tensors (to take the per-token inputs that go with them). The kept rows' host copy of the responses
+        comes from this batch's where it was read, else from the kept rows' own tensors when first asked."""
         device = self.cu_seqlens.device
         bounds = self.bounds
         lengths = [bounds[i + 1] - bounds[i] for i in keep]
@@ -139,6 +140,9 @@ class RolloutBatch:
             shift, self.lengths[keep_t], output_size=new_bounds[-1]
         )  # (n,)
         kept = self._cut(keep, index, cu)
+        if "responses" not in self.__dict__:  # not read: the kept rows alone are, if ever asked for
+            kept.bounds = new_bounds
+            return kept, index
         return kept._with_host_copies(new_bounds, [self.responses[i] for i in keep]), index
 
     def group_slice(self, first: int, last: int) -> RolloutBatch:

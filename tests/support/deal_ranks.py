@@ -1,8 +1,9 @@
 """One rank of a 2-rank check of ``fasttnt.balance.deal_groups`` over a real gloo group (``python -m deal_ranks
-[balance|keep]``, launched by ``support.small.run_ranks``): each rank builds its own step of 4 groups of 2 rows in
-2 mini-batches, rank 0's responses long and rank 1's short, rank 0's rows forced and rank 1's all free (``forced``
-None there), and prints one JSON line: the rows it was dealt (each field of each row), the groups of each mini-batch
-and the deal's counts. The rows it drew are ``drawn_rows(rank)``, so the test sees both ranks' without a collective."""
+[balance|keep]``, launched by ``support.small.run_ranks``): each rank builds its own step of 4 groups of 2 rows in 2
+mini-batches, rank 0's responses long and rank 1's short, rank 0's rows forced and rank 1's all free (``forced``
+None there), some rows not trained (``trained_rows``), and prints one JSON line: the rows it was dealt (each field
+of each row), the groups of each mini-batch and the deal's counts. The rows it drew are ``drawn_inputs(rank)``, so the
+test sees both ranks' without a collective."""
 
 from __future__ import annotations
 
@@ -46,6 +47,18 @@ def drawn_inputs(rank: int) -> UpdateInputs:
     )
 
 
+def trained_rows(rank: int) -> torch.Tensor:
+    """(S,) bool: the rows rank ``rank``'s update runs on (``Actor.trained_rows``): all but one row of rank 0's group
+    1 and of rank 1's group 2, and rank 1's group 3, which weighs nothing in the deal."""
+    trained = torch.ones(GROUPS * K, dtype=torch.bool)
+    if rank == 0:
+        trained[1 * K + 1] = False
+    else:
+        trained[2 * K] = False
+        trained[3 * K : 4 * K] = False
+    return trained
+
+
 def rows_of(inputs: UpdateInputs) -> list[dict]:
     """Each row's fields as plain values."""
     b, out = inputs.batch, []
@@ -63,7 +76,7 @@ def rows_of(inputs: UpdateInputs) -> list[dict]:
 def main() -> None:
     ctx = distributed.init("cpu")
     deal = deal_groups(drawn_inputs(ctx.rank), ctx, mini_batches=MINI_BATCHES, balance=sys.argv[1] == "balance",
-                       **SIZES)  # fmt: skip
+                       trained=trained_rows(ctx.rank), **SIZES)  # fmt: skip
     result = {"rank": ctx.rank, "rows": rows_of(deal.inputs), "mini_batch_groups": deal.mini_batch_groups,
               "tokens": deal.tokens, "tokens_before": deal.tokens_before, "moved": deal.moved,
               "logged": deal.logged(), "world": int(os.environ["WORLD_SIZE"])}  # fmt: skip
