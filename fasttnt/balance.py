@@ -126,14 +126,14 @@ def deal_groups(
     if trained is None:
         trained = torch.ones(batch.lengths.numel(), dtype=torch.bool, device=device)
     # (world, 3, S): every rank's response and prompt lengths and which sequences train, one column per sequence
-    rows = torch.stack([batch.lengths.to(torch.int64), prompt_lengths, trained.to(torch.int64)])
-    response_lengths, prompt_lengths, trains = distributed.all_gather_cat(rows[None]).unbind(1)
-    response_lengths, prompt_lengths, trains = response_lengths.tolist(), prompt_lengths.tolist(), trains.tolist()
+    columns = torch.stack([batch.lengths.to(torch.int64), prompt_lengths, trained.to(torch.int64)])
+    gathered = distributed.all_gather_cat(columns[None]).tolist()  # sync: one read
+    response_lengths, prompt_lengths, trains = ([rank[i] for rank in gathered] for i in range(3))
     world, per_mb = ctx.world, groups // mini_batches
 
     def run(r: int, g: int) -> tuple[int, list[int]]:  # group g of rank r: its prompt's length, its trained rows'
-        rows = range(g * k, (g + 1) * k)
-        return prompt_lengths[r][g * k], [response_lengths[r][i] for i in rows if trains[r][i]]
+        seqs = range(g * k, (g + 1) * k)
+        return prompt_lengths[r][g * k], [response_lengths[r][i] for i in seqs if trains[r][i]]
 
     costs = [[group_workload(*run(r, g), hidden_size, intermediate_size) for g in range(groups)]
              for r in range(world)]  # fmt: skip  # (world, groups) by the rank that drew each
