@@ -58,17 +58,21 @@ class Actor:
 
     # -- log-probs without gradients ----------------------------------------------------------------------------
 
-    def old_and_ref_logprobs(self, batch: RolloutBatch, think_end_rows: RolloutBatch | None = None) -> NoGradLogprobs:
+    def old_and_ref_logprobs(
+        self, batch: RolloutBatch, think_end_rows: RolloutBatch | None = None, *, calibrating: bool = False
+    ) -> NoGradLogprobs:
         """The old log-probs (N,), needed once the policy moves within the step (a second mini-batch or epoch: the
         rollout correction's weights are then those of the policy at the step's start, TRL's vLLM correction in
-        grpo_trainer.py, trl 1.16, likewise), or for a mode-mixed batch, whose ``think_end_rows``
-        (``ModeMix.think_end_rows``) get the old policy's log-probs too (``fasttnt.modes``); the reference model's
-        log-probs when the KL term is on. None where not needed: at one mini-batch and one epoch the update's own
-        pass is the old policy's, from which the fused loss forms the rollout correction (``corrects_in_the_pass``)
-        and the stale-weight guard is judged (``update``'s ``judge``)."""
+        grpo_trainer.py, trl 1.16, likewise), for a mode-mixed batch, whose ``think_end_rows``
+        (``ModeMix.think_end_rows``) get the old policy's log-probs too (``fasttnt.modes``), or where the
+        stale-weight guard measures its bf16 floor over the whole batch (``calibrating``:
+        ``StaleWeightGuard.calibrates``); the reference model's log-probs when the KL term is on. None where not
+        needed: at one mini-batch and one epoch the update's own pass is the old policy's, from which the fused loss
+        forms the rollout correction (``corrects_in_the_pass``) and the stale-weight guard is judged (``update``'s
+        ``judge``)."""
         loss_cfg = self.cfg.loss
         old_logp = ref_logp = think_end_logp = None
-        if loss_cfg.ppo_epochs > 1 or loss_cfg.mini_batches > 1 or think_end_rows is not None:
+        if loss_cfg.ppo_epochs > 1 or loss_cfg.mini_batches > 1 or think_end_rows is not None or calibrating:
             old_logp = self.logprobs(self.policy, batch, zero3_collectives=self.zero3)
         if think_end_rows is not None:
             think_end_logp = self.logprobs(self.policy, think_end_rows, zero3_collectives=self.zero3)

@@ -218,10 +218,11 @@ def _kept_rows(
     gathered["prompt_ids"] = [[] for _ in lengths]  # the kept rows' are set below
     per_row = {f.name: gathered.get(f.name) for f in fields(RolloutBatch) if f.metadata.get("per")}
     every = replace(batch, cu_seqlens=cu_seqlens_of(all_lengths).to(batch.cu_seqlens.dtype), **per_row)
+    every.bounds = [0, *itertools.accumulate(x for r in response_lengths for x in r)]  # known here: no device read
     every = replace(inputs, batch=every, **{name: gathered.get(name) for name in (*SEQUENCE_INPUTS, *TOKEN_INPUTS)})
     kept = every.select(keep)
-    index = torch.cat([torch.arange(starts[i], starts[i + 1], device=device) for i in keep])  # (P_kept,)
-    ids = prompts[index].tolist()  # sync: one read
+    index = torch.tensor([t for i in keep for t in range(starts[i], starts[i + 1])], dtype=torch.long)  # (P_kept,)
+    ids = prompts[index.to(device)].tolist()  # sync: one read
     bounds = [0, *itertools.accumulate(lengths[i] for i in keep)]
     kept.batch.prompt_ids = [ids[a:b] for a, b in itertools.pairwise(bounds)]
     return kept

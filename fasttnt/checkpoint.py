@@ -35,7 +35,8 @@ class TrainerState:
     step: int  # steps completed
     data_position: int  # problems consumed from the training stream
     world: int = 1  # the ranks that wrote it (a distributed checkpoint holds one optimizer shard per rank)
-    # under bf16: the stale-weight guard's noise floor, step 1's engine-trainer difference (fasttnt.guard)
+    # under bf16: the stale-weight guard's noise floor, step 1's engine-trainer difference over its whole batch
+    # (fasttnt.guard)
     logp_diff_floor: float | None = None
     # mode-mixed under loss.mode_token_floor=auto: the log of the settled-choice floor, step 1's smallest
     # log pi_old(</think> | x) (fasttnt.modes)

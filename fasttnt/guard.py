@@ -11,14 +11,14 @@ is trained on a batch that fails.
 
 Under bf16 two implementations of one network (the engine's kernels, the trainer's autocast) differ in every
 rounding, so their log-probs differ even on the same weights; at step 1 of a run they hold the same weights by
-construction (the engine loaded the checkpoint the trainer starts from, and nothing has moved), so the first checked
-step's difference is the run's noise floor (``floor``, kept in the trainer's state): step 1's, or where step 1
-trained no token in its pass, the first step's that did (the weights then moved by AdamW's weight decay alone,
-pushed). The guard then stops past max(rollout.max_logp_diff, GUARD_NOISE_FACTOR x floor): a mean over a step's
-thousands of tokens moves little from step to step, and 3x leaves room for the logits to grow as the policy
-sharpens, while a push that did not arrive or was garbled (a tied head left out measured 3.7 nats) is far past it. A
-floor whose 3x passes GUARD_CEILING (0.5 nats per token, a likelihood ratio of e^0.5 per token on average) is no
-rounding: that engine is not serving the trainer's model.
+construction (the engine loaded the checkpoint the trainer starts from, and nothing has moved), so that step's
+difference is the run's noise floor (``floor``, kept in the trainer's state), measured over the whole batch by a
+pass of old log-probs that step 1 runs for it (``calibrates``); a run resumed without a floor keeps
+rollout.max_logp_diff alone. The guard then stops past max(rollout.max_logp_diff, GUARD_NOISE_FACTOR x floor): a
+mean over a step's thousands of tokens moves little from step to step, and 3x leaves room for the logits to grow as
+the policy sharpens, while a push that did not arrive or was garbled (a tied head left out measured 3.7 nats) is far
+past it. A floor whose 3x passes GUARD_CEILING (0.5 nats per token, a likelihood ratio of e^0.5 per token on
+average) is no rounding: that engine is not serving the trainer's model.
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ class StaleWeightGuard:
         self, cfg: TrainConfig, *, separate_weights: bool, bf16: bool, dist, floor: float | None = None
     ) -> None:  # fmt: skip
         """``separate_weights``: the engine samples from its own copy of the weights (``engine.separate_weights``);
-        ``bf16``: the trainer runs under bf16 autocast (the first step judged measures the floor); ``floor``: the one
-        a resumed run measured (``TrainerState.logp_diff_floor``)."""
+        ``bf16``: the trainer runs under bf16 autocast (step 1 measures the floor); ``floor``: the one a resumed run
+        measured (``TrainerState.logp_diff_floor``)."""
         r = cfg.rollout
         asked = separate_weights and r.max_logp_diff is not None
         self.active = asked and r.top_p == 1.0
@@ -75,7 +75,7 @@ class StaleWeightGuard:
                 stacklevel=3,
             )
         self.engine, self.limit, self.bf16, self.dist = r.engine, r.max_logp_diff, bf16, dist
-        self.floor = floor  # measured at the first step judged under bf16 (GUARD_NOISE_FACTOR)
+        self.floor = floor  # measured at step 1 under bf16 (GUARD_NOISE_FACTOR)
 
     def checks(self, batch: RolloutBatch) -> bool:
         """Whether ``batch`` is checked: the guard runs and the engine said what it sampled with."""
@@ -84,6 +84,12 @@ class StaleWeightGuard:
     def engine_logp_diff(self, batch: RolloutBatch, old_logp: torch.Tensor) -> float:
         """The mean |old - rollout| log-prob per sampled token, over all ranks (``mean_logp_diff``)."""
         return mean_logp_diff(old_logp, batch.rollout_logp, dist=self.dist)
+
+    def calibrates(self, step: int, batch: RolloutBatch) -> bool:
+        """Whether step ``step`` measures the bf16 floor: step 1 of a run under bf16 whose engine is checked. It
+        needs the old log-probs of the whole batch (the update's own pass covers only the tokens it trains on, which
+        may be few or none)."""
+        return self.checks(batch) and self.bf16 and self.floor is None and step == 1
 
     def check(self, step: int, batch: RolloutBatch, old_logp: torch.Tensor | None) -> None:
         """``judge`` the batch's old log-probs against the engine's, where the step computed them (None: the update
@@ -94,9 +100,9 @@ class StaleWeightGuard:
 
     def judge(self, step: int, diff: float) -> None:
         """Stop (``StaleWeightsError``) before training on samples that the engine drew from weights other than the
-        trainer's: ``diff``, the mean |old - rollout| log-prob per token over all ranks; under bf16 the first step
-        judged measures the floor."""
-        if self.bf16 and self.floor is None:  # the noise floor, on weights that match by construction
+        trainer's: ``diff``, the mean |old - rollout| log-prob per token over all ranks; under bf16, step 1 measures
+        the floor."""
+        if self.bf16 and self.floor is None and step == 1:  # the noise floor, on weights that match by construction
             if stale_weights(GUARD_NOISE_FACTOR * diff, GUARD_CEILING):
                 raise StaleWeightsError(
                     f"step {step}: the {self.engine} engine's log-probs differ from the trainer's by {diff:.3g} per "
@@ -106,7 +112,7 @@ class StaleWeightGuard:
             self.floor = diff
         limit = self.limit if self.floor is None else max(self.limit, GUARD_NOISE_FACTOR * self.floor)
         if stale_weights(diff, limit):
-            floor = "" if self.floor is None else f", or {GUARD_NOISE_FACTOR:g}x the run's bf16 floor {self.floor:.3g}"
+            floor = "" if self.floor is None else f", or {GUARD_NOISE_FACTOR:g}x step 1's bf16 floor {self.floor:.3g}"
             raise StaleWeightsError(
                 f"step {step}: the {self.engine} engine's log-probs differ from the trainer's by {diff:.3g} per "
                 f"token, past the guard's {limit:.3g} (rollout.max_logp_diff={self.limit}{floor}): it sampled from "

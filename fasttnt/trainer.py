@@ -110,7 +110,7 @@ class Trainer:
         # old and reference log-probs (and, mode-mixed, of </think> first)
         batch, mix = trained.batch, self.mode_mix
         think_end_rows = mix.think_end_rows(batch, self.parts.think_end_id) if mix is not None else None
-        logp = self.actor.old_and_ref_logprobs(batch, think_end_rows)
+        logp = self.actor.old_and_ref_logprobs(batch, think_end_rows, calibrating=self.guard.calibrates(step, batch))
         clock.lap("logprobs")
 
         # advantage (fasttnt.advantages)

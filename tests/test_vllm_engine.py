@@ -267,11 +267,16 @@ def test_the_rollout_benchmark_builds_the_vllm_engine_awake(tmp_path, standin):
 def test_under_bf16_the_guard_calibrates_at_step_1_and_stops_a_missed_push(tmp_path, standin, monkeypatch, capsys):
     # the trainer under bf16 autocast (model.dtype=bfloat16, on the CPU too), the engine in float32: their log-probs
     # differ by bf16 rounding on the same weights, far past a limit of 1e-4, which uncalibrated stopped step 1
+    from fasttnt.actor import Actor
     from fasttnt.checkpoint import read_trainer_state
 
     tight = ("model.dtype=bfloat16", "rollout.max_logp_diff=1e-4")
+    passes, real = [], Actor.logprobs
+    monkeypatch.setattr(Actor, "logprobs", lambda self, *a, **kw: passes.append(1) or real(self, *a, **kw))
     code, rows, err = _guarded(tmp_path, capsys, *tight)
     assert code == 0, err
+    # step 1 runs a pass of old log-probs for the floor (the whole batch), the later steps none: the update's pass
+    assert len(rows) == 3 and len(passes) == 1
     floor = read_trainer_state(list_checkpoints(tmp_path / "run" / "checkpoints")[-1]).logp_diff_floor
     assert rows[0]["rollout_logp_diff"] == pytest.approx(floor) and floor > 1e-4  # bf16's, not float32's 1e-7
     assert all(r["rollout_logp_diff"] <= 3 * floor for r in rows) and all(r["grad_norm"] > 0 for r in rows)
@@ -279,7 +284,7 @@ def test_under_bf16_the_guard_calibrates_at_step_1_and_stops_a_missed_push(tmp_p
     monkeypatch.setattr(vllm_standin._EngineModel, "load_weights", lambda self, w: list(w))
     code, rows, err = _guarded(tmp_path / "missed", capsys, *tight)
     assert code == 1 and [r["step"] for r in rows] == [1]
-    assert "step 2: the vllm engine's log-probs differ" in err and "the run's bf16 floor" in err, err
+    assert "step 2: the vllm engine's log-probs differ" in err and "step 1's bf16 floor" in err, err
 
 
 def test_a_prefix_cache_that_was_not_reset_stops_the_push(tmp_path, standin, monkeypatch):

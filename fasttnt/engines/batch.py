@@ -108,8 +108,8 @@ class RolloutBatch:
     def _cut(
         self, sequences: slice | list[int], tokens: slice | torch.Tensor, cu_seqlens: torch.Tensor
     ) -> RolloutBatch:
-        """The batch of ``sequences`` (a slice, or ascending indices) whose tokens are ``tokens`` (a slice, or the
-        index of each in this batch), with boundaries ``cu_seqlens``: every per-sequence and per-token field cut."""
+        """The batch of ``sequences`` (a slice, or indices in the order kept) whose tokens are ``tokens`` (a slice, or
+        the index of each in this batch), with boundaries ``cu_seqlens``: every per-sequence and per-token field cut."""
         seq_index = sequences
         if not isinstance(sequences, slice):
             seq_index = torch.tensor(sequences, dtype=torch.long, device=self.cu_seqlens.device)

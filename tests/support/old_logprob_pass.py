@@ -14,9 +14,9 @@ from fasttnt.actor import Actor
 ACTOR_OLD_AND_REF = Actor.old_and_ref_logprobs
 
 
-def with_the_old_logprob_pass(self, batch, think_end_rows=None):
+def with_the_old_logprob_pass(self, batch, think_end_rows=None, **kw):
     """``Actor.old_and_ref_logprobs`` with the old log-probs always computed where the batch is corrected."""
-    out = ACTOR_OLD_AND_REF(self, batch, think_end_rows)
+    out = ACTOR_OLD_AND_REF(self, batch, think_end_rows, **kw)
     if out.old_logp is None and self.correction != "none" and batch.rollout_logp is not None:
         out = out._replace(old_logp=self.logprobs(self.policy, batch, zero3_collectives=self.zero3))
     return out
