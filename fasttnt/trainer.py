@@ -1,16 +1,17 @@
 """The GRPO loop. ``Trainer.step`` reads as the algorithm, phase by phase:
 
-    rollout -> verify -> reward (once per draw) -> old/ref log-probs -> advantage -> update -> weight sync -> log
+    rollout -> verify -> reward (once per draw) -> old/ref log-probs -> advantage (over several ranks, then the
+    groups dealt to them by their work) -> update -> weight sync -> log
 
 With DAPO's dynamic sampling (``fasttnt.dynamic_sampling``) a step draws more batches of prompts until enough of
 their groups have rewards that differ. The pieces live in their own modules: building the run (``run_setup``), the
 micro-batched update (``actor``), the advantages (``advantages``), mode-mixed rollouts (``modes``), the stale-weight
-guard (``guard``), scoring (``scoring``), the logged numbers (``step_metrics``), checkpoints
-(``checkpoint``), signals (``preemption``), the collectives over ranks (``distributed``) and the run's files
-(``runlog``). The rewards, advantages, log-probs and loss are the project's kernels. The device is read where a
-decision on the host needs it, each read marked ``# sync:``: per draw, the groups whose rewards differ and the modes
-the hack flags need; per mini-batch, the normalisers and the sequences the update skips; in the log phase, the step's
-metrics in three reads (the levels present, the metrics, the counts).
+guard (``guard``), the deal of the groups to the ranks (``balance``), scoring (``scoring``), the logged numbers
+(``step_metrics``), checkpoints (``checkpoint``), signals (``preemption``), the collectives over ranks
+(``distributed``) and the run's files (``runlog``). The rewards, advantages, log-probs and loss are the project's
+kernels. The device is read where a decision on the host needs it, each read marked ``# sync:``: per draw, the
+groups whose rewards differ and the modes the hack flags need; per mini-batch, the normalisers and the sequences the
+update skips; in the log phase, the step's metrics in three reads (the levels present, the metrics, the counts).
 """
 
 from __future__ import annotations
@@ -76,9 +77,9 @@ class Trainer:
                                       floor=parts.state.logp_diff_floor)  # fmt: skip
         self.correction = rollout_correction(cfg)
         self.actor = Actor(cfg, parts, correction=self.correction)
-        # the sizes a sequence's work is counted in when the ranks' groups are dealt (fasttnt.balance.workload)
-        config = parts.model.config
-        self.model_sizes = (config.hidden_size, getattr(config, "intermediate_size", 4 * config.hidden_size))
+        # the sizes a group's work is counted in when the ranks' groups are dealt (fasttnt.balance.group_workload)
+        text = parts.model.config.get_text_config()
+        self.model_sizes = (text.hidden_size, getattr(text, "intermediate_size", 4 * text.hidden_size))
         self.mode_mix = ModeMix.of(cfg)  # mode-mixed: the modes of each group's rows and the mode tokens' terms
         self.mode_floor = parts.state.mode_token_floor_logp  # loss.mode_token_floor=auto: measured at step 1
         self.verifier = VerifierPool(cfg.verify_workers, cfg.verify_timeout)
