@@ -91,7 +91,7 @@ class Deal:
 
     inputs: UpdateInputs  # this rank's rows, mini-batch after mini-batch
     mini_batch_groups: list[int]  # the groups of each mini-batch on this rank
-    tokens_before: list[int]  # per rank, the tokens its update runs over (prompts and responses) as drawn
+    tokens_before: list[int]  # per rank, as drawn, the tokens of its forward: prompts once, trained responses
     tokens: list[int]  # and as dealt
     moved: int  # groups that changed rank
 
