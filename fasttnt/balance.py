@@ -35,7 +35,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from . import distributed
-from .engines.batch import RolloutBatch, cu_seqlens_of
+from .engines.batch import RolloutBatch, missing_code
 from .policy import SEQUENCE_INPUTS, TOKEN_INPUTS, UpdateInputs
 
 
@@ -135,9 +135,9 @@ def deal_groups(
         seqs = range(g * k, (g + 1) * k)
         return prompt_lengths[r][g * k], [response_lengths[r][i] for i in seqs if trains[r][i]]
 
-    costs = [[group_workload(*run(r, g), hidden_size, intermediate_size) for g in range(groups)]
-             for r in range(world)]  # fmt: skip  # (world, groups) by the rank that drew each
-    tokens_of = [[(p + sum(rs) if rs else 0) for p, rs in (run(r, g) for g in range(groups))] for r in range(world)]
+    runs = [[run(r, g) for g in range(groups)] for r in range(world)]  # (world, groups) by the rank that drew each
+    costs = [[group_workload(p, rs, hidden_size, intermediate_size) for p, rs in row] for row in runs]
+    tokens_of = [[(p + sum(rs) if rs else 0) for p, rs in row] for row in runs]
     owner = [[] for _ in range(world)]  # per rank, per mini-batch, the (rank drawn on, group there) it updates on
     for mb in range(mini_batches):
         items = [(r, g) for r in range(world) for g in range(mb * per_mb, (mb + 1) * per_mb)]
@@ -206,7 +206,8 @@ def _kept_rows(
     gathered = {}
     for name, value in per_sequence.items():
         if name in present:
-            gathered[name] = distributed.all_gather_cat(_filled(batch, name, value))
+            # a field some rank lacks is a mode code (_present_on_every_rank): that rank's filled as a join fills it
+            gathered[name] = distributed.all_gather_cat(value if value is not None else batch.filled(name))
     for name, value in per_token.items():
         if name in present:
             gathered[name] = _gather_padded(value, n_tokens)
@@ -214,11 +215,12 @@ def _kept_rows(
     prompts = _gather_padded(flat_prompts, [sum(p) for p in prompt_lengths])  # (P,) every rank's, rank after rank
     lengths = [x for p in prompt_lengths for x in p]
     starts = [0, *itertools.accumulate(lengths)]
-    all_lengths = torch.tensor([x for r in response_lengths for x in r], dtype=torch.int64, device=device)  # (S_all,)
+    response_bounds = [0, *itertools.accumulate(x for r in response_lengths for x in r)]  # (S_all+1,) on the host
     gathered["prompt_ids"] = [[] for _ in lengths]  # the kept rows' are set below
     per_row = {f.name: gathered.get(f.name) for f in fields(RolloutBatch) if f.metadata.get("per")}
-    every = replace(batch, cu_seqlens=cu_seqlens_of(all_lengths).to(batch.cu_seqlens.dtype), **per_row)
-    every.bounds = [0, *itertools.accumulate(x for r in response_lengths for x in r)]  # known here: no device read
+    cu_seqlens = torch.tensor(response_bounds, dtype=batch.cu_seqlens.dtype, device=device)
+    every = replace(batch, cu_seqlens=cu_seqlens, **per_row)
+    every.bounds = response_bounds  # known here: no device read
     every = replace(inputs, batch=every, **{name: gathered.get(name) for name in (*SEQUENCE_INPUTS, *TOKEN_INPUTS)})
     kept = every.select(keep)
     index = torch.tensor([t for i in keep for t in range(starts[i], starts[i + 1])], dtype=torch.long)  # (P_kept,)
@@ -235,21 +237,9 @@ def _present_on_every_rank(batch: RolloutBatch, values: dict[str, torch.Tensor |
     held = torch.tensor([values[n] is not None for n in names], dtype=torch.int64, device=batch.cu_seqlens.device)
     counts = distributed.all_sum(held).tolist()  # sync: one read
     for name, count in zip(names, counts, strict=True):
-        if 0 < count < world and _missing_code(name) is None:
+        if 0 < count < world and missing_code(name) is None:
             raise RuntimeError(f"{name} is held by {count} of {world} ranks: the ranks' rows cannot be dealt")
     return {name for name, count in zip(names, counts, strict=True) if count > 0}
-
-
-def _filled(batch: RolloutBatch, name: str, value: torch.Tensor | None) -> torch.Tensor:
-    """``value``, or where this rank lacks it, the field's missing code on each of its sequences."""
-    if value is not None:
-        return value
-    return torch.full(batch.truncated.shape, _missing_code(name), dtype=torch.int8, device=batch.truncated.device)
-
-
-def _missing_code(name: str) -> int | None:
-    """The code a ``RolloutBatch`` field is filled with where a batch lacks it (``missing_code``), else None."""
-    return next((f.metadata.get("missing_code") for f in fields(RolloutBatch) if f.name == name), None)
 
 
 def _gather_padded(t: torch.Tensor, counts: list[int]) -> torch.Tensor:

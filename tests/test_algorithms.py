@@ -130,8 +130,10 @@ def test_every_per_row_field_of_a_batch_and_of_the_updates_inputs_is_carried():
     # a RolloutBatch field that is neither per sequence nor per token would keep its full length through a cut; one
     # declared is cut by select and group_slice and joined by concat. Each field here holds its row's (or token's)
     # index, so a cut that took the wrong rows shows too
-    from dataclasses import fields
+    from dataclasses import fields, replace
 
+    from fasttnt.data import PromptMode
+    from fasttnt.engines.batch import FORCED_CODES
     from fasttnt.policy import SEQUENCE_INPUTS, TOKEN_INPUTS, UpdateInputs
 
     declared = {f.name: f.metadata.get("per") for f in fields(RolloutBatch)}
@@ -164,6 +166,16 @@ def test_every_per_row_field_of_a_batch_and_of_the_updates_inputs_is_carried():
     assert joined.truncated.tolist() == [False, True, False, True]
     assert joined.behaviour_first_logp.tolist() == [102, 103, 100, 101]
     assert joined.behaviour_think_end_logp.tolist() == [202, 203, 200, 201]
+    # a batch whose rows were all free (no forced codes) joined with one that has them: its rows get the free code;
+    # behaviour log-probs, which no code stands for, are None when a part lacks them
+    free = replace(inputs.group_slice(0, 1).batch, forced=None, behaviour_first_logp=None)
+    assert (
+        free.filled("forced").tolist() == [FORCED_CODES[PromptMode.FREE]] * 2
+        and free.filled("rollout_logp") is not None
+    )
+    mixed = RolloutBatch.concat([second.batch, free])
+    assert mixed.forced.tolist() == [2, 3, FORCED_CODES[PromptMode.FREE], FORCED_CODES[PromptMode.FREE]]
+    assert mixed.behaviour_first_logp is None and free.filled("behaviour_first_logp") is None
     # the micro-batch of row 1 alone: the kernel's inputs, each cut to it
     from fasttnt.policy import plan_micro_batches
 

@@ -153,6 +153,15 @@ class RolloutBatch:
         part = self._cut(slice(a, b), slice(lo, hi), self.cu_seqlens[a : b + 1] - lo)
         return part._with_host_copies([x - lo for x in self.bounds[a : b + 1]], self.responses[a:b])
 
+    def filled(self, name: str) -> torch.Tensor | None:
+        """Field ``name``; where this batch lacks it and the field has a ``missing_code``, that code on each of its
+        sequences (int8): how a join with batches that hold it fills this one's."""
+        value = getattr(self, name)
+        code = missing_code(name)
+        if value is not None or code is None:
+            return value
+        return torch.full(self.truncated.shape, code, dtype=torch.int8, device=self.truncated.device)
+
     @classmethod
     def concat(cls, batches: list[RolloutBatch]) -> RolloutBatch:
         """The batches as one, in order (the groups of the first first)."""
@@ -170,14 +179,17 @@ class RolloutBatch:
             elif all(v is not None for v in values):
                 joined[f.name] = torch.cat(values)
             elif code is not None and any(v is not None for v in values):  # a batch without the field: the code's
-                joined[f.name] = torch.cat([v if v is not None else torch.full(b.truncated.shape, code,
-                                            dtype=torch.int8, device=b.truncated.device)
-                                            for v, b in zip(values, batches, strict=True)])  # fmt: skip
+                joined[f.name] = torch.cat([b.filled(f.name) for b in batches])
             else:
                 joined[f.name] = None
         batch = replace(batches[0], cu_seqlens=torch.cat([batches[0].cu_seqlens[:1], *shifted]), **joined)  # (S+1,)
         bounds = [0] + [x + off for b, off in zip(batches, offsets, strict=False) for x in b.bounds[1:]]
         return batch._with_host_copies(bounds, [r for b in batches for r in b.responses])
+
+
+def missing_code(name: str) -> int | None:
+    """The code a ``RolloutBatch`` field is filled with where a batch lacks it (its ``missing_code``), else None."""
+    return next((f.metadata.get("missing_code") for f in fields(RolloutBatch) if f.name == name), None)
 
 
 def pack_sequences(sequences: list[list[int]], device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
